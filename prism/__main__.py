@@ -1,0 +1,3 @@
+from prism.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""``python -m prism``: the command line.
+
+Each command is registered in ``_COMMANDS``. A command whose issue has not
+landed yet is listed with the issue that brings it and refuses to run (exit
+status 2) instead of pretending to work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    name: str
+    help: str
+    # None while the command is not built; the issue that brings it.
+    build: Callable[[argparse.ArgumentParser], None] | None = None
+    pending_issue: int | None = None
+
+
+def _build_trace(p: argparse.ArgumentParser) -> None:
+    from prism import trace_cli
+
+    trace_cli.add_arguments(p)
+
+
+_COMMANDS: tuple[_Command, ...] = (
+    _Command("demo", "capture the bundled GPT at world 16 on CPU and summarise it", pending_issue=3),
+    _Command("capture", "run an unmodified torch.distributed script as N logical ranks and record its trace", pending_issue=3),
+    _Command("coordinator", "run a standalone coordinator daemon", pending_issue=3),
+    _Command("trace", "inspect a PrismTrace run: summary, validate", build=_build_trace),
+    _Command("predict", "predict iteration time and breakdown from a captured run", pending_issue=5),
+    _Command("report", "write timelines (Perfetto, Gantt plot, Chakra ET) for a run", pending_issue=5),
+    _Command("netprofile", "measure the local backend and fit a communication cost profile", pending_issue=5),
+    _Command("emulate", "hybrid emulation with sandbox and virtual ranks (phase 2)", pending_issue=None),
+)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m prism",
+        description="Prism: emulate large-scale distributed LLM training on a few devices.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for cmd in _COMMANDS:
+        if cmd.build is not None:
+            p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+            cmd.build(p)
+        else:
+            where = f"issue #{cmd.pending_issue}" if cmd.pending_issue else "phase 2"
+            p = sub.add_parser(cmd.name, help=f"[not built yet: {where}] {cmd.help}", add_help=False)
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            p.set_defaults(_pending=(cmd.name, where))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    pending = getattr(args, "_pending", None)
+    if pending is not None:
+        name, where = pending
+        print(
+            f"prism {name}: not built yet; it arrives with {where}. "
+            "Run `python -m prism --help` to see what works today.",
+            file=sys.stderr,
+        )
+        return 2
+    return int(args.func(args) or 0)

@@ -1,0 +1,1 @@
+"""ZeroMQ transport for Prism (filled in by the foundation issue)."""
