@@ -52,25 +52,26 @@ def make_parser() -> argparse.ArgumentParser:
             cmd.build(p)
         else:
             where = f"issue #{cmd.pending_issue}" if cmd.pending_issue else "phase 2"
-            p = sub.add_parser(cmd.name, help=f"[not built yet: {where}] {cmd.help}", add_help=False)
-            p.add_argument("rest", nargs=argparse.REMAINDER)
-            p.set_defaults(_pending=(cmd.name, where))
+            sub.add_parser(cmd.name, help=f"[not built yet: {where}] {cmd.help}", add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    pending = getattr(args, "_pending", None)
-    if pending is not None:
-        name, where = pending
+    pending = {c.name: c for c in _COMMANDS if c.build is None}
+    if argv and argv[0] in pending:
+        name = argv[0]
+        issue = pending[name].pending_issue
+        where = f"issue #{issue}" if issue else "phase 2"
         print(
             f"prism {name}: not built yet; it arrives with {where}. "
             "Run `python -m prism --help` to see what works today.",
             file=sys.stderr,
         )
+        return 2
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
         return 2
     return int(args.func(args) or 0)
