@@ -1,0 +1,428 @@
+"""The wire protocol between rank processes and the coordinator (sans-IO).
+
+Specified in ``docs/PROTOCOL.md``. A message is one ZeroMQ multipart message:
+frame 0 is an orjson header ``{"t": TYPE, "v": PROTOCOL_VERSION, ...fields}``,
+frames 1.. are raw payloads (tensor bytes, trace lines), never copied into the
+header. ``encode`` turns a message into frames, ``decode`` turns frames back
+into a message and raises ``ProtocolError`` (naming the type, field and value)
+on anything malformed: a receiver must never crash on a peer's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import orjson
+
+PROTOCOL_VERSION = 1
+#: Largest message (all frames together) a peer may send. Tensors staged
+#: through the coordinator in phase 1 are gradient buckets and activations:
+#: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
+#: corrupted length from exhausting host memory. Configurable per socket.
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+MAX_HEADER_BYTES = 1 << 20
+
+Buffer = bytes | bytearray | memoryview
+
+
+class ProtocolError(Exception):
+    """A peer sent something this protocol does not allow (the peer's fault)."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version."""
+
+
+# --- rank -> coordinator ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First message of a rank: who it is and which protocol it speaks."""
+
+    TYPE: ClassVar[str] = "hello"
+    protocol_version: int
+    rank: int
+    world_size: int
+    local_rank: int
+    pid: int
+    hostname: str
+    device: str
+    #: The rank's monotonic clock when it sent Hello (for the clock offset).
+    t_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupCreate:
+    """The rank created a communicator (``index`` in creation order)."""
+
+    TYPE: ClassVar[str] = "group_create"
+    rank: int
+    gid: str
+    index: int
+    ranks: tuple[int, ...]
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveArrive:
+    """The rank reached collective ``(gid, seq)``; payloads hold its input tensors."""
+
+    TYPE: ClassVar[str] = "coll"
+    rank: int
+    gid: str
+    seq: int
+    op: str
+    reduce_op: str
+    dtype: str
+    in_shapes: tuple[tuple[int, ...], ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    root: int = -1
+    in_splits: tuple[int, ...] = ()
+    out_splits: tuple[int, ...] = ()
+    premul: float | None = None
+    async_op: bool = False
+    issue_ns: int = 0
+    payloads: tuple[Buffer, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """A send (eager: the payload travels with it)."""
+
+    TYPE: ClassVar[str] = "send"
+    rank: int
+    gid: str
+    dst: int
+    tag: int
+    pseq: int
+    dtype: str
+    shape: tuple[int, ...]
+    issue_ns: int = 0
+    payloads: tuple[Buffer, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class RecvPost:
+    """The rank posted a receive; the coordinator answers with ``P2PData``."""
+
+    TYPE: ClassVar[str] = "recv"
+    rank: int
+    gid: str
+    src: int
+    tag: int
+    pseq: int
+    dtype: str
+    shape: tuple[int, ...]
+    issue_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """The rank started to wait for an async operation (for the trace and the
+    deadlock report: what the rank waits for)."""
+
+    TYPE: ClassVar[str] = "wait"
+    rank: int
+    what: str
+    t_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecords:
+    """Encoded PrismTrace lines for the coordinator's writer; payloads are
+    lines (bytes, no newline)."""
+
+    TYPE: ClassVar[str] = "trace"
+    rank: int
+    payloads: tuple[Buffer, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRequest:
+    """The rank wants to compute (it holds no slot)."""
+
+    TYPE: ClassVar[str] = "slot_req"
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRelease:
+    """The rank gives its slot back (it is about to block)."""
+
+    TYPE: ClassVar[str] = "slot_rel"
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    TYPE: ClassVar[str] = "hb"
+    rank: int
+    t_ns: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """Last message of a rank: how it ended ("ok", "error") and why."""
+
+    TYPE: ClassVar[str] = "bye"
+    rank: int
+    status: str
+    message: str = ""
+
+
+# --- coordinator -> rank ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """The coordinator accepted the rank."""
+
+    TYPE: ClassVar[str] = "welcome"
+    protocol_version: int
+    run_id: str
+    #: Coordinator's monotonic clock when it handled Hello.
+    t_ns: int
+    #: Tensors up to this many bytes have their values recorded.
+    small_tensor_limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveResult:
+    """Result of ``(gid, seq)`` for one member; payloads hold output tensors."""
+
+    TYPE: ClassVar[str] = "coll_res"
+    gid: str
+    seq: int
+    payloads: tuple[Buffer, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class P2PData:
+    """The data of a receive, paired with its send."""
+
+    TYPE: ClassVar[str] = "p2p_data"
+    src: int
+    dst: int
+    tag: int
+    pseq: int
+    payloads: tuple[Buffer, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotGrant:
+    TYPE: ClassVar[str] = "slot_grant"
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """A failure the receiver must act on (either direction).
+
+    ``code``: "version" (handshake refused), "mismatch" (collective mismatch),
+    "deadlock", "peer_failed" (another rank died), "bad_message",
+    "internal" (a Prism bug: please report it).
+    """
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+    rank: int = -1
+    gid: str = ""
+    seq: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """The coordinator asks the rank to exit (``reason`` is printed)."""
+
+    TYPE: ClassVar[str] = "shutdown"
+    reason: str
+
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    Hello,
+    GroupCreate,
+    CollectiveArrive,
+    Send,
+    RecvPost,
+    Wait,
+    TraceRecords,
+    SlotRequest,
+    SlotRelease,
+    Heartbeat,
+    Goodbye,
+    Welcome,
+    CollectiveResult,
+    P2PData,
+    SlotGrant,
+    Error,
+    Shutdown,
+)
+_BY_TYPE: dict[str, type] = {m.TYPE: m for m in MESSAGE_TYPES}
+
+Message = (
+    Hello | GroupCreate | CollectiveArrive | Send | RecvPost | Wait | TraceRecords
+    | SlotRequest | SlotRelease | Heartbeat | Goodbye | Welcome | CollectiveResult
+    | P2PData | SlotGrant | Error | Shutdown
+)
+
+
+def _field_specs(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name == "payloads":
+            continue
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        out.append((f.name, hints[f.name], required))
+    return tuple(out)
+
+
+_SPECS: dict[type, tuple[tuple[str, Any, bool], ...]] = {m: _field_specs(m) for m in MESSAGE_TYPES}
+_HAS_PAYLOADS = {m for m in MESSAGE_TYPES if "payloads" in {f.name for f in dataclasses.fields(m)}}
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    """Check ``value`` (decoded JSON) against ``hint``; lists become tuples."""
+    origin = typing.get_origin(hint)
+    if hint is int:
+        if type(value) is not int:
+            raise ProtocolError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is str:
+        if type(value) is not str:
+            raise ProtocolError(f"{where}: expected a string, got {value!r}")
+        return value
+    if hint is bool:
+        if type(value) is not bool:
+            raise ProtocolError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if hint is float:
+        if type(value) not in (int, float):
+            raise ProtocolError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, where)
+            except ProtocolError as e:
+                errors.append(str(e))
+        raise ProtocolError(errors[0] if errors else f"{where}: unexpected {value!r}")
+    if origin is tuple:
+        if type(value) is not list:
+            raise ProtocolError(f"{where}: expected a list, got {value!r}")
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ProtocolError(f"{where}: expected {len(args)} items, got {value!r}")
+        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    raise ProtocolError(f"{where}: Prism cannot decode type {hint!r}; please report this bug")
+
+
+def encode(msg: Message, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[Buffer]:
+    """Frames for ``msg``: the orjson header, then its payloads (not copied)."""
+    cls = type(msg)
+    if cls not in _SPECS:
+        raise TypeError(f"{cls.__name__} is not a Prism protocol message")
+    header: dict[str, Any] = {"t": cls.TYPE, "v": PROTOCOL_VERSION}
+    for name, _hint, _req in _SPECS[cls]:
+        header[name] = getattr(msg, name)
+    head = orjson.dumps(header)
+    payloads = tuple(getattr(msg, "payloads", ()))
+    total = len(head) + sum(memoryview(p).nbytes for p in payloads)
+    if total > max_bytes:
+        raise ProtocolError(
+            f"{cls.TYPE} message of {total} bytes exceeds the maximum of {max_bytes} bytes; "
+            "raise max_message_bytes on both sides if this tensor is expected"
+        )
+    return [head, *payloads]
+
+
+def decode(frames: Sequence[Buffer], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+    """The message carried by ``frames``; ``ProtocolError`` if malformed."""
+    if not frames:
+        raise ProtocolError("empty message: expected a header frame")
+    head = frames[0]
+    head_len = memoryview(head).nbytes
+    if head_len > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header frame of {head_len} bytes exceeds {MAX_HEADER_BYTES} bytes")
+    total = head_len + sum(memoryview(f).nbytes for f in frames[1:])
+    if total > max_bytes:
+        raise ProtocolError(f"message of {total} bytes exceeds the maximum of {max_bytes} bytes")
+    try:
+        header = orjson.loads(head)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"header frame is not valid JSON ({e}): {bytes(head[:80])!r}") from None
+    if type(header) is not dict:
+        raise ProtocolError(f"header must be a JSON object, got {type(header).__name__}")
+    mtype = header.get("t")
+    cls = _BY_TYPE.get(mtype) if type(mtype) is str else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {mtype!r}; known: {sorted(_BY_TYPE)}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"{mtype} message in protocol version {version!r}, this side speaks "
+            f"{PROTOCOL_VERSION}: run the same Prism version on every side"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, hint, required in _SPECS[cls]:
+        if name not in header:
+            if required:
+                raise ProtocolError(f"{mtype} message lacks field {name!r}")
+            continue
+        kwargs[name] = _convert(header[name], hint, f"{mtype}.{name}")
+    extra = set(header) - {"t", "v"} - {n for n, _, _ in _SPECS[cls]}
+    if extra:
+        raise ProtocolError(f"{mtype} message has unknown fields {sorted(extra)}")
+    if cls in _HAS_PAYLOADS:
+        kwargs["payloads"] = tuple(frames[1:])
+    elif len(frames) > 1:
+        raise ProtocolError(f"{mtype} message carries no payload, got {len(frames) - 1} extra frames")
+    return cls(**kwargs)
+
+
+def check_hello(hello: Hello, *, world_size: int | None = None) -> None:
+    """The coordinator's side of the handshake: raise with a message to send back."""
+    if hello.protocol_version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"rank {hello.rank} (pid {hello.pid} on {hello.hostname}) speaks Prism protocol "
+            f"{hello.protocol_version}, this coordinator speaks {PROTOCOL_VERSION}: "
+            "install the same Prism version for the coordinator and the ranks"
+        )
+    if world_size is not None:
+        if hello.world_size != world_size:
+            raise ProtocolError(
+                f"rank {hello.rank} says world size {hello.world_size}, "
+                f"this coordinator runs world size {world_size}"
+            )
+        if not 0 <= hello.rank < world_size:
+            raise ProtocolError(f"rank must be in [0, {world_size}), got {hello.rank}")
+
+
+def routing_key(msg: Message) -> tuple[Any, ...] | None:
+    """The key under which a rank waits for ``msg`` (coordinator -> rank
+    replies); None for messages that fail every waiter (Error, Shutdown)."""
+    if isinstance(msg, CollectiveResult):
+        return ("coll", msg.gid, msg.seq)
+    if isinstance(msg, P2PData):
+        return ("p2p", msg.src, msg.dst, msg.tag, msg.pseq)
+    if isinstance(msg, SlotGrant):
+        return ("slot",)
+    if isinstance(msg, Welcome):
+        return ("welcome",)
+    return None
