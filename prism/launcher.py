@@ -62,6 +62,7 @@ class RankProcesses:
                 elif ev["ev"] == "exit":
                     self.returncodes[ev["rank"]] = ev["status"]
                 self._cond.notify_all()
+        self._server.stdout.close()
         self._server.wait()
         with self._cond:
             # A fork server that died leaves its ranks dead too (PDEATHSIG).

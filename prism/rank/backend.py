@@ -181,7 +181,7 @@ class _Op:
         self.error: BaseException | None = None
         self.lock = threading.Lock()
         devices = sorted({t.device for t in result if t.device.type == "cuda"}, key=str)
-        self.torch_future: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        self.torch_future = _PrismFuture(self, devices=devices)
         #: Builds the trace events once the op completed: f(op) -> events.
         self.finish_events: Callable[[_Op], list[Any]] = lambda op: []
 
@@ -216,6 +216,7 @@ class _Op:
         if error is None:
             for ev in self.finish_events(self):
                 rt.recorder.emit(ev)
+        rt.before_wakeup()
         self.done.set()
         if error is None:
             self.torch_future.set_result(self.result)
@@ -237,6 +238,23 @@ class _Op:
                     cuda.add(out.device)
         for dev in cuda:
             torch.cuda.synchronize(dev)
+
+
+class _PrismFuture(torch.futures.Future):
+    """The torch Future of a Prism call: a wait from Python releases the slot
+    like ``Work.wait`` (C++ waits are the stall monitor's business)."""
+
+    def __init__(self, op: _Op, devices: list[torch.device]) -> None:
+        super().__init__(devices=devices or None)
+        self._op = op
+
+    def wait(self) -> Any:
+        if not self.done():
+            try:
+                self._op.wait()
+            except BaseException:
+                pass  # the future's own wait raises it below
+        return super().wait()
 
 
 class PrismWork(dist._Work):
@@ -388,6 +406,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
             pending.finish_events = finish
             fut = rt.client.future(("coll", self.gid, seq))
+            rt.call_started()
             rt.client.send(msg)
             rt.on_done(fut, lambda f: _complete_from_future(pending, f))
             return PrismWork(pending)
@@ -609,6 +628,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
             pending.finish_events = finish
             fut = rt.client.future(("p2p", peer, rt.rank, tag, pseq))
+            rt.call_started()
             rt.client.send(protocol.RecvPost(
                 rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape, issue_ns=t0,
             ))

@@ -16,6 +16,16 @@ copies the results into the output tensors, records the trace event and then
 completes the torch Future (running DDP's comm-hook callbacks there, as NCCL's
 watchdog thread would).
 
+Waits Prism cannot see: C++ code (DDP's reducer at the end of backward) waits
+on a Work's torch Future without calling back into Python. A stall monitor
+covers them: while calls are in flight and the rank holds its slot, it samples
+the main thread's CPU clock; a main thread that used under
+``STALL_CPU_FRACTION`` of a ``STALL_WINDOW_NS`` window is taken as blocked and
+the slot is released. The completion thread then takes the slot back before it
+completes a Work (which is what wakes the C++ waiter), so user code never runs
+without the slot for long. A false positive (the main thread sleeping or
+reading files while calls are in flight) only lets one more rank compute.
+
 Iteration ends (``install_step_hooks``): a global optimizer step post hook.
 Rule with several optimizers: an iteration ends when every live optimizer has
 stepped once since the previous end (ChainedOptimizer, ZeroRedundancyOptimizer
@@ -41,6 +51,11 @@ from prism.rank.recorder import RankRecorder
 #: Before blocking, a trace batch older than this goes out, so the coordinator
 #: knows what a rank did before a hang.
 FLUSH_BEFORE_BLOCK_NS = 100_000_000
+#: Stall monitor (see the module docstring): a window long enough that Python
+#: overhead between autograd nodes never looks like a block, short against
+#: the collectives it hides behind.
+STALL_WINDOW_NS = 5_000_000
+STALL_CPU_FRACTION = 0.1
 
 
 class Client(Protocol):
@@ -96,6 +111,11 @@ class RankRuntime:
         self._blocked = 0
         self._completions: queue.SimpleQueue = queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete_loop, name="prism-completer", daemon=True)
+        self._in_flight = 0
+        self._monitor_released = False
+        self._monitor_cond = threading.Condition(self._slot_lock)
+        self._monitor = threading.Thread(target=self._monitor_loop, name="prism-stall-monitor", daemon=True)
+        self._main_clock = time.pthread_getcpuclockid(threading.main_thread().ident)
         self._pseq: dict[tuple[int, int, int], int] = {}
         self._pseq_lock = threading.Lock()
         self.groups_created = 0
@@ -108,6 +128,7 @@ class RankRuntime:
         global _current
         _current = self
         self._completer.start()
+        self._monitor.start()
         t = time.monotonic_ns()
         self.recorder.emit(
             trace.RankStart(
@@ -167,6 +188,41 @@ class RankRuntime:
                 self._blocked -= 1
                 if not self._holds_slot:
                     self._acquire_locked()
+                    self._monitor_released = False
+
+    def _monitor_loop(self) -> None:
+        while True:
+            with self._slot_lock:
+                self._monitor_cond.wait_for(lambda: self._in_flight > 0 and self._holds_slot)
+            cpu0 = time.clock_gettime_ns(self._main_clock)
+            time.sleep(STALL_WINDOW_NS / 1e9)
+            used = time.clock_gettime_ns(self._main_clock) - cpu0
+            with self._slot_lock:
+                if (
+                    used < STALL_CPU_FRACTION * STALL_WINDOW_NS
+                    and self._in_flight > 0
+                    and self._holds_slot
+                    and self._blocked == 0
+                ):
+                    self.client.send(protocol.SlotRelease(rank=self.rank))
+                    self._holds_slot = False
+                    self._monitor_released = True
+
+    def call_started(self) -> None:
+        """A call that completes asynchronously was issued."""
+        with self._slot_lock:
+            self._in_flight += 1
+            self._monitor_cond.notify_all()
+
+    def before_wakeup(self) -> None:
+        """Called by the completion thread before it completes a call: take
+        back a slot the stall monitor released, since completing may wake a
+        waiter Prism cannot see."""
+        with self._slot_lock:
+            self._in_flight -= 1
+            if self._monitor_released and not self._holds_slot and self._blocked == 0:
+                self._acquire_locked()
+                self._monitor_released = False
 
     # --- p2p sequence numbers ------------------------------------------------
 
