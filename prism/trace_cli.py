@@ -85,7 +85,7 @@ def _summary(args: argparse.Namespace) -> int:
             elif type(ev) is T.Collective:
                 # An instance is (gid, seq); count each once, whichever members recorded it.
                 instances[ev.gid][ev.op].add(ev.seq)
-    _table(header, rows)
+    _table(header, rows, left=frozenset({0, 7}))
     print()
     print("collectives per group (instances by op):")
     gheader = ("group", "index", "size", "ranks", "collectives", "by op")
@@ -103,7 +103,7 @@ def _summary(args: argparse.Namespace) -> int:
                 " ".join(f"{op}={len(s)}" for op, s in sorted(by_op.items())) or "-",
             )
         )
-    _table(gheader, grows)
+    _table(gheader, grows, left=frozenset({0, 3, 5}))
     if run.warnings:
         print()
         print(f"{len(run.warnings)} warning(s):")
@@ -112,12 +112,12 @@ def _summary(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[object, ...]]) -> None:
+def _table(header: tuple[str, ...], rows: list[tuple[object, ...]], left: frozenset[int]) -> None:
+    """Print aligned columns: those in ``left`` left-aligned, numbers right-aligned."""
     cells = [tuple(map(str, header))] + [tuple(map(str, r)) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     for row in cells:
-        # Numbers right-aligned, text (last columns) left-aligned.
-        print("  ".join(c.rjust(w) if c.lstrip("-").isdigit() or c == "-" else c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        print("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
 
 
 def _validate(args: argparse.Namespace) -> int:
