@@ -658,3 +658,12 @@ def test_problem_lines_come_from_the_file(tmp_path):
     (p,) = T.validate_run(T.read_run(run_dir))
     assert (p.file, p.line, p.rank, p.field) == (str(path), FIRST_COLL + 1, 0, "bytes")
     assert str(p).startswith(f"{path}:{FIRST_COLL + 1} rank 0 bytes: ")
+
+
+def test_public_names_are_exported():
+    defined = {
+        n
+        for n, v in vars(T).items()
+        if not n.startswith("_") and (n.isupper() or getattr(v, "__module__", None) == T.__name__)
+    }
+    assert set(T.__all__) == defined | {"Event"}
