@@ -171,7 +171,8 @@ def _manifest_obj(**changes):
 
 
 def test_manifest_newer_major_is_refused_naming_file_and_versions():
-    with pytest.raises(T.TraceVersionError, match=r"RUN/manifest.json was written with PrismTrace 2\.0; this reader knows only major version 1 \(up to 1\.0\)\. Upgrade Prism"):
+    match = r"RUN/manifest.json was written with PrismTrace 2\.0; this reader knows only major version 1 \(up to 1\.0\)\. Upgrade Prism"
+    with pytest.raises(T.TraceVersionError, match=match):
         T.decode_manifest(_manifest_obj(version=2), file="RUN/manifest.json")
 
 

@@ -8,8 +8,9 @@ identity (``group_id``), the codec (``encode_event``/``decode_event``,
 stays sans-IO in the project's sense: plain file I/O through ``os`` and
 ``pathlib``, no sockets, no clock, no trio, zmq or torch.
 
-Times are integer nanoseconds on the recording rank's monotonic clock; ``RankStart.clock_offset_ns`` converts them to the
-coordinator's clock (``coordinator_ns = rank_ns + clock_offset_ns``).
+Times are integer nanoseconds on the recording rank's monotonic clock;
+``RankStart.clock_offset_ns`` converts them to the coordinator's clock
+(``coordinator_ns = rank_ns + clock_offset_ns``).
 
 Every event is a frozen, slotted dataclass whose ``KIND`` class attribute is
 its tag on disk. Tuples (never lists) hold sequences so events stay hashable.
@@ -26,7 +27,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -793,6 +794,7 @@ class TraceWriter:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` has run."""
         return self._file.closed
 
     def write(self, ev: Event) -> None:
@@ -892,7 +894,7 @@ def read_rank_file(path: str | os.PathLike[str], *, ignore_unknown: bool = False
                 warnings.append(TraceWarning(str(p), i, f"{e}; stopped reading here"))
                 damaged = True
                 break
-            if e.value not in skipped_kinds:
+            if str(e.value) not in skipped_kinds:
                 skipped_kinds.add(str(e.value))
                 warnings.append(
                     TraceWarning(str(p), i, f"skipped records of unknown kind {e.value!r} (newer minor version)")
@@ -993,7 +995,7 @@ def read_run(run_dir: str | os.PathLike[str]) -> Run:
     return Run(str(root), manifest, dict(sorted(ranks.items())), warnings, dict(sorted(lines.items())))
 
 
-def write_run(run_dir: str | os.PathLike[str], manifest: Manifest, ranks: dict[int, Iterable[Event]]) -> Path:
+def write_run(run_dir: str | os.PathLike[str], manifest: Manifest, ranks: Mapping[int, Iterable[Event]]) -> Path:
     """Write a whole run at once (tests, converters): manifest and rank files."""
     root = write_manifest(run_dir, manifest).parent
     for rank, events in ranks.items():
@@ -1124,12 +1126,16 @@ class _RankChecker:
             self.bad(line, "ranks", f"group {ev.gid!r}: {e}")
             return
         if ev.gid != expected:
-            self.bad(line, "gid", f"group gid {ev.gid!r} should be {expected!r} (index {ev.index}, ranks {list(ev.ranks)})")
+            self.bad(
+                line, "gid", f"group gid {ev.gid!r} should be {expected!r} (index {ev.index}, ranks {list(ev.ranks)})"
+            )
         if ev.index == 0 and ev.ranks != tuple(range(self.ws)):
             self.bad(line, "ranks", f"world group (index 0) must hold ranks 0..{self.ws - 1}, got {list(ev.ranks)}")
         outside = [r for r in ev.ranks if r >= self.ws]
         if outside or len(set(ev.ranks)) != len(ev.ranks):
-            self.bad(line, "ranks", f"group {ev.gid}: ranks {list(ev.ranks)} repeat or fall outside the world of {self.ws}")
+            self.bad(
+                line, "ranks", f"group {ev.gid}: ranks {list(ev.ranks)} repeat or fall outside the world of {self.ws}"
+            )
         old = self.groups.get(ev.gid)
         if old is not None and (old.ranks, old.index) != (ev.ranks, ev.index):
             self.bad(line, "gid", f"group {ev.gid} declared again with other members or index")
@@ -1155,7 +1161,8 @@ class _RankChecker:
             return
         if ev.op in REDUCING_OPS:
             if ev.reduce_op not in REDUCE_OPS:
-                self.bad(line, "reduce_op", f"{what}: reduce_op must be one of {', '.join(REDUCE_OPS)}, got {ev.reduce_op!r}")
+                allowed = ", ".join(REDUCE_OPS)
+                self.bad(line, "reduce_op", f"{what}: reduce_op must be one of {allowed}, got {ev.reduce_op!r}")
         elif ev.reduce_op != "":
             self.bad(line, "reduce_op", f"{what}: a non-reducing op must have reduce_op \"\", got {ev.reduce_op!r}")
         if ev.premul is not None and ev.reduce_op != "PREMUL_SUM":
@@ -1168,7 +1175,11 @@ class _RankChecker:
         elif size is not None:
             expected = size * sum(_numel(s) for s in ev.in_shapes)
             if ev.bytes != expected:
-                self.bad(line, "bytes", f"{what}: bytes {ev.bytes} != {expected}, the size of in_shapes {list(ev.in_shapes)} in {ev.dtype}")
+                self.bad(
+                    line,
+                    "bytes",
+                    f"{what}: bytes {ev.bytes} != {expected}, the size of in_shapes {list(ev.in_shapes)} in {ev.dtype}",
+                )
         if g is None:
             return
         n = len(g.ranks)
@@ -1178,13 +1189,15 @@ class _RankChecker:
         elif ev.root != -1:
             self.bad(line, "root", f"{what}: root must be -1 for {ev.op}, got {ev.root}")
         if ev.op == "all_to_all_single":
-            self.check_splits(ev, line, what, n, "in_splits", ev.in_splits, ev.in_shapes)
-            self.check_splits(ev, line, what, n, "out_splits", ev.out_splits, ev.out_shapes)
+            self.check_splits(line, what, n, "in_splits", ev.in_splits, ev.in_shapes)
+            self.check_splits(line, what, n, "out_splits", ev.out_splits, ev.out_shapes)
         elif ev.op != "all_to_all" and (ev.in_splits or ev.out_splits):
-            self.bad(line, "in_splits", f"{what}: only all_to_all ops have splits, got {ev.in_splits} / {ev.out_splits}")
+            self.bad(
+                line, "in_splits", f"{what}: only all_to_all ops have splits, got {ev.in_splits} / {ev.out_splits}"
+            )
 
     def check_splits(
-        self, ev: Collective, line: int, what: str, n: int, name: str, splits: tuple[int, ...], shapes: tuple[tuple[int, ...], ...]
+        self, line: int, what: str, n: int, name: str, splits: tuple[int, ...], shapes: tuple[tuple[int, ...], ...]
     ) -> None:
         if len(shapes) != 1 or not shapes[0]:
             self.bad(line, name, f"{what}: all_to_all_single needs one tensor of rank >= 1, got shapes {list(shapes)}")
@@ -1224,9 +1237,9 @@ class _RankChecker:
             self.bad(line, "ref", f"{what}: ref must be coll:GID:SEQ:ROLE or p2p:SRC:DST:TAG:PSEQ")
         size = self.check_dtype(ev.dtype, line, what)
         if size is not None and len(ev.data) != size * _numel(ev.shape):
-            self.bad(
-                line, "data", f"{what}: {len(ev.data)} bytes of data, but shape {list(ev.shape)} in {ev.dtype} needs {size * _numel(ev.shape)}"
-            )
+            need = size * _numel(ev.shape)
+            got = len(ev.data)
+            self.bad(line, "data", f"{what}: {got} bytes of data, but shape {list(ev.shape)} in {ev.dtype} needs {need}")
         limit = self.run.manifest.small_tensor_limit
         if len(ev.data) > limit:
             self.bad(line, "data", f"{what}: {len(ev.data)} bytes exceed the manifest's small_tensor_limit {limit}")
@@ -1240,7 +1253,9 @@ class _RankChecker:
     def check_gaps(self, seqs: dict[int, int], field: str, what: str) -> None:
         for expected, got in enumerate(sorted(seqs)):
             if got != expected:
-                self.bad(seqs[got], field, f"{what}: {field} {expected} is missing (numbers must run 0, 1, 2, ...; next is {got})")
+                self.bad(
+                    seqs[got], field, f"{what}: {field} {expected} is missing (numbers must run 0, 1, 2, ...; next is {got})"
+                )
                 return
 
 
@@ -1268,7 +1283,8 @@ def validate_run(run: Run) -> list[Problem]:
         out.append(Problem(mfile, 0, None, "small_tensor_limit", f"must be >= 0, got {m.small_tensor_limit}"))
     for r in range(m.world_size):
         if r not in run.ranks:
-            out.append(Problem(str(rank_path(run.path, r)), 0, r, "", f"no rank file for rank {r} (world_size {m.world_size})"))
+            missing = f"no rank file for rank {r} (world_size {m.world_size})"
+            out.append(Problem(str(rank_path(run.path, r)), 0, r, "", missing))
     seen: dict[str, tuple[GroupCreated, int, str, int]] = {}
     for rank, events in run.ranks.items():
         checker = _RankChecker(run, rank, out)
