@@ -140,7 +140,7 @@ def test_decode_ignore_unknown_drops_extra_fields():
         (dataclasses.replace(COLL, in_shapes=[(4,)]), r"field in_shapes must be tuple of list of int, got \[\(4,\)\]"),
         (dataclasses.replace(COLL, seq=False), r"field seq must be int, got False"),
         (dataclasses.replace(COLL, premul=float("nan")), r"field premul must be finite float or null, got nan"),
-        (Iteration(step=1, end_ns=2**64), r"field end_ns must be int \(64-bit\), got 18446744073709551616"),
+        (Iteration(step=1, end_ns=2**64), r"field end_ns must be int in the 64-bit range, got 18446744073709551616"),
     ],
 )
 def test_encode_rejects_what_the_reader_would_reject(ev, match):
@@ -668,3 +668,21 @@ def test_public_names_are_exported():
         if not n.startswith("_") and (n.isupper() or getattr(v, "__module__", None) == T.__name__)
     }
     assert set(T.__all__) == defined | {"Event"}
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"layout": [["tp", "2"]]}, r"manifest record: field layout\[0\]\[1\] must be int, got '2'"),
+        ({"layout": [["tp"]]}, r"field layout\[0\] must be list \[str, int\], got \['tp'\]"),
+        ({"command": "train.py"}, r"field command must be list of str, got 'train.py'"),
+    ],
+)
+def test_manifest_fields_are_checked(changes, match):
+    with pytest.raises(T.TraceFormatError, match=match):
+        T.decode_manifest(_manifest_obj(**changes))
+
+
+def test_encode_names_nested_fields():
+    with pytest.raises(T.TraceFormatError, match=r"field layout\[1\]\[0\] must be str, got 3"):
+        T.encode_manifest(dataclasses.replace(MANIFEST, layout=(("tp", 2), (3, 4))))

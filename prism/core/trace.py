@@ -409,121 +409,139 @@ def _short(value: object) -> str:
 
 
 class _Bad(Exception):
-    """Internal: a value failed its type; carries the path for the message."""
+    """Internal: a value failed its type. ``path`` is relative to the value
+    being converted (``""``, ``"[1][0]"``); containers prepend their index."""
 
     def __init__(self, path: str, value: object, expected: str) -> None:
         self.path, self.value, self.expected = path, value, expected
 
 
-# A converter is (describe, encode(value, path), decode(value, path)); both
-# directions check the type so the writer never emits what the reader rejects.
-_Conv = tuple[str, Callable[[Any, str], Any], Callable[[Any, str], Any]]
+# A converter is (describe, encode(value), decode(value)); both directions
+# check the type so the writer never emits what the reader rejects.
+_Fn = Callable[[Any], Any]
+_Conv = tuple[str, _Fn, _Fn]
 
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _scalar(expected: str, ok: Callable[[Any], bool]) -> _Conv:
+    def check(v: Any) -> Any:
+        if not ok(v):
+            raise _Bad("", v, expected)
+        return v
+
+    return expected, check, check
+
+
+def _check_int(v: Any) -> int:
+    if not _is_int(v):
+        raise _Bad("", v, "int")
+    # orjson's range: signed or unsigned 64-bit.
+    if not -(2**63) <= v < 2**64:
+        raise _Bad("", v, "int in the 64-bit range")
+    return v
+
+
+def _enc_float(v: Any) -> float:
+    # JSON does not tell 2 from 2.0, so an int is a valid float; NaN and
+    # infinities have no JSON form (orjson would write null).
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _Bad("", v, "finite float")
+    return float(v)
+
+
+def _enc_bytes(v: Any) -> str:
+    if not isinstance(v, bytes):
+        raise _Bad("", v, "bytes")
+    return base64.b64encode(v).decode("ascii")
+
+
+def _dec_bytes(v: Any) -> bytes:
+    if not isinstance(v, str):
+        raise _Bad("", v, "base64 str")
+    try:
+        return base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError):
+        raise _Bad("", v, "base64 str") from None
+
+
+def _optional(conv: _Fn) -> _Fn:
+    def run(v: Any) -> Any:
+        if v is None:
+            return None
+        try:
+            return conv(v)
+        except _Bad as e:
+            raise _Bad(e.path, e.value, e.expected + " or null" if not e.path else e.expected) from None
+
+    return run
+
+
+def _items(conv: _Fn, plain: type | None, v: Any) -> list[Any]:
+    if plain is not None and all(type(x) is plain for x in v):
+        return list(v)
+    out = []
+    for i, x in enumerate(v):
+        try:
+            out.append(conv(x))
+        except _Bad as e:
+            raise _Bad(f"[{i}]{e.path}", e.value, e.expected) from None
+    return out
+
+
 def _conv_for(tp: Any) -> _Conv:
     if tp is int:
-
-        def enc_int(v: Any, path: str) -> Any:
-            # orjson's range: signed or unsigned 64-bit.
-            if not _is_int(v) or not -(2**63) <= v < 2**64:
-                raise _Bad(path, v, "int (64-bit)" if _is_int(v) else "int")
-            return v
-
-        return "int", enc_int, enc_int
+        return "int", _check_int, _check_int
     if tp is str:
-
-        def enc_str(v: Any, path: str) -> Any:
-            if not isinstance(v, str):
-                raise _Bad(path, v, "str")
-            return v
-
-        return "str", enc_str, enc_str
+        return _scalar("str", lambda v: isinstance(v, str))
     if tp is bool:
-
-        def enc_bool(v: Any, path: str) -> Any:
-            if not isinstance(v, bool):
-                raise _Bad(path, v, "bool")
-            return v
-
-        return "bool", enc_bool, enc_bool
+        return _scalar("bool", lambda v: isinstance(v, bool))
     if tp is float:
-
-        def enc_float(v: Any, path: str) -> Any:
-            # JSON does not tell 2 from 2.0, so an int is a valid float; NaN and
-            # infinities have no JSON form (orjson would write null).
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise _Bad(path, v, "finite float")
-            return float(v)
-
-        return "finite float", enc_float, enc_float
+        return "finite float", _enc_float, _enc_float
     if tp is bytes:
-
-        def enc_bytes(v: Any, path: str) -> Any:
-            if not isinstance(v, bytes):
-                raise _Bad(path, v, "bytes")
-            return base64.b64encode(v).decode("ascii")
-
-        def dec_bytes(v: Any, path: str) -> Any:
-            if not isinstance(v, str):
-                raise _Bad(path, v, "base64 str")
-            try:
-                return base64.b64decode(v, validate=True)
-            except (binascii.Error, ValueError):
-                raise _Bad(path, v, "base64 str") from None
-
-        return "bytes", enc_bytes, dec_bytes
+        return "bytes", _enc_bytes, _dec_bytes
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
         desc, enc, dec = _conv_for(next(a for a in args if a is not type(None)))
-
-        def optional(conv: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-            def run(v: Any, path: str) -> Any:
-                if v is None:
-                    return None
-                try:
-                    return conv(v, path)
-                except _Bad as e:
-                    raise _Bad(e.path, e.value, f"{e.expected} or null" if e.path == path else e.expected) from None
-
-            return run
-
-        enc_opt, dec_opt = optional(enc), optional(dec)
-
-        return f"{desc} or null", enc_opt, dec_opt
+        return f"{desc} or null", _optional(enc), _optional(dec)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         desc, enc, dec = _conv_for(args[0])
+        # Plain ints are checked in one pass (most sequences are shapes).
+        plain = int if args[0] is int else None
 
-        def enc_seq(v: Any, path: str) -> Any:
+        def enc_seq(v: Any) -> Any:
             # Tuples, never lists: events must stay hashable.
             if not isinstance(v, tuple):
-                raise _Bad(path, v, f"tuple of {desc}")
-            return [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]
+                raise _Bad("", v, f"tuple of {desc}")
+            return _items(enc, plain, v)
 
-        def dec_seq(v: Any, path: str) -> Any:
+        def dec_seq(v: Any) -> Any:
             if not isinstance(v, list):
-                raise _Bad(path, v, f"list of {desc}")
-            return tuple(dec(x, f"{path}[{i}]") for i, x in enumerate(v))
+                raise _Bad("", v, f"list of {desc}")
+            return tuple(_items(dec, plain, v))
 
         return f"list of {desc}", enc_seq, dec_seq
     if origin is tuple and args and Ellipsis not in args:
         convs = [_conv_for(a) for a in args]
         desc = "[" + ", ".join(c[0] for c in convs) + "]"
 
-        def enc_fixed(v: Any, path: str) -> Any:
-            if not isinstance(v, tuple) or len(v) != len(convs):
-                raise _Bad(path, v, f"tuple {desc}")
-            return [c[1](x, f"{path}[{i}]") for i, (c, x) in enumerate(zip(convs, v))]
+        def fixed(i_conv: int, kind: type, what: str) -> _Fn:
+            def run(v: Any) -> Any:
+                if not isinstance(v, kind) or len(v) != len(convs):
+                    raise _Bad("", v, f"{what} {desc}")
+                out = []
+                for i, (c, x) in enumerate(zip(convs, v)):
+                    try:
+                        out.append(c[i_conv](x))
+                    except _Bad as e:
+                        raise _Bad(f"[{i}]{e.path}", e.value, e.expected) from None
+                return out if kind is tuple else tuple(out)
 
-        def dec_fixed(v: Any, path: str) -> Any:
-            if not isinstance(v, list) or len(v) != len(convs):
-                raise _Bad(path, v, f"list {desc}")
-            return tuple(c[2](x, f"{path}[{i}]") for i, (c, x) in enumerate(zip(convs, v)))
+            return run
 
-        return desc, enc_fixed, dec_fixed
+        return desc, fixed(1, tuple, "tuple"), fixed(2, list, "list")
     raise TypeError(f"PrismTrace codec has no converter for {tp!r}; please report this")
 
 
@@ -532,6 +550,9 @@ class _Schema:
     cls: type
     names: tuple[str, ...]
     convs: tuple[_Conv, ...]
+    #: Per field: int, str or bool when a value of exactly that type needs no
+    #: conversion (the common case, checked inline for speed), else None.
+    plain: tuple[type | None, ...]
 
 
 def _schema(cls: type) -> _Schema:
@@ -541,10 +562,12 @@ def _schema(cls: type) -> _Schema:
         cls,
         tuple(f.name for f in fs),
         tuple(_conv_for(hints[f.name]) for f in fs),
+        tuple(hints[f.name] if hints[f.name] in (int, str, bool) else None for f in fs),
     )
 
 
 _SCHEMAS: dict[type, _Schema] = {t: _schema(t) for t in (*EVENT_TYPES, Manifest)}
+_MISSING = object()
 
 
 def _encode_obj(obj: Any) -> dict[str, Any]:
@@ -552,14 +575,18 @@ def _encode_obj(obj: Any) -> dict[str, Any]:
     if schema is None:
         raise TypeError(f"not a PrismTrace record: {_short(obj)} (a {type(obj).__name__})")
     out: dict[str, Any] = {"k": schema.cls.KIND}
-    for name, (_, enc, _) in zip(schema.names, schema.convs):
+    for name, plain, (_, enc, _) in zip(schema.names, schema.plain, schema.convs):
+        v = getattr(obj, name)
+        if type(v) is plain and (plain is not int or -(2**63) <= v < 2**64):
+            out[name] = v
+            continue
         try:
-            out[name] = enc(getattr(obj, name), name)
+            out[name] = enc(v)
         except _Bad as e:
             raise TraceFormatError(
-                f"cannot encode {schema.cls.KIND} record: field {e.path} must be {e.expected}, "
+                f"cannot encode {schema.cls.KIND} record: field {name}{e.path} must be {e.expected}, "
                 f"got {_short(e.value)}; the code that built the record is at fault",
-                field=e.path,
+                field=name + e.path,
                 value=e.value,
             ) from None
     return out
@@ -568,21 +595,25 @@ def _encode_obj(obj: Any) -> dict[str, Any]:
 def _decode_obj(schema: _Schema, obj: dict[str, Any], *, ignore_unknown: bool) -> Any:
     kind = schema.cls.KIND
     kwargs: dict[str, Any] = {}
-    for name, (_, _, dec) in zip(schema.names, schema.convs):
-        if name not in obj:
+    for name, plain, (_, _, dec) in zip(schema.names, schema.plain, schema.convs):
+        v = obj.get(name, _MISSING)
+        if type(v) is plain:
+            kwargs[name] = v
+            continue
+        if v is _MISSING:
             # Writers write every field, defaults included, so a missing one is
             # damage. (A future minor that adds a field must teach this decoder
             # to fill its default for older files; see docs/TRACE.md.)
             raise TraceFormatError(f"{kind} record is missing field {name!r}", field=name)
         try:
-            kwargs[name] = dec(obj[name], name)
+            kwargs[name] = dec(v)
         except _Bad as e:
             raise TraceFormatError(
-                f"{kind} record: field {e.path} must be {e.expected}, got {_short(e.value)}",
-                field=e.path,
+                f"{kind} record: field {name}{e.path} must be {e.expected}, got {_short(e.value)}",
+                field=name + e.path,
                 value=e.value,
             ) from None
-    if not ignore_unknown:
+    if not ignore_unknown and len(obj) != len(kwargs) + 1:  # + 1: "k"
         for name in obj:
             if name != "k" and name not in kwargs:
                 raise TraceFormatError(
