@@ -1102,9 +1102,9 @@ class _RankChecker:
             step = getattr(ev, "step", None)
             if step is not None:
                 self.check_step(step, line)
-            method = getattr(self, "check_" + type(ev).__name__, None)
+            method = self._BY_KIND.get(type(ev))
             if method is not None:
-                method(ev, line)
+                method(self, ev, line)
         self.check_contiguous()
 
     def check_first(self, ev: Event, line: int) -> None:
@@ -1150,7 +1150,7 @@ class _RankChecker:
             self.bad(line, "gid", f"{what}: rank {self.rank} is not a member of {gid} (ranks {list(g.ranks)})")
         return g
 
-    def check_GroupCreated(self, ev: GroupCreated, line: int) -> None:
+    def check_group(self, ev: GroupCreated, line: int) -> None:
         try:
             expected = group_id(ev.index, ev.ranks)
         except ValueError as e:
@@ -1172,11 +1172,11 @@ class _RankChecker:
             self.bad(line, "gid", f"group {ev.gid} declared again with other members or index")
         self.groups.setdefault(ev.gid, ev)
 
-    def check_Compute(self, ev: Compute, line: int) -> None:
+    def check_compute(self, ev: Compute, line: int) -> None:
         if ev.start_ns > ev.end_ns:
             self.bad(line, "end_ns", f"compute ends ({ev.end_ns}) before it starts ({ev.start_ns})")
 
-    def check_Collective(self, ev: Collective, line: int) -> None:
+    def check_coll(self, ev: Collective, line: int) -> None:
         what = f"{ev.op} on {ev.gid} seq {ev.seq}"
         self.seqs.setdefault(ev.gid, {})
         if ev.seq < 0:
@@ -1242,7 +1242,7 @@ class _RankChecker:
                 line, name, f"{what}: {name} {list(splits)} must be {n} sizes >= 0 summing to dim 0 of {list(shapes[0])}"
             )
 
-    def check_P2P(self, ev: P2P, line: int) -> None:
+    def check_p2p(self, ev: P2P, line: int) -> None:
         what = f"{ev.op} with peer {ev.peer} tag {ev.tag} pseq {ev.pseq}"
         key = (ev.op, ev.peer, ev.tag)
         seen = self.pseqs.setdefault(key, {})
@@ -1262,7 +1262,7 @@ class _RankChecker:
         if ev.bytes < 0 or (size is not None and ev.bytes != size * _numel(ev.shape)):
             self.bad(line, "bytes", f"{what}: bytes {ev.bytes} does not match shape {list(ev.shape)} in {ev.dtype}")
 
-    def check_TensorValue(self, ev: TensorValue, line: int) -> None:
+    def check_value(self, ev: TensorValue, line: int) -> None:
         what = f"value {ev.ref}"
         if not (_COLL_REF.fullmatch(ev.ref) or _P2P_REF.fullmatch(ev.ref)):
             self.bad(line, "ref", f"{what}: ref must be coll:GID:SEQ:ROLE or p2p:SRC:DST:TAG:PSEQ")
@@ -1274,6 +1274,14 @@ class _RankChecker:
         limit = self.run.manifest.small_tensor_limit
         if len(ev.data) > limit:
             self.bad(line, "data", f"{what}: {len(ev.data)} bytes exceed the manifest's small_tensor_limit {limit}")
+
+    _BY_KIND: ClassVar[dict[type, Callable[..., None]]] = {
+        GroupCreated: check_group,
+        Compute: check_compute,
+        Collective: check_coll,
+        P2P: check_p2p,
+        TensorValue: check_value,
+    }
 
     def check_contiguous(self) -> None:
         for gid, seqs in self.seqs.items():
