@@ -836,6 +836,20 @@ class TraceWriter:
         if len(self._lines) >= self._flush_every:
             self.flush()
 
+    def write_line(self, line: bytes) -> None:
+        """Queue one record already encoded by ``encode_event`` (as a rank
+        ships them to the coordinator); it must be a single line."""
+        if self._file.closed:
+            raise ValueError(f"TraceWriter for rank {self.rank} ({self.path}) is closed")
+        if b"\n" in line or not line.startswith(b'{"k":'):
+            raise TraceFormatError(
+                f"rank {self.rank} sent a trace record that is not one encoded line: {line[:80]!r}; "
+                "this is a Prism bug, please report it"
+            )
+        self._lines.append(line + b"\n")
+        if len(self._lines) >= self._flush_every:
+            self.flush()
+
     def flush(self) -> None:
         """Hand every queued line to the OS (survives a crash of this process)."""
         if not self._lines or self._file.closed:
