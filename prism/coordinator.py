@@ -112,9 +112,9 @@ class Progress:
 class Coordinator:
     """Serves one capture of ``world_size`` ranks into ``run_dir``.
 
-    ``processes`` (optional) is the launcher's handle on the rank processes
-    (``poll() -> dict[rank, exit code]`` of ranks that exited,
-    ``kill_all()``); without it (a standalone coordinator) a dead rank is
+    ``processes`` (optional; may be set after ``run`` started) is the
+    launcher's handle on the rank processes (``poll() -> dict[rank, exit
+    code]`` of ranks that exited, ``kill_all()``); without it (a standalone coordinator) a dead rank is
     noticed by its silence: the deadlock watchdog names it.
     """
 
@@ -178,8 +178,7 @@ class Coordinator:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read_socket, sock, send.clone())
                 nursery.start_soon(self._tick, send.clone())
-                if self.processes is not None:
-                    nursery.start_soon(self._watch_processes, send.clone())
+                nursery.start_soon(self._watch_processes, send.clone())
                 send.close()
                 task_status.started(self.bound_endpoint)
                 async for event in recv:
@@ -221,6 +220,8 @@ class Coordinator:
         async with out:
             while True:
                 await trio.sleep(0.1)
+                if self.processes is None:
+                    continue
                 for rank, code in self.processes.poll().items():
                     if rank not in seen:
                         seen.add(rank)
