@@ -183,11 +183,10 @@ class Coordinator:
                 task_status.started(self.bound_endpoint)
                 async for event in recv:
                     await self._handle(event)
-                    if self._finished():
+                    if self._finished() or self._result is not None:
                         break
-                    if self._result is not None:
-                        await self._stop()
-                        break
+                if self._result is not None and not self._finished():
+                    await self._stop(recv)
                 nursery.cancel_scope.cancel()
         finally:
             self._close_writers()
@@ -394,30 +393,18 @@ class Coordinator:
         if self._result is None:
             self._result = CaptureResult(status, message, code)
 
-    async def _stop(self) -> None:
-        """Tell every live rank why the capture stops, let them flush their
-        traces for ``grace_s``, then kill what is left."""
+    async def _stop(self, events: trio.MemoryReceiveChannel) -> None:
+        """Tell every live rank why the capture stops, keep recording what they
+        flush for ``grace_s``, then kill what is left."""
         reason = self._result.message.splitlines()[0] if self._result else "stopped"
         for rank, info in self.ranks.items():
             if not info.done:
                 await self._send(rank, P.Shutdown(f"capture stopped: {reason}"))
         with trio.move_on_after(self.grace_s):
-            while not all(i.done for i in self.ranks.values()):
-                try:
-                    identity, msg = await self._sock.recv_message()
-                except P.ProtocolError:
-                    continue
-                rank = self.by_identity.get(identity)
-                if rank is None:
-                    continue
-                info = self.ranks[rank]
-                if isinstance(msg, P.TraceRecords):
-                    for line in msg.payloads:
-                        line = bytes(line)
-                        info.wrote_end |= line.startswith(b'{"k":"rank_end"')
-                        info.writer.write_line(line)
-                elif isinstance(msg, P.Goodbye):
-                    info.done, info.status, info.message = True, info.status or msg.status, info.message or msg.message
+            async for event in events:
+                await self._handle(event)
+                if all(i.done for i in self.ranks.values()):
+                    break
         if self.processes is not None:
             await trio.to_thread.run_sync(self.processes.kill_all)
 

@@ -71,7 +71,7 @@ class AsyncSocket:
         self.max_message_bytes = max_message_bytes
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._fd: int = sock.getsockopt(zmq.FD)
-        self._routed = sock.socket_type in _ROUTED
+        self._routed = sock.type in _ROUTED
         self._closed = False
         self._recv_owner = _Owner("receiving")
         self._send_owner = _Owner("sending")
