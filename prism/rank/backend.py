@@ -1,0 +1,674 @@
+"""``PrismProcessGroup``: a torch.distributed backend written in Python whose
+every call goes through the coordinator.
+
+Registered as backend ``"prism"`` (``register()``, extended API, devices cpu
+and cuda). Both dispatch paths are implemented: the Python front end calls
+methods by their Python names (``all_gather_single``, ``alltoall``,
+``reduce_scatter_single`` ...), C++ callers (DDP's reducer,
+``_c10d_functional``) reach the trampoline names (``allgather``,
+``_allgather_base``, ``allgather_into_tensor_coalesced``, ``alltoall_base``,
+``reduce_scatter_tensor_coalesced`` ...).
+
+Wire contract with the coordinator
+==================================
+
+A collective is one ``CollectiveArrive`` per member, keyed ``(gid, seq)`` with
+``seq`` the group's own call counter, answered by one ``CollectiveResult``
+(routing key ``("coll", gid, seq)``). ``in_shapes``/``out_shapes`` are *this
+rank's* tensors: there is exactly one request payload per ``in_shapes`` entry
+and the reply must carry exactly one payload per ``out_shapes`` entry. Each
+payload holds a tensor's raw bytes, C-contiguous, native (little-endian) byte
+order, dtype ``dtype`` (torch's name without ``torch.``). ``n`` is the group
+size; chunks are in group-rank order.
+
+=======================  ===============================  ==============================
+op                       in (payloads sent)               out (payloads received)
+=======================  ===============================  ==============================
+all_reduce               [t]                              [result]
+all_reduce_coalesced     [t1..tk]                         [r1..rk]
+broadcast                root: [t]; others: []            root: []; others: [t]
+reduce                   [t]                              root: [result]; others: []
+all_gather               [t1..tk]                         n per input: t_i of rank 0..n-1
+all_gather_into_tensor   [t1..tk]                         [cat_j t_i of rank j] per input
+gather                   [t]                              root: n tensors; others: []
+scatter                  root: n tensors; others: []      [chunk for this rank]
+reduce_scatter           n tensors (chunk j for rank j)   [result chunk]
+reduce_scatter_tensor    [T1..Tk] (n chunks on dim 0)     [result chunk of each]
+all_to_all               n tensors (chunk j for rank j)   n tensors (chunk from rank j)
+all_to_all_single        [T] split by in_splits rows      [T'] split by out_splits rows
+barrier                  []                               []
+=======================  ===============================  ==============================
+
+``reduce_op`` is the ReduceOp's name; for ``PREMUL_SUM`` the inputs are sent
+unscaled and ``premul`` carries the factor (result = sum of factor * t).
+``root`` is a *group* rank. Point-to-point: ``Send`` carries its payload
+eagerly and completes locally; ``RecvPost`` is answered by ``P2PData`` (key
+``("p2p", src, dst, tag, pseq)``), with global ranks and ``pseq`` counted per
+``(src, dst, tag)``.
+
+CUDA tensors are staged through host memory: inputs are copied to the host
+(which synchronises the current stream), results are copied back by the
+completion thread, which then synchronises the device before the operation
+counts as complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ReduceOp
+
+from prism.core import protocol, trace
+from prism.rank import runtime as _rt
+from prism.rank.runtime import PrismRankError
+
+BACKEND_NAME = "prism"
+
+
+def _fallback_group_id(index: int, ranks: Sequence[int]) -> str:
+    if index == 0:
+        return "world"
+    return f"g{index}-" + hashlib.blake2b(",".join(map(str, ranks)).encode()).hexdigest()[:8]
+
+
+#: One swap point: ``prism.core.trace.group_id`` once it lands.
+_group_id: Callable[[int, Sequence[int]], str] = getattr(trace, "group_id", _fallback_group_id)
+
+
+def _unsupported(call: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"Prism does not support {call} yet; please open an issue with the call and the "
+        "script that makes it"
+    )
+
+
+# --- tensors <-> bytes ----------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(x) for x in t.shape)
+
+
+def _host(t: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
+    """A contiguous CPU tensor with ``t``'s values (``t`` itself when possible)."""
+    h = t.detach().resolve_conj().resolve_neg()
+    if h.device.type != "cpu":
+        # Blocking copy: synchronises the current stream, so pending kernels
+        # that write ``t`` have finished.
+        return h.to("cpu").contiguous()
+    if copy or not h.is_contiguous():
+        return h.clone(memory_format=torch.contiguous_format)
+    return h
+
+
+def _buffer(h: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without copying."""
+    if h.numel() == 0:
+        return memoryview(b"")
+    return memoryview(h.reshape(-1).view(torch.uint8).numpy())
+
+
+def _from_payload(buf: Any, like: torch.Tensor, where: str) -> torch.Tensor:
+    view = memoryview(buf).cast("B")
+    expected = like.numel() * like.element_size()
+    if view.nbytes != expected:
+        raise PrismRankError(
+            f"{where}: the coordinator sent {view.nbytes} bytes for a {_dtype_name(like.dtype)} "
+            f"tensor of shape {_shape(like)} ({expected} bytes); this is a Prism bug, please report it"
+        )
+    if expected == 0:
+        return torch.empty(like.shape, dtype=like.dtype)
+    with warnings.catch_warnings():
+        # Read-only frames: the tensor is only read (copied into the output).
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(view, dtype=torch.uint8)
+    return flat.view(like.dtype).reshape(like.shape)
+
+
+def _reduce_op(op: Any) -> tuple[str, float | None]:
+    """(name, PREMUL_SUM factor) of a ReduceOp or RedOpType."""
+    kind = op.op if isinstance(op, ReduceOp) else op
+    name = kind.name
+    if name == "PREMUL_SUM":
+        factor = op.factor
+        return name, float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    return name, None
+
+
+def _caller_is_blocking(name: str) -> bool:
+    # send/recv carry no options object saying whether the call is async: the
+    # front end's blocking wrapper (dist.send, dist.recv) is found on the stack.
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == name and code.co_filename.endswith("distributed_c10d.py"):
+            return True
+    return False
+
+
+# --- operations and Work ---------------------------------------------------------
+
+
+class _Op:
+    """One communication call in flight on this rank."""
+
+    def __init__(self, what: str, outputs: list[torch.Tensor], result: list[torch.Tensor], issue_ns: int,
+                 blocking: bool, step: int) -> None:
+        self.what = what
+        self.outputs = outputs
+        self.result = result
+        self.issue_ns = issue_ns
+        self.wait_ns: int | None = issue_ns if blocking else None
+        self.end_ns = 0
+        self.step = step
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        devices = sorted({t.device for t in result if t.device.type == "cuda"}, key=str)
+        self.torch_future: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        #: Builds the trace events once the op completed: f(op) -> events.
+        self.finish_events: Callable[[_Op], list[Any]] = lambda op: []
+
+    def wait(self) -> None:
+        if not self.done.is_set():
+            rt = _rt.current()
+            t = time.monotonic_ns()
+            with self.lock:
+                if self.wait_ns is None and not self.done.is_set():
+                    self.wait_ns = t
+            rt.recorder.comm_enter(t)
+            try:
+                rt.block_on(self.done, self.what, t)
+            finally:
+                rt.recorder.comm_exit(time.monotonic_ns())
+        if self.error is not None:
+            raise self.error
+
+    def complete(self, payloads: Sequence[Any] | None, error: BaseException | None) -> None:
+        """Copy results in, record, and wake waiters (completion thread)."""
+        if error is None and payloads is not None:
+            try:
+                self._copy_out(payloads)
+            except BaseException as e:
+                error = e
+        with self.lock:
+            self.end_ns = time.monotonic_ns()
+            if self.wait_ns is None:
+                self.wait_ns = self.end_ns
+        self.error = error
+        rt = _rt.current()
+        if error is None:
+            for ev in self.finish_events(self):
+                rt.recorder.emit(ev)
+        self.done.set()
+        if error is None:
+            self.torch_future.set_result(self.result)
+        else:
+            self.torch_future.set_exception(error)
+
+    def _copy_out(self, payloads: Sequence[Any]) -> None:
+        if len(payloads) != len(self.outputs):
+            raise PrismRankError(
+                f"{self.what}: the coordinator sent {len(payloads)} tensors, expected "
+                f"{len(self.outputs)}; this is a Prism bug, please report it"
+            )
+        cuda: set[torch.device] = set()
+        with torch.no_grad():
+            for buf, out in zip(payloads, self.outputs):
+                src = _from_payload(buf, out, self.what)
+                out.copy_(src)
+                if out.device.type == "cuda":
+                    cuda.add(out.device)
+        for dev in cuda:
+            torch.cuda.synchronize(dev)
+
+
+class PrismWork(dist._Work):
+    """Work of one Prism operation: ``wait()`` blocks (without the slot) until
+    the coordinator's reply is applied; ``get_future()`` is completed then."""
+
+    def __init__(self, op: _Op) -> None:
+        super().__init__()
+        self._op = op
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._op.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.done.is_set()
+
+    def is_success(self) -> bool:
+        return self._op.done.is_set() and self._op.error is None
+
+    def exception(self) -> BaseException | None:
+        return self._op.error
+
+    def result(self) -> list[torch.Tensor]:
+        self._op.wait()
+        return self._op.result
+
+    def synchronize(self) -> None:
+        self._op.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._op.torch_future
+
+
+def _value(ref: str, t: torch.Tensor) -> trace.TensorValue:
+    return trace.TensorValue(ref=ref, dtype=_dtype_name(t.dtype), shape=_shape(t), data=bytes(_buffer(_host(t))))
+
+
+def _value_events(ref_prefix: str, role: str, tensors: Sequence[torch.Tensor], limit: int) -> list[trace.TensorValue]:
+    """Values of the small ones among ``tensors`` (role "in"/"out", or
+    "in{i}"/"out{i}" when there are several)."""
+    single = len(tensors) == 1
+    return [
+        _value(f"{ref_prefix}:{role if single else f'{role}{i}'}", t)
+        for i, t in enumerate(tensors)
+        if t.numel() * t.element_size() <= limit
+    ]
+
+
+# --- the process group -------------------------------------------------------------
+
+
+class PrismProcessGroup(dist.ProcessGroup):
+    """A torch.distributed process group whose calls go through the Prism
+    coordinator (see the module docstring for the wire contract)."""
+
+    def __init__(self, rank: int, size: int, ranks: Sequence[int], gid: str, index: int, name: str) -> None:
+        super().__init__(rank, size)
+        self._group_rank = rank
+        self._size = size
+        #: Global ranks of the members, in group-rank order.
+        self.global_ranks = tuple(ranks)
+        self.gid = gid
+        self.index = index
+        self._name = name
+        self._desc = ""
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"PrismProcessGroup(gid={self.gid!r}, rank={self._group_rank}, ranks={list(self.global_ranks)})"
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    # --- the collective engine ---------------------------------------------
+
+    def _collective(
+        self,
+        op: str,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        opts: Any,
+        *,
+        result: Sequence[torch.Tensor] | None = None,
+        reduce: Any = None,
+        root: int = -1,
+        in_splits: Sequence[int] = (),
+        out_splits: Sequence[int] = (),
+    ) -> PrismWork:
+        rt = _rt.current()
+        t0 = time.monotonic_ns()
+        rt.recorder.comm_enter(t0)
+        try:
+            with self._seq_lock:
+                seq = self._seq
+                self._seq += 1
+            reduce_name, premul = _reduce_op(reduce) if reduce is not None else ("", None)
+            tensors = list(inputs) or list(outputs)
+            dtype = _dtype_name(tensors[0].dtype) if tensors else "uint8"
+            hosts = [_host(t) for t in inputs]
+            async_op = bool(getattr(opts, "asyncOp", True))
+            msg = protocol.CollectiveArrive(
+                rank=rt.rank,
+                gid=self.gid,
+                seq=seq,
+                op=op,
+                reduce_op=reduce_name,
+                dtype=dtype,
+                in_shapes=tuple(_shape(t) for t in inputs),
+                out_shapes=tuple(_shape(t) for t in outputs),
+                root=root,
+                in_splits=tuple(int(s) for s in in_splits),
+                out_splits=tuple(int(s) for s in out_splits),
+                premul=premul,
+                async_op=async_op,
+                issue_ns=t0,
+                payloads=tuple(_buffer(h) for h in hosts),
+            )
+            what = f"{op} on group {self.gid} (seq {seq})"
+            pending = _Op(what, list(outputs), list(result if result is not None else outputs), t0,
+                          not async_op, rt.recorder.step)
+            ref = f"coll:{self.gid}:{seq}"
+            limit = rt.recorder.small_tensor_limit
+            in_values = _value_events(ref, "in", hosts, limit)
+            nbytes = sum(h.numel() * h.element_size() for h in hosts)
+
+            def finish(p: _Op) -> list[Any]:
+                ev = trace.Collective(
+                    gid=msg.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
+                    in_shapes=msg.in_shapes, out_shapes=msg.out_shapes, bytes=nbytes, root=root,
+                    in_splits=msg.in_splits, out_splits=msg.out_splits, premul=premul,
+                    async_op=async_op, issue_ns=p.issue_ns, wait_ns=p.wait_ns or p.end_ns,
+                    end_ns=p.end_ns, step=p.step,
+                )
+                return [ev, *in_values, *_value_events(ref, "out", p.outputs, limit)]
+
+            pending.finish_events = finish
+            fut = rt.client.future(("coll", self.gid, seq))
+            rt.client.send(msg)
+            rt.on_done(fut, lambda f: _complete_from_future(pending, f))
+            return PrismWork(pending)
+        finally:
+            rt.recorder.comm_exit(time.monotonic_ns())
+
+    def _check_len(self, call: str, what: str, items: Sequence[Any], n: int) -> None:
+        if len(items) != n:
+            raise ValueError(
+                f"{call} on group {self.gid}: {what} has {len(items)} tensors, the group has {n} "
+                "ranks; pass one tensor per rank (your script's fault)"
+            )
+
+    # --- all_reduce ----------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        if opts is None or isinstance(opts, (ReduceOp, ReduceOp.RedOpType)):
+            o = dist.AllreduceOptions()
+            if opts is not None:
+                o.reduceOp = opts
+            opts = o
+        op = "all_reduce" if len(tensors) == 1 else "all_reduce_coalesced"
+        return self._collective(op, tensors, tensors, opts, reduce=opts.reduceOp)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        opts = opts or dist.AllreduceCoalescedOptions()
+        return self._collective("all_reduce_coalesced", tensors, tensors, opts, reduce=opts.reduceOp)
+
+    # --- broadcast / reduce ----------------------------------------------------
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        opts = opts or dist.BroadcastOptions()
+        root = opts.rootRank
+        if root == self._group_rank:
+            return self._collective("broadcast", tensors, [], opts, result=tensors, root=root)
+        return self._collective("broadcast", [], tensors, opts, root=root)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        opts = opts or dist.ReduceOptions()
+        root = opts.rootRank
+        outputs = tensors if root == self._group_rank else []
+        return self._collective("reduce", tensors, outputs, opts, result=tensors, reduce=opts.reduceOp, root=root)
+
+    # --- all_gather ------------------------------------------------------------
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        opts = opts or dist.AllgatherOptions()
+        outputs = []
+        for lst in output_lists:
+            self._check_len("all_gather", "the output list", lst, self._size)
+            outputs.extend(lst)
+        return self._collective("all_gather", inputs, outputs, opts)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        return self.allgather(output_lists, inputs, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PrismWork:
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PrismWork:
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        opts = opts or dist.AllgatherOptions()
+        for o, i in zip(outputs, inputs, strict=True):
+            if o.numel() != i.numel() * self._size:
+                raise ValueError(
+                    f"all_gather_into_tensor on group {self.gid}: output has {o.numel()} elements, "
+                    f"expected input's {i.numel()} x {self._size} ranks (your script's fault)"
+                )
+        return self._collective("all_gather_into_tensor", inputs, outputs, opts)
+
+    # --- gather / scatter --------------------------------------------------------
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        opts = opts or dist.GatherOptions()
+        root = opts.rootRank
+        outputs: list[torch.Tensor] = []
+        if root == self._group_rank:
+            self._check_len("gather", "the gather list", output_lists[0], self._size)
+            outputs = list(output_lists[0])
+        return self._collective("gather", inputs, outputs, opts, root=root)
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> PrismWork:
+        opts = opts or dist.ScatterOptions()
+        root = opts.rootRank
+        inputs: list[torch.Tensor] = []
+        if root == self._group_rank:
+            self._check_len("scatter", "the scatter list", input_lists[0], self._size)
+            inputs = list(input_lists[0])
+        return self._collective("scatter", inputs, outputs, opts, root=root)
+
+    # --- reduce_scatter ----------------------------------------------------------
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> PrismWork:
+        opts = opts or dist.ReduceScatterOptions()
+        if len(outputs) != 1:
+            raise _unsupported(f"reduce_scatter with {len(outputs)} output tensors")
+        self._check_len("reduce_scatter", "the input list", input_lists[0], self._size)
+        return self._collective("reduce_scatter", list(input_lists[0]), outputs, opts, reduce=opts.reduceOp)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PrismWork:
+        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PrismWork:
+        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        opts = opts or dist.ReduceScatterOptions()
+        for o, i in zip(outputs, inputs, strict=True):
+            if i.numel() != o.numel() * self._size:
+                raise ValueError(
+                    f"reduce_scatter_tensor on group {self.gid}: input has {i.numel()} elements, "
+                    f"expected output's {o.numel()} x {self._size} ranks (your script's fault)"
+                )
+        return self._collective("reduce_scatter_tensor", inputs, outputs, opts, reduce=opts.reduceOp)
+
+    # --- all_to_all ----------------------------------------------------------------
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        opts = opts or dist.AllToAllOptions()
+        self._check_len("all_to_all", "the input list", inputs, self._size)
+        self._check_len("all_to_all", "the output list", outputs, self._size)
+        return self._collective("all_to_all", inputs, outputs, opts)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None,
+                          input_split_sizes: list[int] | None, opts: Any = None) -> PrismWork:
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None,
+                      input_split_sizes: list[int] | None, opts: Any = None) -> PrismWork:
+        opts = opts or dist.AllToAllOptions()
+        in_splits = self._splits("input", input, input_split_sizes)
+        out_splits = self._splits("output", output, output_split_sizes)
+        return self._collective("all_to_all_single", [input], [output], opts,
+                                in_splits=in_splits, out_splits=out_splits)
+
+    def _splits(self, which: str, t: torch.Tensor, splits: list[int] | None) -> list[int]:
+        rows = int(t.shape[0]) if t.dim() > 0 else 0
+        if not splits:
+            if rows % self._size:
+                raise ValueError(
+                    f"all_to_all_single on group {self.gid}: the {which} has {rows} rows, not divisible "
+                    f"by the {self._size} ranks; pass {which}_split_sizes (your script's fault)"
+                )
+            return [rows // self._size] * self._size
+        if len(splits) != self._size or sum(splits) != rows:
+            raise ValueError(
+                f"all_to_all_single on group {self.gid}: {which}_split_sizes {list(splits)} must have "
+                f"{self._size} entries summing to the {which}'s {rows} rows (your script's fault)"
+            )
+        return [int(s) for s in splits]
+
+    # --- barrier ---------------------------------------------------------------------
+
+    def barrier(self, opts: Any = None) -> PrismWork:
+        return self._collective("barrier", [], [], opts or dist.BarrierOptions())
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        self.barrier().wait()
+
+    # --- point to point ------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> PrismWork:
+        rt = _rt.current()
+        t0 = time.monotonic_ns()
+        blocking = _caller_is_blocking("send")
+        rt.recorder.comm_enter(t0)
+        try:
+            (t,) = tensors
+            peer = self.global_ranks[dst]
+            pseq = rt.next_pseq(rt.rank, peer, tag)
+            h = _host(t, copy=True)  # eager send: the caller may reuse t at once
+            rt.client.send(protocol.Send(
+                rank=rt.rank, gid=self.gid, dst=peer, tag=tag, pseq=pseq, dtype=_dtype_name(t.dtype),
+                shape=_shape(t), issue_ns=t0, payloads=(_buffer(h),),
+            ))
+            end = time.monotonic_ns()
+            pending = _Op(f"send to rank {peer} tag {tag}", [], [t], t0, True, rt.recorder.step)
+            pending.end_ns = end
+            rt.recorder.emit(trace.P2P(
+                op="send", gid=self.gid, peer=peer, tag=tag, pseq=pseq, dtype=_dtype_name(t.dtype),
+                shape=_shape(t), bytes=h.numel() * h.element_size(), async_op=not blocking,
+                issue_ns=t0, wait_ns=t0, end_ns=end, step=rt.recorder.step,
+            ))
+            if h.numel() * h.element_size() <= rt.recorder.small_tensor_limit:
+                rt.recorder.emit(_value(f"p2p:{rt.rank}:{peer}:{tag}:{pseq}", h))
+            pending.done.set()
+            pending.torch_future.set_result([t])
+            return PrismWork(pending)
+        finally:
+            rt.recorder.comm_exit(time.monotonic_ns())
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> PrismWork:
+        rt = _rt.current()
+        t0 = time.monotonic_ns()
+        blocking = _caller_is_blocking("recv")
+        rt.recorder.comm_enter(t0)
+        try:
+            (t,) = tensors
+            peer = self.global_ranks[src]
+            pseq = rt.next_pseq(peer, rt.rank, tag)
+            shape, dtype = _shape(t), _dtype_name(t.dtype)
+            pending = _Op(f"recv from rank {peer} tag {tag} (pseq {pseq})", [t], [t], t0, blocking, rt.recorder.step)
+            nbytes = t.numel() * t.element_size()
+
+            def finish(p: _Op) -> list[Any]:
+                return [trace.P2P(
+                    op="recv", gid=self.gid, peer=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape,
+                    bytes=nbytes, async_op=not blocking, issue_ns=p.issue_ns, wait_ns=p.wait_ns or p.end_ns,
+                    end_ns=p.end_ns, step=p.step,
+                )]
+
+            pending.finish_events = finish
+            fut = rt.client.future(("p2p", peer, rt.rank, tag, pseq))
+            rt.client.send(protocol.RecvPost(
+                rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape, issue_ns=t0,
+            ))
+            rt.on_done(fut, lambda f: _complete_from_future(pending, f))
+            return PrismWork(pending)
+        finally:
+            rt.recorder.comm_exit(time.monotonic_ns())
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> PrismWork:
+        raise _unsupported("recv from any source (dist.recv/irecv without src)")
+
+    # --- not supported ------------------------------------------------------------
+
+    def _start_coalescing(self, device: Any) -> None:
+        raise _unsupported("_start_coalescing (device-level coalescing)")
+
+    def _end_coalescing(self, device: Any) -> PrismWork:
+        raise _unsupported("_end_coalescing (device-level coalescing)")
+
+    def split_group(self, *args: Any, **kwargs: Any) -> Any:
+        raise _unsupported("split_group (create groups with dist.new_group instead)")
+
+
+def _complete_from_future(pending: _Op, fut: Any) -> None:
+    try:
+        reply = fut.result()
+    except BaseException as e:
+        pending.complete(None, PrismRankError(f"{pending.what} failed: {e}"))
+        return
+    pending.complete(tuple(reply.payloads), None)
+
+
+# --- registration ----------------------------------------------------------------
+
+
+def _create_prism_pg(dist_opts: Any, backend_opts: Any) -> PrismProcessGroup:
+    rt = _rt.current()
+    members = list(dist_opts.global_ranks_in_group)
+    name = str(dist_opts.group_id)
+    if not members:  # torch passes no ranks for WORLD
+        members = list(range(dist_opts.group_size))
+        index = 0
+    elif name.isdigit():
+        # torch numbers groups by creation on every rank, members or not.
+        index = int(name)
+    else:
+        # Hashed names (use_local_synchronization=True) skip torch's counter;
+        # this rank's own count is the best available.
+        index = 1 + rt.groups_created
+    rt.groups_created += 1
+    gid = _group_id(index, members)
+    pg = PrismProcessGroup(dist_opts.group_rank, dist_opts.group_size, members, gid, index, name)
+    rt.client.send(protocol.GroupCreate(rank=rt.rank, gid=gid, index=index, ranks=tuple(members), name=name))
+    rt.recorder.emit(trace.GroupCreated(gid=gid, ranks=tuple(members), index=index, name=name,
+                                        t_ns=time.monotonic_ns()))
+    return pg
+
+
+def register() -> None:
+    """Register backend ``"prism"`` with torch.distributed (idempotent)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create_prism_pg, extended_api=True, devices=["cpu", "cuda"])

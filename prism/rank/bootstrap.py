@@ -1,0 +1,210 @@
+"""What a logical rank's process does around the user's script.
+
+``child_main`` runs in each child of the fork server (``prism.rank.forkserver``):
+it connects to the coordinator (Hello/Welcome), takes a slot, forces every
+``init_process_group``/``new_group`` onto the Prism backend, runs the script
+(``runpy``) and reports how it ended (trace flush, ``Goodbye``, exit code).
+
+Forcing the backend: no environment variable selects a torch.distributed
+backend and an explicit ``"nccl"`` always builds NCCL, so ``init_process_group``
+and ``new_group`` are wrapped where scripts and torch find them
+(``torch.distributed``, ``torch.distributed.distributed_c10d`` and
+``torch.distributed.device_mesh``, which imports the names and calls them
+bare). Whatever backend the script names ("nccl", "gloo", None,
+"cpu:gloo,cuda:nccl") becomes "prism"; ``device_id`` is dropped (a Python
+process group has no C++ backend to bind, and a bound device sends DeviceMesh
+down the ``split_group`` path); the store is a private ``HashStore`` with the
+rank and world size given explicitly, so no TCP rendezvous happens (the Prism
+backend never uses the store).
+
+Processes the script spawns: ``PRISM_SITE_DIR`` (``prism/rank/_site``) holds a
+``sitecustomize`` that applies the same patch in any Python child that has it
+on ``PYTHONPATH`` and ``PRISM_COORDINATOR`` set; such a child connects when it
+calls ``init_process_group``, as the rank given by its arguments or by the
+``RANK``/``WORLD_SIZE`` it inherits (see ``install_lazy``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import pathlib
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from prism.core import protocol
+from prism.rank import backend as _backend
+from prism.rank import runtime as _rt
+
+#: ``module:function`` replacing ``transport.client.BlockingClient.connect``
+#: (same signature); tests use it to plug in a fake coordinator.
+CLIENT_FACTORY_ENV = "PRISM_CLIENT_FACTORY"
+COORDINATOR_ENV = "PRISM_COORDINATOR"
+PRISM_SITE_DIR = str(pathlib.Path(__file__).resolve().parent / "_site")
+CONNECT_TIMEOUT_S = 30.0
+
+
+def connect(endpoint: str, hello: protocol.Hello, *, timeout: float = CONNECT_TIMEOUT_S) -> tuple[Any, protocol.Welcome]:
+    """Connect to the coordinator: ``(client, welcome)``."""
+    factory = os.environ.get(CLIENT_FACTORY_ENV)
+    if factory:
+        module, _, name = factory.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+    else:
+        from transport.client import BlockingClient
+
+        fn = BlockingClient.connect
+    return fn(endpoint, hello, timeout=timeout)
+
+
+def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) -> _rt.RankRuntime:
+    """Connect, start the rank's runtime (slot held on return), install hooks."""
+    if torch.cuda.is_available():
+        device = f"cuda:{local_rank % torch.cuda.device_count()}"
+    else:
+        device = "cpu"
+    hello = _rt.make_hello(rank, world_size, local_rank, device)
+    client, welcome = connect(endpoint, hello)
+    rt = _rt.RankRuntime(client, welcome, hello, welcome_recv_ns=time.monotonic_ns())
+    _backend.register()
+    rt.start(physical_device=device)
+    _rt.install_step_hooks(rt)
+    return rt
+
+
+# --- forcing the backend -------------------------------------------------------------
+
+
+_PATCHED_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.device_mesh")
+
+
+def _ensure_runtime(rank: int, world_size: int) -> _rt.RankRuntime:
+    if _rt._current is not None:
+        return _rt._current
+    # A process the rank spawned (sitecustomize): connect now.
+    endpoint = os.environ.get(COORDINATOR_ENV)
+    if not endpoint:
+        raise RuntimeError(f"init_process_group under Prism needs {COORDINATOR_ENV}; start the script with prism")
+    rank = rank if rank >= 0 else int(os.environ["RANK"])
+    world_size = world_size if world_size > 0 else int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return start_runtime(endpoint, rank, world_size, local)
+
+
+def patch_torch_distributed() -> None:
+    """Make every ``init_process_group``/``new_group`` use backend "prism" (idempotent)."""
+    if getattr(c10d.init_process_group, "_prism_patched", False):
+        return
+    _backend.register()
+    original_init = c10d.init_process_group
+    original_new_group = c10d.new_group
+
+    @functools.wraps(original_init)
+    def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None,
+                           world_size: int = -1, rank: int = -1, store: Any = None, group_name: str = "",
+                           pg_options: Any = None, device_id: Any = None, **kwargs: Any) -> None:
+        rt = _ensure_runtime(rank, world_size)
+        if world_size not in (-1, rt.world_size) or rank not in (-1, rt.rank):
+            raise ValueError(
+                f"init_process_group(rank={rank}, world_size={world_size}) disagrees with Prism, which "
+                f"started this process as rank {rt.rank} of {rt.world_size}; let Prism set RANK and "
+                "WORLD_SIZE (your script's or launch command's fault)"
+            )
+        kw = {"timeout": timeout} if timeout is not None else {}
+        return original_init(_backend.BACKEND_NAME, store=dist.HashStore(), rank=rt.rank,
+                             world_size=rt.world_size, group_name=group_name, **kw)
+
+    @functools.wraps(original_new_group)
+    def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None,
+                  *args: Any, **kwargs: Any) -> Any:
+        return original_new_group(ranks, timeout, None, None, *args, **kwargs)
+
+    init_process_group._prism_patched = True  # type: ignore[attr-defined]
+    new_group._prism_patched = True  # type: ignore[attr-defined]
+    for name in _PATCHED_MODULES:
+        mod = importlib.import_module(name)
+        if hasattr(mod, "init_process_group"):
+            mod.init_process_group = init_process_group
+        if hasattr(mod, "new_group"):
+            mod.new_group = new_group
+    for device in ("cpu", "cuda"):
+        dist.Backend.default_device_backend_map[device] = _backend.BACKEND_NAME
+
+
+def install_lazy() -> None:
+    """The sitecustomize entry: patch now, connect at ``init_process_group``."""
+    patch_torch_distributed()
+
+
+# --- running the script ----------------------------------------------------------------
+
+
+def run_command(command: Sequence[str]) -> None:
+    """Run ``SCRIPT args...`` or ``-m MODULE args...`` as ``__main__``."""
+    if not command:
+        raise ValueError("no command to run: give a script path or -m MODULE")
+    if command[0] == "-m":
+        if len(command) < 2:
+            raise ValueError("-m needs a module name")
+        sys.argv = [command[1], *command[2:]]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+    else:
+        script = command[0]
+        sys.argv = list(command)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+def _exit_code(e: SystemExit) -> int:
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def child_main(command: Sequence[str], *, rank: int, world_size: int, local_rank: int,
+               endpoint: str | None) -> int:
+    """A rank process's whole life; returns its exit code.
+
+    With ``endpoint=None`` the script runs with plain torch.distributed (no
+    patch, no coordinator): a ground-truth run under the same launcher.
+    """
+    rt = None
+    status, message, code = "ok", "", 0
+    try:
+        if endpoint is not None:
+            rt = start_runtime(endpoint, rank, world_size, local_rank)
+            patch_torch_distributed()
+        try:
+            run_command(command)
+        except SystemExit as e:
+            code = _exit_code(e)
+            if code != 0:
+                status, message = "error", f"the script exited with status {code}"
+    except BaseException:
+        message = traceback.format_exc()
+        traceback.print_exc()
+        status, code = "error", 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if rt is not None:
+        try:
+            rt.finish(status, message)
+            rt.client.close()
+        except BaseException:
+            traceback.print_exc()
+            code = code or 1
+    return code

@@ -1,0 +1,228 @@
+"""The fork server: one process that imports torch once and forks the ranks.
+
+Started by ``prism.launcher.launch_ranks`` as ``python -m prism.rank.forkserver``
+so that the coordinator (trio, zmq) never forks itself: forking a process with
+a live zmq context or trio loop is unsafe. It must not touch CUDA before
+forking (a CUDA context does not survive fork), and it starts no threads.
+
+Protocol (JSON lines): stdin receives one launch spec (see ``launch_ranks``),
+then optionally ``{"cmd": "kill"}``; stdout reports ``{"ev": "started",
+"rank": R, "pid": P}`` per child, ``{"ev": "exit", "rank": R, "status": S}``
+(``S`` as ``subprocess`` return codes: the exit code, or ``-signal``) and
+finally ``{"ev": "done"}``. EOF on stdin (the launcher went away) kills every
+child, so no rank outlives its launcher.
+
+Each child's stdout and stderr go to one pipe; the server appends them to
+``RUN/logs/rank-XXXXXX.log`` and copies the lines of the shown ranks to its
+own stderr prefixed ``[rank N] ``; a rank that is not shown but fails has the
+tail of its log printed when it exits.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import resource
+import selectors
+import signal
+import sys
+from typing import Any
+
+import orjson
+import torch  # noqa: F401  (imported once here so each child starts warm)
+
+import prism.rank.bootstrap  # noqa: F401  (likewise)
+
+#: Lines of a hidden rank's output replayed on the console when it fails.
+FAILURE_TAIL_LINES = 40
+PR_SET_PDEATHSIG = 1
+
+
+def _log_name(rank: int) -> str:
+    return f"rank-{rank:06d}.log"
+
+
+def child_env(spec: dict[str, Any], rank: int) -> dict[str, str]:
+    """The environment torchrun would give ``rank``, plus Prism's."""
+    env = dict(os.environ)
+    env.update(spec.get("env") or {})
+    world = spec["world_size"]
+    per_node = spec["nproc_per_node"]
+    node = rank // per_node
+    env.update({
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank % per_node),
+        "LOCAL_WORLD_SIZE": str(min(per_node, world - node * per_node)),
+        "GROUP_RANK": str(node),
+        "NODE_RANK": str(node),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(spec["master_port"]),
+        "TORCHELASTIC_RUN_ID": spec["run_id"],
+    })
+    # torchrun's default: one thread per rank unless the user chose.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if spec.get("endpoint"):
+        env["PRISM_COORDINATOR"] = spec["endpoint"]
+        site = prism.rank.bootstrap.PRISM_SITE_DIR
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _child(spec: dict[str, Any], rank: int, out_w: int) -> None:
+    """Runs in the forked child; never returns."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out_w, 1)
+        os.dup2(out_w, 2)
+        os.closerange(3, 1 << 16)
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.environ.clear()
+        os.environ.update(child_env(spec, rank))
+        if spec.get("cwd"):
+            os.chdir(spec["cwd"])
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+        code = prism.rank.bootstrap.child_main(
+            spec["command"],
+            rank=rank,
+            world_size=spec["world_size"],
+            local_rank=rank % spec["nproc_per_node"],
+            endpoint=spec.get("endpoint"),
+        )
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _report(obj: dict[str, Any]) -> None:
+    os.write(1, orjson.dumps(obj) + b"\n")
+
+
+def serve(spec: dict[str, Any]) -> None:
+    world = spec["world_size"]
+    logs = os.path.join(spec["run_dir"], "logs")
+    os.makedirs(logs, exist_ok=True)
+    show = spec.get("show_ranks", [0])
+    shown = set(range(world)) if show == "all" else set(show)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * world + 64
+    if soft < need and (hard == resource.RLIM_INFINITY or hard >= soft):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard) if hard != resource.RLIM_INFINITY else need, hard))
+
+    sel = selectors.DefaultSelector()
+    pids: dict[int, int] = {}
+    pending: dict[int, bytes] = {}
+    log_files: dict[int, Any] = {}
+    tails: dict[int, collections.deque] = {}
+    for rank in range(world):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _child(spec, rank, w)
+        os.close(w)
+        pids[pid] = rank
+        log_files[rank] = open(os.path.join(logs, _log_name(rank)), "ab", buffering=0)
+        pending[rank] = b""
+        tails[rank] = collections.deque(maxlen=FAILURE_TAIL_LINES)
+        sel.register(r, selectors.EVENT_READ, rank)
+        _report({"ev": "started", "rank": rank, "pid": pid})
+    sel.register(0, selectors.EVENT_READ, None)
+
+    def console(rank: int, line: bytes) -> None:
+        os.write(2, f"[rank {rank}] ".encode() + line + (b"" if line.endswith(b"\n") else b"\n"))
+
+    def kill_all() -> None:
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    open_pipes = world
+    alive = dict(pids)
+    exited: dict[int, int] = {}
+    closed: set[int] = set()
+
+    def show_failure(rank: int) -> None:
+        # Once the rank has exited and all its output is read.
+        status = exited.get(rank, 0)
+        if status == 0 or rank in shown or rank not in closed:
+            return
+        os.write(2, f"[rank {rank}] exited with status {status}; last lines of its log:\n".encode())
+        for line in tails[rank]:
+            console(rank, line)
+    while open_pipes or alive:
+        for key, _ in sel.select(timeout=0.05):
+            if key.data is None:
+                data = os.read(0, 65536)
+                if not data or b'"kill"' in data:
+                    kill_all()
+                    if not data:
+                        sel.unregister(0)
+                continue
+            rank = key.data
+            data = os.read(key.fd, 1 << 16)
+            if not data:
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                open_pipes -= 1
+                closed.add(rank)
+                if pending[rank]:
+                    data, pending[rank] = pending[rank], b""
+                    tails[rank].append(data)
+                    if rank in shown:
+                        console(rank, data)
+                show_failure(rank)
+                continue
+            log_files[rank].write(data)
+            *lines, pending[rank] = (pending[rank] + data).split(b"\n")
+            for line in lines:
+                tails[rank].append(line + b"\n")
+                if rank in shown:
+                    console(rank, line + b"\n")
+        while alive:
+            try:
+                pid, raw = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                alive.clear()
+                break
+            if pid == 0:
+                break
+            rank = alive.pop(pid, None)
+            if rank is None:
+                continue
+            status = os.waitstatus_to_exitcode(raw)
+            exited[rank] = status
+            _report({"ev": "exit", "rank": rank, "status": status})
+            show_failure(rank)
+    _report({"ev": "done"})
+
+
+def main() -> None:
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return
+    # No PDEATHSIG here: it fires when the launcher's *thread* exits (the
+    # coordinator may launch from a worker thread); EOF on stdin marks the
+    # launcher's death instead.
+    serve(orjson.loads(line))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""The per-process state of a logical rank: its coordinator client, its slot,
+its trace recorder and the completion thread of its communication calls.
+
+One ``RankRuntime`` exists per rank process (``current()``); the backend and
+the bootstrap reach it through this module.
+
+Slots: the rank holds a slot whenever user code runs. ``start()`` sends
+``SlotRequest`` and waits for ``SlotGrant``; ``block_on()`` (a wait on a
+communication call that is not done) releases the slot first and requests it
+again before returning to user code.
+
+Completion: replies resolve ``concurrent.futures.Future`` objects in the
+transport's I/O thread. That thread must never block or run user callbacks,
+so a done future only queues its operation; the rank's completion thread
+copies the results into the output tensors, records the trace event and then
+completes the torch Future (running DDP's comm-hook callbacks there, as NCCL's
+watchdog thread would).
+
+Iteration ends (``install_step_hooks``): a global optimizer step post hook.
+Rule with several optimizers: an iteration ends when every live optimizer has
+stepped once since the previous end (ChainedOptimizer, ZeroRedundancyOptimizer
+and its inner optimizer); if some optimizer steps a second time before the
+others did, the iteration is taken to have ended at the previous step's end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import queue
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from prism.core import protocol, trace
+from prism.rank.recorder import RankRecorder
+
+#: Before blocking, a trace batch older than this goes out, so the coordinator
+#: knows what a rank did before a hang.
+FLUSH_BEFORE_BLOCK_NS = 100_000_000
+
+
+class Client(Protocol):
+    """What the rank needs from ``transport.client.BlockingClient``."""
+
+    def send(self, msg: Any) -> None: ...
+    def future(self, key: tuple[Any, ...]) -> concurrent.futures.Future: ...
+    def close(self) -> None: ...
+
+
+class PrismRankError(RuntimeError):
+    """A communication call failed: the coordinator reported an error (a
+    mismatch, a peer failure, a deadlock) or shut the run down."""
+
+
+_current: RankRuntime | None = None
+
+
+def current() -> RankRuntime:
+    """The runtime of this rank process; raises if Prism did not start it."""
+    if _current is None:
+        raise RuntimeError(
+            "the Prism backend is used outside a Prism rank process: start the script "
+            "with `python -m prism run ...`, or call prism.rank.runtime.RankRuntime.start() first"
+        )
+    return _current
+
+
+class RankRuntime:
+    """State of one logical rank process (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: Client,
+        welcome: protocol.Welcome,
+        hello: protocol.Hello,
+        *,
+        welcome_recv_ns: int | None = None,
+    ) -> None:
+        self.client = client
+        self.welcome = welcome
+        self.rank = hello.rank
+        self.world_size = hello.world_size
+        self.local_rank = hello.local_rank
+        self.device = hello.device
+        recv = welcome_recv_ns if welcome_recv_ns is not None else hello.t_ns
+        # Same host clock in practice; the midpoint estimate also covers a
+        # coordinator whose clock differs.
+        self.clock_offset_ns = welcome.t_ns - (hello.t_ns + recv) // 2
+        self.recorder = RankRecorder(self.rank, client.send, small_tensor_limit=welcome.small_tensor_limit)
+        self._slot_lock = threading.Lock()
+        self._holds_slot = False
+        self._blocked = 0
+        self._completions: queue.SimpleQueue = queue.SimpleQueue()
+        self._completer = threading.Thread(target=self._complete_loop, name="prism-completer", daemon=True)
+        self._pseq: dict[tuple[int, int, int], int] = {}
+        self._pseq_lock = threading.Lock()
+        self.groups_created = 0
+        self._finished = False
+
+    # --- lifecycle ---------------------------------------------------------
+
+    def start(self, *, physical_device: str | None = None) -> None:
+        """Become the process's runtime, emit RankStart and take a slot."""
+        global _current
+        _current = self
+        self._completer.start()
+        t = time.monotonic_ns()
+        self.recorder.emit(
+            trace.RankStart(
+                rank=self.rank,
+                world_size=self.world_size,
+                local_rank=self.local_rank,
+                pid=os.getpid(),
+                hostname=socket.gethostname(),
+                device=self.device,
+                physical_device=physical_device or self.device,
+                clock_offset_ns=self.clock_offset_ns,
+                start_ns=t,
+            )
+        )
+        with self._slot_lock:
+            self._acquire_locked()
+        self.recorder.start_segment(time.monotonic_ns())
+
+    def finish(self, status: str, message: str = "") -> None:
+        """Flush the trace (RankEnd) and say Goodbye; idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        step_tracker = _step_tracker
+        if step_tracker is not None:
+            step_tracker.flush_pending()
+        self.recorder.finish(time.monotonic_ns(), status, message)
+        self.client.send(protocol.Goodbye(rank=self.rank, status=status, message=message))
+
+    # --- slots -------------------------------------------------------------
+
+    def _acquire_locked(self) -> None:
+        fut = self.client.future(("slot",))
+        self.client.send(protocol.SlotRequest(rank=self.rank))
+        try:
+            fut.result()
+        except Exception as e:  # CoordinatorError, or the client closing
+            raise PrismRankError(f"rank {self.rank}: waiting for a slot failed: {e}") from e
+        self._holds_slot = True
+
+    def block_on(self, done: threading.Event, what: str, t_ns: int) -> None:
+        """Wait for ``done`` without holding the slot (see the module docstring).
+
+        ``t_ns`` is when the rank started to wait. Returns holding the slot.
+        """
+        self.recorder.flush_if_old(FLUSH_BEFORE_BLOCK_NS)
+        self.client.send(protocol.Wait(rank=self.rank, what=what, t_ns=t_ns))
+        with self._slot_lock:
+            self._blocked += 1
+            if self._holds_slot:
+                self.client.send(protocol.SlotRelease(rank=self.rank))
+                self._holds_slot = False
+        try:
+            done.wait()
+        finally:
+            with self._slot_lock:
+                self._blocked -= 1
+                if not self._holds_slot:
+                    self._acquire_locked()
+
+    # --- p2p sequence numbers ------------------------------------------------
+
+    def next_pseq(self, src: int, dst: int, tag: int) -> int:
+        """Sequence number of the next message from ``src`` to ``dst`` with ``tag``."""
+        with self._pseq_lock:
+            key = (src, dst, tag)
+            n = self._pseq.get(key, 0)
+            self._pseq[key] = n + 1
+            return n
+
+    # --- completion --------------------------------------------------------
+
+    def on_done(self, fut: concurrent.futures.Future, handler: Callable[[concurrent.futures.Future], None]) -> None:
+        """Run ``handler(fut)`` in the completion thread once ``fut`` is done."""
+        fut.add_done_callback(lambda f: self._completions.put((handler, f)))
+
+    def _complete_loop(self) -> None:
+        while True:
+            handler, fut = self._completions.get()
+            handler(fut)
+
+
+def make_hello(rank: int, world_size: int, local_rank: int, device: str) -> protocol.Hello:
+    """The Hello this process sends (its monotonic clock now)."""
+    return protocol.Hello(
+        protocol_version=protocol.PROTOCOL_VERSION,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        pid=os.getpid(),
+        hostname=socket.gethostname(),
+        device=device,
+        t_ns=time.monotonic_ns(),
+    )
+
+
+# --- iteration ends and memory ------------------------------------------------
+
+
+class _StepTracker:
+    """Marks iteration ends from optimizer steps (rule in the module docstring)."""
+
+    def __init__(self, runtime: RankRuntime) -> None:
+        self.runtime = runtime
+        self.live: weakref.WeakSet = weakref.WeakSet()
+        self._stepped: set[int] = set()
+        self._pending_end: int | None = None
+        self._lock = threading.Lock()
+
+    def on_init(self, optimizer: Any) -> None:
+        self.live.add(optimizer)
+
+    def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        t = time.monotonic_ns()
+        with self._lock:
+            self.live.add(optimizer)
+            if id(optimizer) in self._stepped and self._pending_end is not None:
+                self._end(self._pending_end)
+            self._stepped.add(id(optimizer))
+            self._pending_end = t
+            if all(id(o) in self._stepped for o in self.live):
+                self._end(t)
+
+    def flush_pending(self) -> None:
+        with self._lock:
+            if self._pending_end is not None:
+                self._end(self._pending_end)
+
+    def _end(self, end_ns: int) -> None:
+        self._stepped.clear()
+        self._pending_end = None
+        rec = self.runtime.recorder
+        step = rec.step
+        sample = _cuda_memory_sample(end_ns, step)
+        rec.end_step(end_ns)
+        if sample is not None:
+            rec.emit(sample)
+
+
+def _cuda_memory_sample(t_ns: int, step: int) -> trace.Memory | None:
+    """Memory event for the current CUDA device (peak since the last sample),
+    then reset the peak; None where CUDA was never initialised."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return None
+    dev = torch.cuda.current_device()
+    ev = trace.Memory(
+        t_ns=t_ns,
+        device=f"cuda:{dev}",
+        allocated=torch.cuda.memory_allocated(dev),
+        reserved=torch.cuda.memory_reserved(dev),
+        peak_allocated=torch.cuda.max_memory_allocated(dev),
+        step=step,
+    )
+    torch.cuda.reset_peak_memory_stats(dev)
+    return ev
+
+
+_step_tracker: _StepTracker | None = None
+
+
+def install_step_hooks(runtime: RankRuntime) -> None:
+    """Mark iteration ends on optimizer steps, without touching the script."""
+    global _step_tracker
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    if _step_tracker is not None:
+        _step_tracker.runtime = runtime
+        return
+    tracker = _StepTracker(runtime)
+    original_init = torch.optim.Optimizer.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        tracker.on_init(self)
+
+    # Counting live optimizers needs their construction; the global hooks only
+    # see steps.
+    torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign]
+    register_optimizer_step_post_hook(tracker.on_step)
+    _step_tracker = tracker
