@@ -149,6 +149,8 @@ def run_capture(args: argparse.Namespace, parser_error=None) -> int:
 def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coordinator: str | None = None,
             nproc_per_node: int = 8, show_ranks=(0,), quiet_s: float = 30.0, progress: str = "auto") -> int:
     """Capture ``cmd`` as ``world_size`` ranks into ``run_dir``; the exit status."""
+    if show_ranks == "none":
+        show_ranks = ()
     import trio
 
     from prism.coordinator import Coordinator, Progress
@@ -162,7 +164,7 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
         procs = launch_ranks(world_size, coordinator, run_dir, cmd, nproc_per_node=nproc_per_node,
                              show_ranks=show_ranks)
         codes = procs.wait()
-        bad = {r: c for r, c in codes.items() if c != 0}
+        bad = {r: c for r, c in enumerate(codes) if c != 0}
         if bad:
             print(f"prism capture: ranks failed: {bad}; see {run_dir / T.LOGS_DIR}", file=sys.stderr)
             return 1

@@ -113,8 +113,8 @@ class Coordinator:
     """Serves one capture of ``world_size`` ranks into ``run_dir``.
 
     ``processes`` (optional; may be set after ``run`` started) is the
-    launcher's handle on the rank processes (``poll() -> dict[rank, exit
-    code]`` of ranks that exited, ``kill_all()``); without it (a standalone coordinator) a dead rank is
+    launcher's handle on the rank processes (``poll() -> list`` of exit
+    codes, None while a rank runs; ``kill_all()``); without it (a standalone coordinator) a dead rank is
     noticed by its silence: the deadlock watchdog names it.
     """
 
@@ -221,8 +221,8 @@ class Coordinator:
                 await trio.sleep(0.1)
                 if self.processes is None:
                     continue
-                for rank, code in self.processes.poll().items():
-                    if rank not in seen:
+                for rank, code in enumerate(self.processes.poll()):
+                    if code is not None and rank not in seen:
                         seen.add(rank)
                         await out.send(("exit", rank, code))
 

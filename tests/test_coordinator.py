@@ -162,7 +162,7 @@ class FakeProcesses:
         self.killed = False
 
     def poll(self):
-        return dict(self.exited)
+        return [self.exited.get(r) for r in range(2)]
 
     def kill_all(self):
         self.killed = True
