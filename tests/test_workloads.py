@@ -231,3 +231,15 @@ def test_collectives_example_world4_values():
             hsum = sum(values[(k + 1) % world, step, "ring"] for k in everyone)
             assert math.isclose(values[r, step, "all_gather"], hsum, rel_tol=1e-5)
     assert values[0, 2, "w"] != values[0, 0, "w"], "the optimizer step should move w"
+
+
+def test_parse_losses_reads_repr_floats_and_checks_the_step_order():
+    text = "noise\nstep 0 loss 5.535069227218628\nstep 1 loss 1e-05\nsplits step 0 ...\n"
+    assert parse_losses(text) == [5.535069227218628, 1e-05]
+    with pytest.raises(ValueError, match="expected step 1, found line 'step 2 loss 3.0'"):
+        parse_losses("step 0 loss 1.0\nstep 2 loss 3.0\n")
+
+
+def test_parse_splits_reads_the_print_splits_lines():
+    text = "step 0 loss 1.0\nsplits step 2 micro 1 layer 3 rank 5 send [21, 43] recv [0, 20]\n"
+    assert parse_splits(text) == [dict(step=2, micro=1, layer=3, rank=5, send=[21, 43], recv=[0, 20])]
