@@ -62,9 +62,9 @@ Output (stdout, flushed; other tools parse these lines):
 
 - ``step K loss X``: once per step K (0-based) from the last stage's rank with
   dp_rank 0 and tp_rank 0. X is ``repr`` of the global-batch mean loss (a
-  Python float, full precision). The loss reaches every rank (all_reduce AVG
-  over DP on the last stage, then broadcast over the pipeline group) after
-  ``optimizer.step()``.
+  Python float, full precision). The loss reaches every rank (all_reduce SUM
+  over DP on the last stage, divided by DP, then broadcast over the pipeline
+  group) after ``optimizer.step()``.
 - with ``--print-splits``, on every rank that dispatches tokens:
   ``splits step K micro M layer L rank R send [..] recv [..]``: the
   all_to_all_single input and output split sizes (in tokens) of the dispatch.
@@ -564,6 +564,9 @@ def _init_distributed(a: argparse.Namespace) -> tuple[Layout, torch.device]:
                  f"launch {want} ranks or change the parallel sizes so their product is {world}")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if a.device == "cuda" else a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{PROG}: --device {a.device} but this process (RANK={os.environ.get('RANK')}) sees no "
+                 f"CUDA device; use --device cpu or check CUDA_VISIBLE_DEVICES")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if torch.cuda.is_available() and device.type == "cuda" else "gloo")
@@ -610,7 +613,8 @@ def main(argv: list[str] | None = None) -> None:
         # then a broadcast from the last stage down its pipeline.
         loss_t = torch.tensor([loss], dtype=torch.float64, device=device)
         if stage.last and groups.dp is not None:
-            dist.all_reduce(loss_t, op=dist.ReduceOp.AVG, group=groups.dp)
+            dist.all_reduce(loss_t, group=groups.dp)
+            loss_t /= a.dp
         if groups.pipeline is not None:
             dist.broadcast(loss_t, src=groups.pipeline_ranks[-1], group=groups.pipeline)
         if reports:
