@@ -362,7 +362,9 @@ class PrismProcessGroup(dist.ProcessGroup):
                 op=op,
                 reduce_op=reduce_name,
                 dtype=dtype,
-                in_shapes=tuple(_shape(t) for t in inputs),
+                # Every member declares the broadcast tensor (the matcher
+                # compares them); only the root sends its payload.
+                in_shapes=tuple(_shape(t) for t in (inputs if inputs or op != "broadcast" else outputs)),
                 out_shapes=tuple(_shape(t) for t in outputs),
                 root=root,
                 in_splits=tuple(int(s) for s in in_splits),
@@ -384,7 +386,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             def finish(p: _Op) -> list[Any]:
                 ev = trace.Collective(
                     gid=msg.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
-                    in_shapes=msg.in_shapes, out_shapes=msg.out_shapes, bytes=nbytes, root=root,
+                    in_shapes=tuple(_shape(t) for t in inputs), out_shapes=msg.out_shapes, bytes=nbytes, root=root,
                     in_splits=msg.in_splits, out_splits=msg.out_splits, premul=premul,
                     async_op=async_op, issue_ns=p.issue_ns, wait_ns=p.wait_ns or p.end_ns,
                     end_ns=p.end_ns, step=p.step,
