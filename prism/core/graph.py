@@ -323,9 +323,11 @@ class ExecutionGraph:
         self.is_barrier = ((k == COLL) | (k == RECV)) & ~self.is_async | (k == WAIT)
         # slot: per rank, 0 = origin, j = after the j-th barrier; made global
         # by adding the rank's base (number of barriers before it + rank).
-        nbar_before = np.cumsum(self.is_barrier) - self.is_barrier  # global count, exclusive
-        bar_at_rank_start = nbar_before[self.rank_ptr[:-1]] if n else np.zeros(world, np.int64)
-        self.bar_ptr_rank = np.append(bar_at_rank_start, int(self.is_barrier.sum())).astype(np.int64)
+        nbar_before = np.zeros(n + 1, np.int64)  # global count of barriers before each node (and the end)
+        np.cumsum(self.is_barrier, out=nbar_before[1:])
+        self.bar_ptr_rank = nbar_before[self.rank_ptr]
+        bar_at_rank_start = self.bar_ptr_rank[:-1]
+        nbar_before = nbar_before[:-1]
         self.slot_base = self.bar_ptr_rank[:-1] + np.arange(world)
         local = nbar_before - np.repeat(bar_at_rank_start, np.diff(self.rank_ptr))
         self.local_slot = local.astype(np.int64)
