@@ -184,10 +184,10 @@ def parse_profile(text: str, source: str) -> CostModel:
 
     def need(table: dict, key: str, where: str, kind: type | tuple) -> Any:
         if key not in table:
-            raise ProfileError(f"{source}: missing key {where}{key!r}")
+            raise ProfileError(f"{source}: missing key '{where}{key}'")
         v = table[key]
         if not isinstance(v, kind) or isinstance(v, bool):
-            raise ProfileError(f"{source}: key {where}{key!r} has value {v!r}; expected {_kind_name(kind)}")
+            raise ProfileError(f"{source}: key '{where}{key}' has value {v!r}; expected {_kind_name(kind)}")
         return v
 
     def positive(v: float, key: str, allow_zero: bool = False) -> float:
