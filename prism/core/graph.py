@@ -28,7 +28,8 @@ because the batch replay evaluates exactly that order with array operations.
 
 Program order is recovered from each rank's timestamps, not from record
 order: an async op's record is written when it completes, after the compute
-that overlapped it.
+that overlapped it. Ties: a call (or wait, or step end) at instant t comes
+before a compute segment that starts at t; otherwise record order decides.
 """
 
 from __future__ import annotations
@@ -233,7 +234,8 @@ class ExecutionGraph:
                         )
                     items.append((ev.issue_ns, 0, i, 0, ev))
                     if ev.async_op:
-                        items.append((ev.wait_ns, 0, i, 1, ev))
+                        # a wait cannot precede its issue (a handle waited on at once records equal times)
+                        items.append((max(ev.wait_ns, ev.issue_ns), 0, i, 1, ev))
                 elif isinstance(ev, Iteration):
                     items.append((ev.end_ns, 0, i, 0, ev))
             # Ties: a call at t precedes the compute that starts at t; else record order.

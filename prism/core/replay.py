@@ -51,12 +51,9 @@ from prism.core.graph import (
     COLL,
     COMPUTE,
     ITER,
-    KIND_NAMES,
-    OPS,
     RECV,
     SEND,
     WAIT,
-    DeadlockError,
     ExecutionGraph,
     _range_gather,
 )
@@ -729,6 +726,4 @@ def replay_batch(graph: ExecutionGraph, durations: np.ndarray | None = None,
 
 def describe_step(graph: ExecutionGraph, step: PathStep) -> str:
     """Human line for a critical-path step."""
-    what = KIND_NAMES[graph.kind[step.node]]
-    op = OPS[graph.op[step.node]] if graph.op[step.node] >= 0 else what
-    return f"{step.t0:>14,} .. {step.t1:>14,} ns  {step.t1 - step.t0:>12,} ns  {graph.describe(step.node)} [{op}]"
+    return f"{step.t0:>14,} .. {step.t1:>14,} ns  {step.t1 - step.t0:>12,} ns  {graph.describe(step.node)}"
