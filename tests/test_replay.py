@@ -259,3 +259,17 @@ def test_megatron_engines_agree(spec):
         assert same(ref, SteppableReplay(g, cost_model=model).run())
         check_causality(g, ref)
 
+
+
+def test_steps_need_not_start_at_zero():
+    p = Program(2)
+    p.step = [5, 5]
+    p.compute(0, 10)
+    p.compute(1, 30)
+    p.end_step()
+    p.compute(0, 40)
+    p.compute(1, 20)
+    p.end_step()
+    r = replay_batch(ExecutionGraph.from_events(p.events))
+    assert r.steps.tolist() == [5, 6]
+    assert r.iteration_times.tolist() == [30, 20]  # job ends: max(10, 30) = 30, then max(50, 50) = 50

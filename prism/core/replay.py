@@ -155,13 +155,18 @@ class ReplayResult:
 
     # -- iterations (DESIGN.md: job step k ends when the last rank's step k ends)
     @cached_property
+    def steps(self) -> np.ndarray:
+        """The step numbers that have end-of-step marks, ascending."""
+        g = self.graph
+        return np.unique(g.step[g.kind == ITER])
+
+    @cached_property
     def iteration_end(self) -> np.ndarray:
-        """``[step, rank]`` time each rank reached its step's end (-1: never)."""
+        """``[i, rank]``: when each rank reached the end of step ``steps[i]`` (-1: never)."""
         g = self.graph
         it = np.flatnonzero(g.kind == ITER)
-        steps = int(g.step[it].max()) + 1 if len(it) else 0
-        out = np.full((steps, g.world_size), -1, np.int64)
-        out[g.step[it], g.rank[it]] = self.start[it]
+        out = np.full((len(self.steps), g.world_size), -1, np.int64)
+        out[np.searchsorted(self.steps, g.step[it]), g.rank[it]] = self.start[it]
         return out
 
     @cached_property
@@ -170,14 +175,14 @@ class ReplayResult:
         ie = self.iteration_end
         missing = np.argwhere(ie < 0)
         if len(missing):
-            s, r = missing[0]
-            raise ReplayError(f"rank {r} has no end-of-step mark for step {s}; iteration times need every rank's "
+            i, r = missing[0]
+            raise ReplayError(f"rank {r} has no end-of-step mark for step {self.steps[i]}; iteration times need every rank's "
                               "step marks (the trace's iteration records are incomplete)")
         return ie.max(axis=1)
 
     @cached_property
     def iteration_times(self) -> np.ndarray:
-        """Per step k: job end of step k minus job end of step k-1 (step 0 from time 0)."""
+        """Per recorded step: its job end minus the previous step's (the first from time 0)."""
         e = self.job_iteration_end
         return np.diff(e, prepend=0)
 
