@@ -175,14 +175,16 @@ class ExecutionGraph:
     COLL, the message of a SEND/RECV, -1 otherwise), ``is_barrier`` (a point
     where the rank blocks on others: blocking COLL or RECV, WAIT), ``slot``
     (the segment a node is reached in: global index of the last barrier
-    before it on its rank, counted with one origin per rank), ``offset`` (time
-    from the segment's start to the node's start, given compute durations and
-    p2p costs: see ``segment_offsets``);
+    before it on its rank, counted with one origin per rank; global slot ids
+    run over ranks in order, each rank's origin first);
     per collective instance: ``inst_group, inst_seq, inst_op, inst_bytes``
     (largest member contribution), ``inst_ptr`` / ``inst_nodes`` (member nodes
     in group-rank order);
     per message: ``msg_send, msg_recv, msg_bytes, msg_group, msg_tag, msg_pseq``;
-    ``waves`` (see ``Waves``).
+    ``waves`` (see ``Waves``); and the barrier bookkeeping behind it:
+    ``bars`` (barrier node ids), ``bar_ptr_rank`` (per rank, into ``bars``),
+    ``local_slot`` (a node's slot counted within its rank), ``slot_base``
+    (global slot of each rank's origin), ``n_slots``.
     """
 
     def __init__(self) -> None:  # use from_events / from_columns
