@@ -273,3 +273,16 @@ def test_steps_need_not_start_at_zero():
     r = replay_batch(ExecutionGraph.from_events(p.events))
     assert r.steps.tolist() == [5, 6]
     assert r.iteration_times.tolist() == [30, 20]  # job ends: max(10, 30) = 30, then max(50, 50) = 50
+
+
+def test_steppable_keeps_per_node_state_out_of_python_objects():
+    # the real-time path must not give the garbage collector millions of objects to walk
+    import gc
+
+    g = megatron_graph(MegatronSpec(tp=2, pp=2, dp=4, micro_batches=8, iterations=2))
+    gc.collect()
+    before = len(gc.get_objects())
+    s = SteppableReplay(g, cost_model=SKEWED)
+    s.advance(s.next_event_time() + 5_000_000)
+    gc.collect()
+    assert len(gc.get_objects()) - before < g.n_nodes // 20
