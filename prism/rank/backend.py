@@ -381,12 +381,15 @@ class PrismProcessGroup(dist.ProcessGroup):
             ref = f"coll:{self.gid}:{seq}"
             limit = rt.recorder.small_tensor_limit
             in_values = _value_events(ref, "in", hosts, limit)
-            nbytes = sum(h.numel() * h.element_size() for h in hosts)
+            # A broadcast's non-root members record the tensor they receive
+            # (as in their CollectiveArrive): its size is what the op moves.
+            nbytes = sum(h.numel() * h.element_size() for h in hosts) if hosts or op != "broadcast" else \
+                sum(t.numel() * t.element_size() for t in outputs)
 
             def finish(p: _Op) -> list[Any]:
                 ev = trace.Collective(
                     gid=msg.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
-                    in_shapes=tuple(_shape(t) for t in inputs), out_shapes=msg.out_shapes, bytes=nbytes, root=root,
+                    in_shapes=msg.in_shapes, out_shapes=msg.out_shapes, bytes=nbytes, root=root,
                     in_splits=msg.in_splits, out_splits=msg.out_splits, premul=premul,
                     async_op=async_op, issue_ns=p.issue_ns, wait_ns=p.wait_ns or p.end_ns,
                     end_ns=p.end_ns, step=p.step,
