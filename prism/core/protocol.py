@@ -11,6 +11,7 @@ on anything malformed: a receiver must never crash on a peer's bytes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -31,7 +32,14 @@ Buffer = bytes | bytearray | memoryview
 
 
 class ProtocolError(Exception):
-    """A peer sent something this protocol does not allow (the peer's fault)."""
+    """A peer sent something this protocol does not allow (the peer's fault).
+
+    A socket that received the bad message sets ``identity`` to the sending
+    peer's routing identity (None where the socket has no identities), so the
+    receiver can answer that peer with an ``Error(code="bad_message")``.
+    """
+
+    identity: bytes | None = None
 
 
 class VersionMismatch(ProtocolError):
@@ -333,6 +341,16 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     raise ProtocolError(f"{where}: Prism cannot decode type {hint!r}; please report this bug")
 
 
+def _json_default(value: Any) -> Any:
+    # Shapes arrive as torch.Size (a tuple subclass orjson refuses) and sizes
+    # as numpy integers; both are plain JSON once converted.
+    if isinstance(value, tuple):
+        return list(value)
+    if hasattr(value, "__index__"):
+        return value.__index__()
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
 def encode(msg: Message, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[Buffer]:
     """Frames for ``msg``: the orjson header, then its payloads (not copied)."""
     cls = type(msg)
@@ -340,8 +358,19 @@ def encode(msg: Message, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         raise TypeError(f"{cls.__name__} is not a Prism protocol message")
     header: dict[str, Any] = {"t": cls.TYPE, "v": PROTOCOL_VERSION}
     for name, _hint, _req in _SPECS[cls]:
-        header[name] = getattr(msg, name)
-    head = orjson.dumps(header)
+        value = getattr(msg, name)
+        # orjson writes NaN and infinities as null, which would decode as
+        # None (or fail): refuse them here, where the sender can be named.
+        if type(value) is float and not math.isfinite(value):
+            raise ValueError(f"{cls.__name__}.{name} must be a finite number, got {value!r}")
+        header[name] = value
+    try:
+        head = orjson.dumps(header, default=_json_default)
+    except orjson.JSONEncodeError as e:
+        raise ValueError(
+            f"cannot encode {cls.__name__} ({e}): fields must be ints within 64 bits, "
+            f"finite floats, valid UTF-8 strings, or tuples of those; got {msg!r}"
+        ) from None
     payloads = tuple(getattr(msg, "payloads", ()))
     total = len(head) + sum(memoryview(p).nbytes for p in payloads)
     if total > max_bytes:
@@ -356,8 +385,9 @@ def decode(frames: Sequence[Buffer], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYT
     """The message carried by ``frames``; ``ProtocolError`` if malformed."""
     if not frames:
         raise ProtocolError("empty message: expected a header frame")
-    head = frames[0]
-    head_len = memoryview(head).nbytes
+    # zmq.Frame supports the buffer protocol but neither slicing nor orjson.
+    head = memoryview(frames[0])
+    head_len = head.nbytes
     if head_len > MAX_HEADER_BYTES:
         raise ProtocolError(f"header frame of {head_len} bytes exceeds {MAX_HEADER_BYTES} bytes")
     total = head_len + sum(memoryview(f).nbytes for f in frames[1:])
@@ -374,7 +404,8 @@ def decode(frames: Sequence[Buffer], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYT
     if cls is None:
         raise ProtocolError(f"unknown message type {mtype!r}; known: {sorted(_BY_TYPE)}")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    # type() check: true == 1 and 1.0 == 1 in Python, but not on the wire.
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise VersionMismatch(
             f"{mtype} message in protocol version {version!r}, this side speaks "
             f"{PROTOCOL_VERSION}: run the same Prism version on every side"

@@ -68,6 +68,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ReduceOp
 
 from prism.core import protocol, trace
+from prism.core.matcher import wait_key_coll, wait_key_p2p
 from prism.rank import runtime as _rt
 from prism.rank.runtime import PrismRankError
 
@@ -171,6 +172,9 @@ class _Op:
     def __init__(self, what: str, outputs: list[torch.Tensor], result: list[torch.Tensor], issue_ns: int,
                  blocking: bool, step: int) -> None:
         self.what = what
+        #: What the coordinator's matcher calls this op in a ``Wait``
+        #: (``matcher.wait_key_coll`` / ``wait_key_p2p``); set by the caller.
+        self.wait_key = what
         self.outputs = outputs
         self.result = result
         self.issue_ns = issue_ns
@@ -194,7 +198,7 @@ class _Op:
                     self.wait_ns = t
             rt.recorder.comm_enter(t)
             try:
-                rt.block_on(self.done, self.what, t)
+                rt.block_on(self.done, self.wait_key, t)
             finally:
                 rt.recorder.comm_exit(time.monotonic_ns())
         if self.error is not None:
@@ -376,7 +380,9 @@ class PrismProcessGroup(dist.ProcessGroup):
                 op=op,
                 reduce_op=reduce_name,
                 dtype=dtype,
-                in_shapes=tuple(_shape(t) for t in inputs),
+                # Every member declares the broadcast tensor (the matcher
+                # compares them); only the root sends its payload.
+                in_shapes=tuple(_shape(t) for t in (inputs if inputs or op != "broadcast" else outputs)),
                 out_shapes=tuple(_shape(t) for t in outputs),
                 root=root,
                 in_splits=tuple(int(s) for s in in_splits),
@@ -389,10 +395,14 @@ class PrismProcessGroup(dist.ProcessGroup):
             what = f"{op} on group {self.gid} (seq {seq})"
             pending = _Op(what, list(outputs), list(result if result is not None else outputs), t0,
                           not async_op, rt.recorder.step)
+            pending.wait_key = wait_key_coll(self.gid, seq)
             ref = f"coll:{self.gid}:{seq}"
             limit = rt.recorder.small_tensor_limit
             in_values = _value_events(ref, "in", hosts, limit)
-            nbytes = sum(h.numel() * h.element_size() for h in hosts)
+            # A broadcast's non-root members record the tensor they receive
+            # (as in their CollectiveArrive): its size is what the op moves.
+            nbytes = sum(h.numel() * h.element_size() for h in hosts) if hosts or op != "broadcast" else \
+                sum(t.numel() * t.element_size() for t in outputs)
 
             def finish(p: _Op) -> list[Any]:
                 ev = trace.Collective(
@@ -617,6 +627,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             pseq = rt.next_pseq(peer, rt.rank, tag)
             shape, dtype = _shape(t), _dtype_name(t.dtype)
             pending = _Op(f"recv from rank {peer} tag {tag} (pseq {pseq})", [t], [t], t0, blocking, rt.recorder.step)
+            pending.wait_key = wait_key_p2p(peer, rt.rank, tag, pseq)
             nbytes = t.numel() * t.element_size()
 
             def finish(p: _Op) -> list[Any]:

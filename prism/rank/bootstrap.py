@@ -204,6 +204,12 @@ def child_main(command: Sequence[str], *, rank: int, world_size: int, local_rank
         try:
             rt.finish(status, message)
             rt.client.close()
+            # The fork server's children leave through os._exit, which skips
+            # ZeroMQ's linger: terminating the context here blocks until the
+            # last trace records and the Goodbye are on their way.
+            import zmq
+
+            zmq.Context.instance().term()
         except BaseException:
             traceback.print_exc()
             code = code or 1

@@ -1,0 +1,254 @@
+"""Communication cost models (sans-IO apart from reading a profile file).
+
+An alpha-beta model per collective algorithm: a call costs a fixed base
+latency, a per-step latency (alpha) times the algorithm's number of steps,
+and the bytes each rank moves divided by the per-direction bandwidth (beta)
+of the bottleneck link. With ``n`` members and ``S`` the bytes one rank
+contributes (the largest contribution when members differ):
+
+=========================  ======================  =============================
+op                         steps (alpha)           bytes over the link (beta)
+=========================  ======================  =============================
+all_reduce  ring           2(n-1)                  2(n-1)/n * S
+all_reduce  tree           2 ceil(log2 n)          2 * S
+all_gather (ring)          n-1                     (n-1) * S   (S = own shard)
+reduce_scatter (ring)      n-1                     (n-1)/n * S (S = full input)
+all_to_all (pairwise)      n-1                     (n-1)/n * S
+broadcast/reduce ring      n-1 (pipelined chain)   S
+broadcast/reduce tree      ceil(log2 n)            S
+gather                     n-1                     (n-1) * S
+scatter                    n-1                     (n-1)/n * S
+barrier                    as all_reduce of 0 bytes
+send/recv (p2p)            1                       S
+=========================  ======================  =============================
+
+These are the textbook forms NCCL's own tuning model uses (``nsteps`` in
+``src/graph/tuning.cc``). Topology: ranks ``[k*ranks_per_node, (k+1)*ranks_per_node)``
+share node ``k``; a group whose members sit on one node uses the intra-node
+link, a group spanning nodes uses the inter-node link for every step (the
+slowest link bounds a ring). Contention between concurrent collectives is
+not modelled.
+
+Profiles are TOML files (see ``prism/profiles/``), parsed with ``tomllib``;
+``ZERO`` costs nothing (for tests).
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import tomllib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from prism.core.graph import OP_CODE, OPS
+
+if TYPE_CHECKING:
+    from prism.core.graph import ExecutionGraph
+
+PROFILE_DIR = pathlib.Path(__file__).resolve().parent.parent / "profiles"
+
+ALGORITHMS = {
+    "all_reduce": ("ring", "tree"),
+    "all_reduce_coalesced": ("ring", "tree"),
+    "barrier": ("ring", "tree"),
+    "broadcast": ("ring", "tree"),
+    "reduce": ("ring", "tree"),
+}
+_DEFAULT_ALGORITHM = "ring"
+
+
+class ProfileError(ValueError):
+    """A cost profile is invalid (the profile file's fault)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One direction of a link as one GPU sees it."""
+
+    #: bytes per second, per direction, per GPU
+    bandwidth: float
+    #: seconds per algorithm step
+    latency: float
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """An alpha-beta communication cost model with a two-level topology."""
+
+    name: str
+    ranks_per_node: int
+    intra: Link
+    inter: Link
+    #: seconds added once per call (launch and protocol overhead)
+    base_latency: float = 0.0
+    #: op -> algorithm for ops that have a choice (see ALGORITHMS); others "ring"
+    algorithms: tuple[tuple[str, str], ...] = ()
+    #: where the model came from: a file path, or a short phrase
+    source: str = ""
+    #: free text shown with predictions (e.g. "datasheet figures, not measured here")
+    description: str = ""
+    _zero: bool = field(default=False, repr=False)
+
+    @classmethod
+    def zero(cls) -> CostModel:
+        """A model in which every communication takes no time."""
+        free = Link(math.inf, 0.0)
+        return cls("zero", 1, free, free, source="built in", description="communication costs nothing", _zero=True)
+
+    def algorithm(self, op: str) -> str:
+        return dict(self.algorithms).get(op, _DEFAULT_ALGORITHM)
+
+    # -- scalar form (documentation, tests, one-off questions)
+    def collective_ns(self, op: str, nbytes: int, ranks: tuple[int, ...] | list[int]) -> int:
+        """Modelled duration (ns) of ``op`` moving ``nbytes`` per rank among ``ranks``."""
+        if op not in OP_CODE:
+            raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+        spans = len({r // self.ranks_per_node for r in ranks}) > 1
+        return int(self._cost(np.array([OP_CODE[op]]), np.array([nbytes], np.int64),
+                              np.array([len(ranks)]), np.array([spans]))[0])
+
+    def p2p_ns(self, nbytes: int, src: int, dst: int) -> int:
+        """Modelled duration (ns) of a point-to-point transfer of ``nbytes``."""
+        spans = src // self.ranks_per_node != dst // self.ranks_per_node
+        return int(self._cost(np.array([OP_CODE["send"]]), np.array([nbytes], np.int64), np.array([2]),
+                              np.array([spans]))[0])
+
+    # -- vectorised form used by replay
+    def instance_costs(self, graph: ExecutionGraph) -> np.ndarray:
+        """Modelled duration (int64 ns) of every collective instance of ``graph``."""
+        size = graph.group_size
+        span = np.array([len({r // self.ranks_per_node for r in g.ranks}) > 1 for g in graph.groups], bool)
+        gi = graph.inst_group
+        return self._cost(graph.inst_op.astype(np.int64), graph.inst_bytes, size[gi], span[gi] if len(gi) else span[:0])
+
+    def message_costs(self, graph: ExecutionGraph) -> np.ndarray:
+        """Modelled duration (int64 ns) of every point-to-point message of ``graph``."""
+        src = graph.rank[graph.msg_send].astype(np.int64)
+        dst = graph.rank[graph.msg_recv].astype(np.int64)
+        spans = (src // self.ranks_per_node) != (dst // self.ranks_per_node)
+        ops = np.full(len(src), OP_CODE["send"], np.int64)
+        return self._cost(ops, graph.msg_bytes, np.full(len(src), 2), spans)
+
+    def _cost(self, op: np.ndarray, nbytes: np.ndarray, n: np.ndarray, spans: np.ndarray) -> np.ndarray:
+        if self._zero or len(op) == 0:
+            return np.zeros(len(op), np.int64)
+        n = n.astype(np.float64)
+        S = nbytes.astype(np.float64)
+        bw = np.where(spans, self.inter.bandwidth, self.intra.bandwidth)
+        lat = np.where(spans, self.inter.latency, self.intra.latency)
+        log2n = np.ceil(np.log2(np.maximum(n, 1)))
+        steps = np.zeros(len(op))
+        moved = np.zeros(len(op))
+        for name in set(OPS[c] for c in np.unique(op).tolist()):
+            m = op == OP_CODE[name]
+            nm, Sm = n[m], S[m]
+            algo = self.algorithm(name)
+            if name in ("all_reduce", "all_reduce_coalesced", "barrier"):
+                Sm = Sm if name != "barrier" else np.zeros_like(Sm)
+                if algo == "tree":
+                    steps[m], moved[m] = 2 * log2n[m], 2 * Sm
+                else:
+                    steps[m], moved[m] = 2 * (nm - 1), 2 * (nm - 1) / nm * Sm
+            elif name in ("all_gather", "all_gather_into_tensor", "gather"):
+                steps[m], moved[m] = nm - 1, (nm - 1) * Sm
+            elif name in ("reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "scatter"):
+                steps[m], moved[m] = nm - 1, (nm - 1) / nm * Sm
+            elif name in ("broadcast", "reduce"):
+                steps[m] = log2n[m] if algo == "tree" else nm - 1
+                moved[m] = Sm
+            else:  # send / recv
+                steps[m], moved[m] = 1, Sm
+        t = self.base_latency + steps * lat + moved / bw
+        t = np.where(n <= 1, 0.0, t)  # a group of one does no communication
+        return np.rint(t * 1e9).astype(np.int64)
+
+
+ZERO = CostModel.zero()
+
+_TOP_KEYS = {"name", "description", "ranks_per_node", "base_latency_us", "intra", "inter", "algorithms"}
+_LINK_KEYS = {"bandwidth_GBps", "latency_us"}
+
+
+def parse_profile(text: str, source: str) -> CostModel:
+    """Parse a TOML cost profile; errors name ``source``, the key and the value."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"{source}: not valid TOML: {e}") from None
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise ProfileError(f"{source}: unknown key {unknown[0]!r} (allowed: {sorted(_TOP_KEYS)})")
+
+    def need(table: dict, key: str, where: str, kind: type | tuple) -> Any:
+        if key not in table:
+            raise ProfileError(f"{source}: missing key '{where}{key}'")
+        v = table[key]
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise ProfileError(f"{source}: key '{where}{key}' has value {v!r}; expected {_kind_name(kind)}")
+        return v
+
+    def positive(v: float, key: str, allow_zero: bool = False) -> float:
+        if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+            raise ProfileError(f"{source}: key {key!r} has value {v!r}; expected a "
+                               f"{'non-negative' if allow_zero else 'positive'} finite number")
+        return float(v)
+
+    def link(key: str) -> Link:
+        t = need(data, key, "", dict)
+        extra = sorted(set(t) - _LINK_KEYS)
+        if extra:
+            raise ProfileError(f"{source}: unknown key '{key}.{extra[0]}' (allowed: {sorted(_LINK_KEYS)})")
+        bw = positive(need(t, "bandwidth_GBps", f"{key}.", (int, float)), f"{key}.bandwidth_GBps")
+        lat = positive(need(t, "latency_us", f"{key}.", (int, float)), f"{key}.latency_us", allow_zero=True)
+        return Link(bw * 1e9, lat * 1e-6)
+
+    name = need(data, "name", "", str)
+    rpn = need(data, "ranks_per_node", "", int)
+    if rpn < 1:
+        raise ProfileError(f"{source}: key 'ranks_per_node' has value {rpn!r}; expected a positive int")
+    base_raw = data.get("base_latency_us", 0.0)
+    if not isinstance(base_raw, (int, float)) or isinstance(base_raw, bool):
+        _bad(source, "base_latency_us", base_raw, "a number")
+    base = positive(base_raw, "base_latency_us", allow_zero=True)
+    algos = data.get("algorithms", {})
+    if not isinstance(algos, dict):
+        _bad(source, "algorithms", algos, "a table")
+    for op, algo in algos.items():
+        if op not in ALGORITHMS:
+            raise ProfileError(f"{source}: key 'algorithms.{op}': no algorithm choice for this op "
+                               f"(choices exist for {sorted(ALGORITHMS)})")
+        if algo not in ALGORITHMS[op]:
+            raise ProfileError(f"{source}: key 'algorithms.{op}' has value {algo!r}; expected one of {ALGORITHMS[op]}")
+    desc = data.get("description", "")
+    if not isinstance(desc, str):
+        _bad(source, "description", desc, "a string")
+    return CostModel(name, rpn, link("intra"), link("inter"), base * 1e-6, tuple(sorted(algos.items())),
+                     source=source, description=desc)
+
+
+def _bad(source: str, key: str, value: Any, expected: str) -> None:
+    raise ProfileError(f"{source}: key {key!r} has value {value!r}; expected {expected}")
+
+
+def _kind_name(kind: type | tuple) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", dict: "a table"}
+    if isinstance(kind, tuple):
+        return "a number" if set(kind) == {int, float} else " or ".join(names[k] for k in kind)
+    return names[kind]
+
+
+def load_profile(spec: str | pathlib.Path) -> CostModel:
+    """Load a profile: ``"zero"``, a bundled name (``h200_nvlink_ib400``) or a TOML path."""
+    if str(spec) == "zero":
+        return ZERO
+    path = pathlib.Path(spec)
+    if not path.suffix and not path.exists():
+        path = PROFILE_DIR / f"{spec}.toml"
+    if not path.is_file():
+        bundled = sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+        raise ProfileError(f"cost profile {str(spec)!r} not found: give a TOML file path, 'zero', "
+                           f"or a bundled profile name ({', '.join(bundled)})")
+    return parse_profile(path.read_text(), str(path))

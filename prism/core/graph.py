@@ -1,0 +1,652 @@
+"""The global execution graph of a captured run (sans-IO, numpy arrays).
+
+A run's trace is one event list per logical rank. ``ExecutionGraph`` turns
+those lists into a graph whose nodes are, per rank and in program order:
+
+``COMPUTE``  a scheduling unit (what the rank did between communication calls)
+``COLL``     the rank's participation in a collective instance ``(gid, seq)``
+``SEND``     a send (eager: the sender's part ends after the modelled p2p time)
+``RECV``     a receive, matched to its send by ``(src, dst, tag, pseq)``
+``WAIT``     the point where the rank waits for an *async* collective or p2p
+``ITER``     the rank's optimizer step for an iteration returned
+
+Edges are implicit: program order within a rank, every member of a collective
+instance to that instance, a send to its receive, an async op to its wait.
+
+Everything is held in flat numpy arrays indexed by node id (nodes of rank
+``r`` are ``rank_ptr[r] : rank_ptr[r+1]``) so that 8,192 ranks with hundreds
+of events each stay a few arrays, not millions of Python objects.
+
+Loading checks the trace and raises a ``GraphError`` subclass that names the
+ranks, the group, the op and the sequence number: a collective instance with a
+member missing (a truncated trace), members disagreeing on op / reduce op /
+dtype / shape, a send or receive without its partner, and a dependency cycle
+(ranks that would wait for each other forever). The cycle check walks the
+graph in *waves* (every rank advances to its next blocking point when that
+point's dependencies are met); the waves are kept (``ExecutionGraph.waves``)
+because the batch replay evaluates exactly that order with array operations.
+
+Program order is recovered from each rank's timestamps, not from record
+order: an async op's record is written when it completes, after the compute
+that overlapped it. Ties: a call (or wait, or step end) at instant t comes
+before a compute segment that starts at t; otherwise record order decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prism.core.trace import (
+    COLLECTIVE_OPS,
+    P2P,
+    P2P_OPS,
+    Collective,
+    Compute,
+    Event,
+    GroupCreated,
+    Iteration,
+)
+
+# Node kinds (values of ExecutionGraph.kind).
+COMPUTE, COLL, SEND, RECV, WAIT, ITER = 0, 1, 2, 3, 4, 5
+KIND_NAMES = ("compute", "coll", "send", "recv", "wait", "iter")
+
+#: Op codes (values of ExecutionGraph.op): collectives, then "send", "recv".
+OPS: tuple[str, ...] = COLLECTIVE_OPS + P2P_OPS
+OP_CODE = {name: i for i, name in enumerate(OPS)}
+
+#: Ops whose members must pass tensors of equal shapes; for the others
+#: (all_to_all with uneven splits, gather/scatter roots) shapes legitimately
+#: differ between members, so only op, reduce op and dtype are compared.
+_SHAPE_CHECKED = {
+    "all_reduce": "in",
+    "all_reduce_coalesced": "in",
+    "broadcast": "in",
+    "reduce": "in",
+    "all_gather": "in",
+    "all_gather_into_tensor": "in",
+    "reduce_scatter": "out",
+    "reduce_scatter_tensor": "out",
+}
+
+
+class GraphError(ValueError):
+    """The trace cannot form a consistent execution graph (the trace's fault)."""
+
+
+class GroupError(GraphError):
+    """Ranks disagree about a group, or a rank uses a group it never created."""
+
+
+class TruncatedTraceError(GraphError):
+    """A collective instance lacks some members' participation."""
+
+
+class CollectiveMismatchError(GraphError):
+    """Members of one collective instance called different ops/dtypes/shapes."""
+
+
+class UnmatchedP2PError(GraphError):
+    """A send without its receive or a receive without its send."""
+
+
+class DeadlockError(GraphError):
+    """The dependencies form a cycle: some ranks would wait for each other forever."""
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A communicator of the graph: its stable id and member ranks (group-rank order)."""
+
+    gid: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeColumns:
+    """One row per node, rows grouped by rank (rank 0 first) in program order.
+
+    The low-level input of ``ExecutionGraph.from_columns``; ``from_events``
+    and the synthetic array builder both produce it, so both go through the
+    same matching and checks.
+    """
+
+    rank: np.ndarray  # int32
+    kind: np.ndarray  # int8, one of COMPUTE .. ITER
+    dur: np.ndarray  # int64 ns: recorded duration (COMPUTE), else 0
+    is_async: np.ndarray  # bool (COLL, SEND, RECV)
+    group: np.ndarray  # int32 index into groups (COLL, SEND, RECV), else -1
+    seq: np.ndarray  # int64: collective seq, or p2p pseq
+    op: np.ndarray  # int16 op code (OPS), else -1
+    sig: np.ndarray  # int32 index into sig_table (COLL), else -1
+    peer: np.ndarray  # int32 peer global rank (SEND, RECV), else -1
+    tag: np.ndarray  # int64 (SEND, RECV)
+    nbytes: np.ndarray  # int64 bytes this rank contributes / sends / receives
+    wait_of: np.ndarray  # int64 node id of the async op a WAIT waits for, else -1
+    step: np.ndarray  # int32 iteration index
+    rec_start: np.ndarray  # int64 recorded start (issue for ops), rank clock
+    rec_end: np.ndarray  # int64 recorded end
+    #: Decoded signatures: (reduce_op, dtype, shapes or None when not compared).
+    sig_table: tuple[tuple[str, str, tuple | None], ...]
+
+
+def _range_gather(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenate ``arange(s, s+l)`` for every (s, l), vectorised."""
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offs = np.cumsum(lens) - lens
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - offs, lens)
+
+
+@dataclass(frozen=True, slots=True)
+class Waves:
+    """The order in which blocking points resolve, as flat arrays.
+
+    Wave ``k`` resolves barriers ``bars[bar_ptr[k]:bar_ptr[k+1]]`` (blocking
+    collectives, blocking receives, waits; at most one per rank) and then
+    completes collective instances ``insts[inst_ptr[k]:inst_ptr[k+1]]`` whose
+    last member was released by that wave. Wave 0 resolves no barrier: it
+    completes what the ranks' first segments release.
+    """
+
+    bars: np.ndarray
+    bar_ptr: np.ndarray
+    insts: np.ndarray
+    inst_ptr: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return len(self.bar_ptr) - 1
+
+
+class ExecutionGraph:
+    """Nodes and matched dependencies of a whole run, in numpy arrays.
+
+    Build with ``from_events`` (trace event lists) or ``from_columns``.
+    Attributes (all read-only by convention):
+
+    ``world_size``, ``groups`` (tuple of ``Group``), ``rank_ptr``;
+    per node: ``kind, rank, dur, is_async, group, seq, op, peer, tag, nbytes,
+    wait_of, step, rec_start, rec_end``, ``ref`` (the collective instance of a
+    COLL, the message of a SEND/RECV, -1 otherwise), ``is_barrier`` (a point
+    where the rank blocks on others: blocking COLL or RECV, WAIT), ``slot``
+    (the segment a node is reached in: global index of the last barrier
+    before it on its rank, counted with one origin per rank; global slot ids
+    run over ranks in order, each rank's origin first);
+    per collective instance: ``inst_group, inst_seq, inst_op, inst_bytes``
+    (largest member contribution), ``inst_ptr`` / ``inst_nodes`` (member nodes
+    in group-rank order);
+    per message: ``msg_send, msg_recv, msg_bytes, msg_group, msg_tag, msg_pseq``;
+    ``waves`` (see ``Waves``); and the barrier bookkeeping behind it:
+    ``bars`` (barrier node ids), ``bar_ptr_rank`` (per rank, into ``bars``),
+    ``local_slot`` (a node's slot counted within its rank), ``slot_base``
+    (global slot of each rank's origin), ``n_slots``.
+    """
+
+    def __init__(self) -> None:  # use from_events / from_columns
+        raise TypeError("build an ExecutionGraph with ExecutionGraph.from_events(...) or .from_columns(...)")
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def from_events(cls, ranks: Mapping[int, Sequence[Event]]) -> ExecutionGraph:
+        """Build the graph of a run from its per-rank trace event lists.
+
+        ``ranks`` maps every logical rank ``0 .. N-1`` to its events (the
+        records of ``RUN/rank-*.``). Events other than groups, compute,
+        collectives, p2p and iterations are ignored here.
+        """
+        world = len(ranks)
+        if sorted(ranks) != list(range(world)):
+            missing = sorted(set(range(max(ranks, default=-1) + 1)) - set(ranks))
+            raise GraphError(
+                f"the trace has ranks {sorted(ranks)[:8]}... but no events for ranks {missing[:16]}: "
+                "every rank 0..N-1 needs its event list (a rank file is missing from the run)"
+            )
+        groups: dict[str, tuple[int, ...]] = {}
+        group_seen_by: dict[str, int] = {}
+        sigs: dict[tuple, int] = {}
+        b = _ColumnBuilder()
+        for r in range(world):
+            known: set[str] = set()
+            items = []
+            for i, ev in enumerate(ranks[r]):
+                if isinstance(ev, GroupCreated):
+                    prev = groups.get(ev.gid)
+                    if prev is not None and prev != tuple(ev.ranks):
+                        raise GroupError(
+                            f"group {ev.gid!r}: rank {group_seen_by[ev.gid]} recorded members {list(prev)} "
+                            f"but rank {r} recorded {list(ev.ranks)}; the trace is inconsistent "
+                            "(ranks created groups in a different order?)"
+                        )
+                    groups[ev.gid] = tuple(ev.ranks)
+                    group_seen_by.setdefault(ev.gid, r)
+                    known.add(ev.gid)
+                elif isinstance(ev, Compute):
+                    items.append((ev.start_ns, 1, i, 0, ev))
+                elif isinstance(ev, (Collective, P2P)):
+                    if ev.gid not in known:
+                        raise GroupError(
+                            f"rank {r}: {ev.op} on group {ev.gid!r} (seq "
+                            f"{ev.seq if isinstance(ev, Collective) else ev.pseq}) comes before any "
+                            "group record for that gid on this rank; the trace is incomplete or corrupt"
+                        )
+                    items.append((ev.issue_ns, 0, i, 0, ev))
+                    if ev.async_op:
+                        # a wait cannot precede its issue (a handle waited on at once records equal times)
+                        items.append((max(ev.wait_ns, ev.issue_ns), 0, i, 1, ev))
+                elif isinstance(ev, Iteration):
+                    items.append((ev.end_ns, 0, i, 0, ev))
+            # Ties: a call at t precedes the compute that starts at t; else record order.
+            items.sort(key=lambda it: it[:4])
+            row_of_event: dict[int, int] = {}
+            for _, _, i, sub, ev in items:
+                if isinstance(ev, Compute):
+                    b.add(r, COMPUTE, dur=ev.end_ns - ev.start_ns, step=ev.step,
+                          rec_start=ev.start_ns, rec_end=ev.end_ns)
+                elif sub == 1:
+                    b.add(r, WAIT, wait_of=row_of_event[i], step=ev.step,
+                          rec_start=ev.wait_ns, rec_end=ev.end_ns)
+                elif isinstance(ev, Collective):
+                    if ev.op not in OP_CODE or ev.op in P2P_OPS:
+                        raise GraphError(f"rank {r}: collective on group {ev.gid!r} seq {ev.seq} has unknown op {ev.op!r}")
+                    side = _SHAPE_CHECKED.get(ev.op)
+                    shapes = None if side is None else (ev.in_shapes if side == "in" else ev.out_shapes)
+                    key = (ev.reduce_op, ev.dtype, shapes)
+                    sig = sigs.setdefault(key, len(sigs))
+                    row_of_event[i] = b.add(
+                        r, COLL, is_async=ev.async_op, group=ev.gid, seq=ev.seq, op=OP_CODE[ev.op], sig=sig,
+                        nbytes=ev.bytes, step=ev.step, rec_start=ev.issue_ns, rec_end=ev.end_ns)
+                elif isinstance(ev, P2P):
+                    if ev.op not in P2P_OPS:
+                        raise GraphError(f"rank {r}: p2p record with op {ev.op!r}; expected 'send' or 'recv'")
+                    row_of_event[i] = b.add(
+                        r, SEND if ev.op == "send" else RECV, is_async=ev.async_op, group=ev.gid, seq=ev.pseq,
+                        op=OP_CODE[ev.op], peer=ev.peer, tag=ev.tag, nbytes=ev.bytes, step=ev.step,
+                        rec_start=ev.issue_ns, rec_end=ev.end_ns, shape_sig=(ev.dtype, tuple(ev.shape)))
+                else:
+                    b.add(r, ITER, step=ev.step, rec_start=ev.end_ns, rec_end=ev.end_ns)
+        gids = sorted(groups, key=lambda g: (len(groups[g]) != world, g))
+        gindex = {g: k for k, g in enumerate(gids)}
+        cols, p2p_sig = b.finish(gindex, tuple(sorted(sigs, key=sigs.get)))
+        p2p_table = tuple(sorted(b.p2p_sigs, key=b.p2p_sigs.get))
+        return cls.from_columns(world, tuple(Group(g, groups[g]) for g in gids), cols,
+                                p2p_sig=p2p_sig, p2p_sig_table=p2p_table)
+
+    @classmethod
+    def from_columns(
+        cls,
+        world_size: int,
+        groups: Sequence[Group],
+        cols: NodeColumns,
+        *,
+        p2p_sig: np.ndarray | None = None,
+        p2p_sig_table: Sequence[tuple] = (),
+    ) -> ExecutionGraph:
+        """Build from per-node columns (see ``NodeColumns``); runs every check.
+
+        ``p2p_sig`` optionally gives each SEND/RECV row a code of its (dtype,
+        shape) so that a send and its receive can be compared.
+        """
+        g = object.__new__(cls)
+        g._init(world_size, tuple(groups), cols, p2p_sig, tuple(p2p_sig_table))
+        return g
+
+    def _init(self, world, groups, cols, p2p_sig, p2p_sig_table) -> None:
+        self.world_size = world
+        self.groups = groups
+        self.sig_table = cols.sig_table
+        n = len(cols.rank)
+        rank = cols.rank.astype(np.int32, copy=False)
+        if n and np.any(np.diff(rank) < 0):
+            raise GraphError("node columns must be grouped by rank in ascending order (a Prism bug: please report it)")
+        self.rank_ptr = np.searchsorted(rank, np.arange(world + 1)).astype(np.int64)
+        self.rank = rank
+        self.kind = cols.kind.astype(np.int8, copy=False)
+        self.dur = cols.dur.astype(np.int64, copy=False)
+        self.is_async = cols.is_async.astype(bool, copy=False)
+        self.group = cols.group.astype(np.int32, copy=False)
+        self.seq = cols.seq.astype(np.int64, copy=False)
+        self.op = cols.op.astype(np.int16, copy=False)
+        self.peer = cols.peer.astype(np.int32, copy=False)
+        self.tag = cols.tag.astype(np.int64, copy=False)
+        self.nbytes = cols.nbytes.astype(np.int64, copy=False)
+        self.wait_of = cols.wait_of.astype(np.int64, copy=False)
+        self.step = cols.step.astype(np.int32, copy=False)
+        self.rec_start = cols.rec_start.astype(np.int64, copy=False)
+        self.rec_end = cols.rec_end.astype(np.int64, copy=False)
+        self.group_size = np.array([len(gr.ranks) for gr in groups], dtype=np.int64)
+        self.ref = np.full(n, -1, dtype=np.int64)
+        self._match_collectives(cols.sig)
+        self._match_p2p(p2p_sig, p2p_sig_table)
+        self._check_waits()
+        k = self.kind
+        self.is_barrier = ((k == COLL) | (k == RECV)) & ~self.is_async | (k == WAIT)
+        # slot: per rank, 0 = origin, j = after the j-th barrier; made global
+        # by adding the rank's base (number of barriers before it + rank).
+        nbar_before = np.zeros(n + 1, np.int64)  # global count of barriers before each node (and the end)
+        np.cumsum(self.is_barrier, out=nbar_before[1:])
+        self.bar_ptr_rank = nbar_before[self.rank_ptr]
+        bar_at_rank_start = self.bar_ptr_rank[:-1]
+        nbar_before = nbar_before[:-1]
+        self.slot_base = self.bar_ptr_rank[:-1] + np.arange(world)
+        local = nbar_before - np.repeat(bar_at_rank_start, np.diff(self.rank_ptr))
+        self.local_slot = local.astype(np.int64)
+        self.slot = (self.local_slot + np.repeat(self.slot_base, np.diff(self.rank_ptr))).astype(np.int64)
+        self.n_slots = int(self.bar_ptr_rank[-1]) + world
+        self.bars = np.flatnonzero(self.is_barrier)
+        self.waves = self._schedule()
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.kind)
+
+    @property
+    def n_instances(self) -> int:
+        return len(self.inst_group)
+
+    @property
+    def n_messages(self) -> int:
+        return len(self.msg_send)
+
+    # ------------------------------------------------------------- matching
+    def _describe_inst(self, gidx: int, seq: int) -> str:
+        gr = self.groups[gidx]
+        return f"group {gr.gid!r} (ranks {_short(gr.ranks)}) seq {seq}"
+
+    def _match_collectives(self, sig: np.ndarray) -> None:
+        nodes = np.flatnonzero(self.kind == COLL)
+        grp = self.group[nodes].astype(np.int64)
+        if np.any(grp < 0) or np.any(grp >= len(self.groups)):
+            bad = nodes[(grp < 0) | (grp >= len(self.groups))][0]
+            raise GroupError(f"rank {self.rank[bad]}: collective on unknown group index {self.group[bad]} (a Prism bug)")
+        rk = self.rank[nodes].astype(np.int64)
+        # membership: (group, rank) pairs against the groups' member lists
+        mem_g = np.repeat(np.arange(len(self.groups)), self.group_size)
+        mem_r = np.concatenate([np.asarray(gr.ranks, dtype=np.int64) for gr in self.groups]) if self.groups else np.zeros(0, np.int64)
+        W = self.world_size + 1
+        mem_key = mem_g * W + mem_r
+        grank_sorted = np.argsort(mem_key, kind="stable")
+        pos = np.searchsorted(mem_key[grank_sorted], grp * W + rk)
+        pos = np.minimum(pos, max(len(mem_key) - 1, 0))
+        ok = (mem_key[grank_sorted][pos] == grp * W + rk) if len(mem_key) else np.zeros(len(nodes), bool)
+        if not np.all(ok):
+            bad = nodes[~ok][0]
+            raise GroupError(
+                f"rank {self.rank[bad]} took part in {OPS[self.op[bad]]} on {self._describe_inst(self.group[bad], self.seq[bad])} "
+                "but is not a member of that group; the trace is inconsistent"
+            )
+        # group-rank of each participation (members are listed in group-rank order)
+        grp_start = np.cumsum(self.group_size) - self.group_size
+        grank = grank_sorted[pos] - grp_start[grp]
+        seq = self.seq[nodes]
+        order = np.lexsort((grank, seq, grp))
+        nodes, grp, seq, grank = nodes[order], grp[order], seq[order], grank[order]
+        if len(nodes):
+            new = np.ones(len(nodes), bool)
+            new[1:] = (grp[1:] != grp[:-1]) | (seq[1:] != seq[:-1])
+        else:
+            new = np.zeros(0, bool)
+        starts = np.flatnonzero(new)
+        counts = np.diff(np.append(starts, len(nodes)))
+        dup = np.zeros(len(nodes), bool)
+        dup[1:] = ~new[1:] & (grank[1:] == grank[:-1])
+        if np.any(dup):
+            bad = nodes[np.flatnonzero(dup)[0]]
+            raise GraphError(
+                f"rank {self.rank[bad]} recorded {OPS[self.op[bad]]} on {self._describe_inst(self.group[bad], self.seq[bad])} "
+                "twice; sequence numbers must be unique per group on each rank (corrupt trace)"
+            )
+        inst_group = grp[starts]
+        inst_seq = seq[starts]
+        short = counts != self.group_size[inst_group]
+        if np.any(short):
+            i = np.flatnonzero(short)[0]
+            present = sorted(int(self.rank[m]) for m in nodes[starts[i]:starts[i] + counts[i]])
+            members = self.groups[inst_group[i]].ranks
+            missing = sorted(set(members) - set(present))
+            op = OPS[self.op[nodes[starts[i]]]]
+            n_short = int(short.sum())
+            raise TruncatedTraceError(
+                f"{op} on {self._describe_inst(inst_group[i], inst_seq[i])}: ranks {_short(missing)} have no "
+                f"record of it while ranks {_short(present)} do ({n_short} instance(s) incomplete). "
+                "The trace is incomplete: a rank file was truncated or a rank stopped early; "
+                "re-capture the run, or cut every rank's trace at the same step"
+            )
+        inst_id = np.cumsum(new) - 1
+        self.ref[nodes] = inst_id
+        self.inst_group = inst_group.astype(np.int32)
+        self.inst_seq = inst_seq
+        self.inst_ptr = np.append(starts, len(nodes)).astype(np.int64)
+        self.inst_nodes = nodes
+        self.inst_op = self.op[nodes[starts]] if len(nodes) else np.zeros(0, np.int16)
+        self.inst_bytes = (np.maximum.reduceat(self.nbytes[nodes], starts) if len(nodes)
+                           else np.zeros(0, np.int64))
+        # every member must agree with the first member on op and signature
+        for arr, what in ((self.op[nodes], "op"), (sig[nodes], "signature")):
+            first = np.repeat(arr[starts], counts) if len(nodes) else arr
+            diff = arr != first
+            if np.any(diff):
+                j = np.flatnonzero(diff)[0]
+                i = inst_id[j]
+                a, bnode = nodes[starts[i]], nodes[j]
+                raise CollectiveMismatchError(
+                    f"{self._describe_inst(inst_group[i], inst_seq[i])}: members disagree on the {what}: "
+                    f"rank {self.rank[a]} called {self._call_repr(a, sig)} but rank {self.rank[bnode]} called "
+                    f"{self._call_repr(bnode, sig)}. The traced program issued mismatched collectives at this "
+                    "point (a bug in the training script), or the trace is corrupt"
+                )
+
+    def _call_repr(self, node: int, sig: np.ndarray) -> str:
+        reduce_op, dtype, shapes = self.sig_table[sig[node]]
+        parts = [x for x in (reduce_op, dtype) if x]
+        if shapes is not None:
+            parts.append(f"shapes={list(shapes)}")
+        return f"{OPS[self.op[node]]}({', '.join(parts)})"
+
+    def _match_p2p(self, p2p_sig: np.ndarray | None, p2p_sig_table: tuple) -> None:
+        k = self.kind
+        sends = np.flatnonzero(k == SEND)
+        recvs = np.flatnonzero(k == RECV)
+        nodes = np.concatenate([sends, recvs])
+        bad = (self.peer[nodes] < 0) | (self.peer[nodes] >= self.world_size) | (self.peer[nodes] == self.rank[nodes])
+        if np.any(bad):
+            m = nodes[bad][0]
+            raise GraphError(f"rank {self.rank[m]}: {OPS[self.op[m]]} with peer {self.peer[m]} (world size "
+                             f"{self.world_size}); a peer must be another rank of the world (corrupt trace)")
+        is_recv = np.concatenate([np.zeros(len(sends), np.int64), np.ones(len(recvs), np.int64)])
+        src = np.where(is_recv == 1, self.peer[nodes], self.rank[nodes]).astype(np.int64)
+        dst = np.where(is_recv == 1, self.rank[nodes], self.peer[nodes]).astype(np.int64)
+        tag, pseq = self.tag[nodes], self.seq[nodes]
+        order = np.lexsort((is_recv, pseq, tag, dst, src))
+        nodes, is_recv, src, dst, tag, pseq = (a[order] for a in (nodes, is_recv, src, dst, tag, pseq))
+        m = len(nodes)
+        new = np.ones(m, bool)
+        if m > 1:
+            new[1:] = (src[1:] != src[:-1]) | (dst[1:] != dst[:-1]) | (tag[1:] != tag[:-1]) | (pseq[1:] != pseq[:-1])
+        starts = np.flatnonzero(new)
+        counts = np.diff(np.append(starts, m))
+        second = np.minimum(starts + 1, max(m - 1, 0))
+        ok = (counts == 2) & (is_recv[starts] == 0) & (is_recv[second] == 1)
+        if not np.all(ok):
+            j = starts[np.flatnonzero(~ok)[0]]
+            node = nodes[j]
+            what = "recv" if is_recv[j] else "send"
+            other = "send" if is_recv[j] else "recv"
+            who = src[j] if is_recv[j] else dst[j]
+            gid = self.groups[self.group[node]].gid
+            raise UnmatchedP2PError(
+                f"{what} from rank {src[j]} to rank {dst[j]} (group {gid!r}, tag {tag[j]}, pseq {pseq[j]}, "
+                f"step {self.step[node]}) has no matching {other} on rank {who} (or is recorded twice). "
+                "The trace is incomplete (truncated rank file) or the traced program's sends and receives "
+                "do not pair up"
+            )
+        s_nodes, r_nodes = nodes[starts], nodes[starts + 1]
+        if p2p_sig is not None:
+            diff = p2p_sig[s_nodes] != p2p_sig[r_nodes]
+            if np.any(diff):
+                j = np.flatnonzero(diff)[0]
+                s, r = s_nodes[j], r_nodes[j]
+                raise CollectiveMismatchError(
+                    f"send from rank {self.rank[s]} to rank {self.rank[r]} (tag {self.tag[s]}, pseq {self.seq[s]}): "
+                    f"sent {p2p_sig_table[p2p_sig[s]]} but received into {p2p_sig_table[p2p_sig[r]]} "
+                    "(dtype, shape); the traced program's send and recv disagree, or the trace is corrupt"
+                )
+        ids = np.arange(len(s_nodes), dtype=np.int64)
+        self.ref[s_nodes] = ids
+        self.ref[r_nodes] = ids
+        self.msg_send = s_nodes
+        self.msg_recv = r_nodes
+        self.msg_bytes = np.maximum(self.nbytes[s_nodes], self.nbytes[r_nodes])
+        self.msg_group = self.group[s_nodes]
+        self.msg_tag = self.tag[s_nodes]
+        self.msg_pseq = self.seq[s_nodes]
+
+    def _check_waits(self) -> None:
+        waits = np.flatnonzero(self.kind == WAIT)
+        t = self.wait_of[waits]
+        ok = (t >= 0) & (t < waits)
+        ok[ok] &= (self.rank[t[ok]] == self.rank[waits[ok]]) & self.is_async[t[ok]]
+        if not np.all(ok):
+            w = waits[~ok][0]
+            raise GraphError(f"rank {self.rank[w]}: a wait (node {w}) does not refer to an earlier async op of the "
+                             "same rank (a Prism bug: please report it)")
+
+    # ------------------------------------------------------------- schedule
+    def _schedule(self) -> Waves:
+        """Resolve blocking points wave by wave; a stall is a deadlock."""
+        world = self.world_size
+        kind, ref, wait_of = self.kind, self.ref, self.wait_of
+        pending = self.group_size[self.inst_group].copy() if self.n_instances else np.zeros(0, np.int64)
+        cur = np.zeros(world, np.int64)  # local index of the next barrier; slots 0..cur released
+        nbar = np.diff(self.bar_ptr_rank)
+        # COLL nodes in node order are in global-slot order; per-slot ranges
+        coll_nodes = np.flatnonzero(kind == COLL)
+        coll_slot = self.slot[coll_nodes]
+        slot_coll_start = np.searchsorted(coll_slot, np.arange(self.n_slots + 1))
+        bars_out, bar_ptr, insts_out, inst_ptr = [], [0], [], [0]
+
+        def release(slots: np.ndarray) -> np.ndarray:
+            st = slot_coll_start[slots]
+            items = coll_nodes[_range_gather(st, slot_coll_start[slots + 1] - st)]
+            inst = ref[items]
+            np.subtract.at(pending, inst, 1)
+            done = np.unique(inst[pending[inst] == 0])
+            return done
+
+        send_rank = self.rank[self.msg_send].astype(np.int64)
+        send_local = self.local_slot[self.msg_send]
+        insts_out.append(release(self.slot_base))
+        inst_ptr.append(inst_ptr[-1] + len(insts_out[-1]))
+        bar_ptr.append(0)
+        active = np.flatnonzero(nbar > 0)
+        while len(active):
+            b = self.bars[self.bar_ptr_rank[active] + cur[active]]
+            kb = kind[b]
+            target = np.where(kb == WAIT, wait_of[b], b)
+            kt = kind[target]
+            rt = ref[target]
+            ready = np.ones(len(b), bool)
+            c = kt == COLL
+            ready[c] = pending[rt[c]] == 0
+            rv = kt == RECV
+            ready[rv] = send_local[rt[rv]] <= cur[send_rank[rt[rv]]]
+            if not np.any(ready):
+                raise DeadlockError(self._deadlock_message(active, b, pending, cur, send_rank, send_local))
+            rs = active[ready]
+            bars_out.append(b[ready])
+            bar_ptr.append(bar_ptr[-1] + int(ready.sum()))
+            cur[rs] += 1
+            insts_out.append(release(self.slot_base[rs] + cur[rs]))
+            inst_ptr.append(inst_ptr[-1] + len(insts_out[-1]))
+            active = active[cur[active] < nbar[active]]
+        cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)  # noqa: E731
+        return Waves(cat(bars_out), np.asarray(bar_ptr, np.int64), cat(insts_out), np.asarray(inst_ptr, np.int64))
+
+    def _deadlock_message(self, active, b, pending, cur, send_rank, send_local) -> str:
+        lines = []
+        for r, node in list(zip(active.tolist(), b.tolist()))[:8]:
+            t = int(self.wait_of[node]) if self.kind[node] == WAIT else node
+            how = "waits for" if self.kind[node] == WAIT else "waits in"
+            if self.kind[t] == COLL:
+                i = int(self.ref[t])
+                members = self.inst_nodes[self.inst_ptr[i]:self.inst_ptr[i + 1]]
+                late = [int(self.rank[m]) for m in members if self.local_slot[m] > cur[self.rank[m]]]
+                lines.append(f"rank {r} {how} {OPS[self.op[t]]} on "
+                             f"{self._describe_inst(self.inst_group[i], self.inst_seq[i])}, "
+                             f"which ranks {_short(late)} never reach")
+            else:
+                j = int(self.ref[t])
+                lines.append(f"rank {r} {how} recv from rank {send_rank[j]} (group "
+                             f"{self.groups[self.msg_group[j]].gid!r}, tag {self.msg_tag[j]}, pseq {self.msg_pseq[j]}), "
+                             "whose send is never reached")
+        more = f" (and {len(active) - 8} more ranks)" if len(active) > 8 else ""
+        return ("the trace's dependencies form a cycle (deadlock): " + "; ".join(lines) + more +
+                ". The traced program would hang here (collectives issued in different orders on different "
+                "ranks, or a receive before its matching send on both sides), or the trace is corrupt")
+
+    # --------------------------------------------------------------- helpers
+    def nodes_of(self, rank: int) -> slice:
+        """Node ids of ``rank`` (a slice into the per-node arrays)."""
+        return slice(int(self.rank_ptr[rank]), int(self.rank_ptr[rank + 1]))
+
+    def describe(self, node: int) -> str:
+        """A one-line human description of a node, for reports and errors."""
+        k = int(self.kind[node])
+        r = int(self.rank[node])
+        if k == COLL:
+            i = int(self.ref[node])
+            return f"rank {r} {OPS[self.op[node]]} on {self._describe_inst(self.inst_group[i], self.inst_seq[i])}"
+        if k in (SEND, RECV):
+            j = int(self.ref[node])
+            return (f"rank {r} {KIND_NAMES[k]} rank {self.rank[self.msg_send[j]]}->{self.rank[self.msg_recv[j]]} "
+                    f"tag {self.msg_tag[j]} pseq {self.msg_pseq[j]}")
+        if k == WAIT:
+            return f"rank {r} wait for [{self.describe(int(self.wait_of[node]))}]"
+        if k == ITER:
+            return f"rank {r} end of step {self.step[node]}"
+        return f"rank {r} compute ({self.dur[node]} ns, step {self.step[node]})"
+
+    def __repr__(self) -> str:
+        return (f"ExecutionGraph(world_size={self.world_size}, nodes={self.n_nodes}, groups={len(self.groups)}, "
+                f"collective_instances={self.n_instances}, messages={self.n_messages}, waves={self.waves.count})")
+
+
+def _short(xs: Iterable[int], limit: int = 16) -> str:
+    xs = [int(x) for x in xs]
+    if len(xs) <= limit:
+        return str(xs)
+    return str(xs[:limit])[:-1] + f", ... {len(xs) - limit} more]"
+
+
+class _ColumnBuilder:
+    """Row-by-row accumulation of NodeColumns for ``from_events``."""
+
+    __slots__ = ("rows", "p2p_sigs")
+
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        self.p2p_sigs: dict[tuple, int] = {}
+
+    def add(self, rank, kind, *, dur=0, is_async=False, group="", seq=0, op=-1, sig=-1, peer=-1, tag=0,
+            nbytes=0, wait_of=-1, step=0, rec_start=0, rec_end=0, shape_sig=None) -> int:
+        psig = -1 if shape_sig is None else self.p2p_sigs.setdefault(shape_sig, len(self.p2p_sigs))
+        self.rows.append((rank, kind, dur, is_async, group, seq, op, sig, peer, tag, nbytes, wait_of, step,
+                          rec_start, rec_end, psig))
+        return len(self.rows) - 1
+
+    def finish(self, gindex: dict[str, int], sig_table: tuple) -> tuple[NodeColumns, np.ndarray]:
+        rows = self.rows
+        cols = list(zip(*rows)) if rows else [()] * 16
+        arr = lambda i, dt: np.fromiter(cols[i], dtype=dt, count=len(rows))  # noqa: E731
+        group = np.fromiter((gindex[g] if g else -1 for g in cols[4]), dtype=np.int32, count=len(rows))
+        nc = NodeColumns(
+            rank=arr(0, np.int32), kind=arr(1, np.int8), dur=arr(2, np.int64), is_async=arr(3, bool),
+            group=group, seq=arr(5, np.int64), op=arr(6, np.int16), sig=arr(7, np.int32), peer=arr(8, np.int32),
+            tag=arr(9, np.int64), nbytes=arr(10, np.int64), wait_of=arr(11, np.int64), step=arr(12, np.int32),
+            rec_start=arr(13, np.int64), rec_end=arr(14, np.int64), sig_table=sig_table,
+        )
+        return nc, arr(15, np.int64)

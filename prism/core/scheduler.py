@@ -1,0 +1,236 @@
+"""The slot scheduler of phase 1 as a deterministic state machine (sans-IO).
+
+``K`` slots bound how many ranks compute at once (on CPU: in total; see
+"slot" in ``prism/__init__.py``). A rank asks for a slot before it computes
+(``protocol.SlotRequest``), gives it back when it is about to block in a
+communication call (``protocol.SlotRelease``), and asks again once it can go
+on. Waiting ranks are granted in FIFO order of their requests, so every
+requester is granted once the ranks ahead of it release; the same event
+sequence always gives the same actions.
+
+Rank states (``RankState``)::
+
+    STARTING --request--> WAITING --(slot free)--> RUNNING --release--> BLOCKED
+                             ^                                             |
+                             +----------------request / unblock-----------+
+    any state --finish--> FINISHED   (a RUNNING rank's slot is handed on)
+
+Events return the actions the shell must carry out, in order:
+``Grant(rank)`` (send ``protocol.SlotGrant``), and, from the ``SwapPolicy``,
+``SwapOut(rank)`` / ``SwapIn(rank)`` (move a rank's GPU state to host memory
+and back; on CPU ``NoSwap`` never asks for either). A ``SwapIn(r)`` always
+comes before ``Grant(r)``.
+
+Public API
+----------
+``Scheduler(slots, ranks, policy=None)`` with ``request(rank)``,
+``release(rank)``, ``unblock(rank)``, ``finish(rank)`` (each ``-> list[Action]``),
+``state(rank)``, ``running``, ``waiting``;
+``RankState``, ``Grant``, ``SwapIn``, ``SwapOut``, ``Action``,
+``SwapPolicy`` (protocol), ``NoSwap``, ``ResidentLimit(max_resident)``,
+``SchedulerError``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class SchedulerError(Exception):
+    """An event that the rank's state does not allow (a Prism bug in the
+    shell or the rank's backend: please report it)."""
+
+
+class RankState(enum.Enum):
+    STARTING = "starting"
+    WAITING = "waiting-for-slot"
+    RUNNING = "running"
+    BLOCKED = "blocked-in-comm"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Send ``SlotGrant`` to ``rank``: it may compute now."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwapOut:
+    """Move ``rank``'s GPU state to host memory (it is blocked or finished)."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwapIn:
+    """Bring ``rank``'s GPU state back before it is granted."""
+
+    rank: int
+
+
+Action = Grant | SwapOut | SwapIn
+
+
+class SwapPolicy(Protocol):
+    """Decides GPU residency around grants; must be deterministic."""
+
+    def before_grant(self, rank: int, sched: Scheduler) -> list[Action]:
+        """Actions to run before ``rank`` is granted (``SwapIn``, ``SwapOut``)."""
+        ...
+
+    def on_release(self, rank: int, sched: Scheduler) -> list[Action]:
+        """Actions after ``rank`` released its slot (it blocks)."""
+        ...
+
+    def on_finish(self, rank: int, sched: Scheduler) -> list[Action]:
+        """Actions after ``rank`` finished."""
+        ...
+
+
+class NoSwap:
+    """CPU: every rank stays where it is; slots only bound concurrency."""
+
+    def before_grant(self, rank: int, sched: Scheduler) -> list[Action]:
+        return []
+
+    def on_release(self, rank: int, sched: Scheduler) -> list[Action]:
+        return []
+
+    def on_finish(self, rank: int, sched: Scheduler) -> list[Action]:
+        return []
+
+
+class ResidentLimit:
+    """GPU: at most ``max_resident`` ranks keep their state on the device.
+
+    A rank about to be granted is swapped in if it is not resident; to make
+    room, the resident rank that blocked longest ago (least recently run, and
+    not running) is swapped out first. A finished rank leaves residency
+    without a swap (its memory is simply freed). ``max_resident`` must be at
+    least the scheduler's slot count, or running ranks could not all be
+    resident.
+    """
+
+    def __init__(self, max_resident: int):
+        if max_resident < 1:
+            raise ValueError(f"max_resident must be at least 1, got {max_resident}")
+        self.max_resident = max_resident
+        #: Resident ranks, least recently run first.
+        self.resident: OrderedDict[int, None] = OrderedDict()
+
+    def before_grant(self, rank: int, sched: Scheduler) -> list[Action]:
+        if rank in self.resident:
+            self.resident.move_to_end(rank)
+            return []
+        actions: list[Action] = []
+        while len(self.resident) >= self.max_resident:
+            victim = next((r for r in self.resident if sched.state(r) == RankState.BLOCKED), None)
+            if victim is None:
+                victim = next((r for r in self.resident if sched.state(r) != RankState.RUNNING), None)
+            if victim is None:
+                raise SchedulerError(
+                    f"all {len(self.resident)} resident ranks are running; max_resident "
+                    f"({self.max_resident}) must be at least the slot count ({sched.slots})")
+            del self.resident[victim]
+            actions.append(SwapOut(victim))
+        self.resident[rank] = None
+        # A rank's first grant has no saved state to bring back.
+        if rank in sched.started:
+            actions.append(SwapIn(rank))
+        return actions
+
+    def on_release(self, rank: int, sched: Scheduler) -> list[Action]:
+        return []
+
+    def on_finish(self, rank: int, sched: Scheduler) -> list[Action]:
+        self.resident.pop(rank, None)
+        return []
+
+
+class Scheduler:
+    """``slots`` slots shared by ``ranks``; see the module docstring."""
+
+    def __init__(self, slots: int, ranks: Iterable[int], policy: SwapPolicy | None = None):
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.slots = slots
+        self.policy: SwapPolicy = policy if policy is not None else NoSwap()
+        self._state: dict[int, RankState] = {r: RankState.STARTING for r in ranks}
+        self._queue: deque[int] = deque()
+        #: Ranks holding a slot, in grant order.
+        self.running: list[int] = []
+        #: Ranks that have been granted at least once.
+        self.started: set[int] = set()
+
+    @property
+    def waiting(self) -> tuple[int, ...]:
+        """Ranks waiting for a slot, first in line first."""
+        return tuple(self._queue)
+
+    def state(self, rank: int) -> RankState:
+        try:
+            return self._state[rank]
+        except KeyError:
+            raise SchedulerError(f"rank {rank} is not scheduled here; known ranks: "
+                                 f"{min(self._state, default=None)}..{max(self._state, default=None)}") from None
+
+    def request(self, rank: int) -> list[Action]:
+        """``rank`` wants to compute. A rank already waiting or running is
+        left as it is (a request may cross an ``unblock``)."""
+        st = self.state(rank)
+        if st in (RankState.WAITING, RankState.RUNNING):
+            return []
+        if st == RankState.FINISHED:
+            raise SchedulerError(f"rank {rank} asked for a slot after it finished; "
+                                 "this is a Prism bug, please report it")
+        self._state[rank] = RankState.WAITING
+        self._queue.append(rank)
+        return self._fill()
+
+    def unblock(self, rank: int) -> list[Action]:
+        """What ``rank`` blocked in has completed: it may go on (same as a request)."""
+        return self.request(rank)
+
+    def release(self, rank: int) -> list[Action]:
+        """``rank`` is about to block: its slot goes to the next waiting rank."""
+        st = self.state(rank)
+        if st == RankState.WAITING:
+            # It blocked again before its grant arrived: it no longer needs one.
+            self._queue.remove(rank)
+            self._state[rank] = RankState.BLOCKED
+            return []
+        if st != RankState.RUNNING:
+            raise SchedulerError(f"rank {rank} released a slot it does not hold (state "
+                                 f"{st.value}); this is a Prism bug, please report it")
+        self.running.remove(rank)
+        self._state[rank] = RankState.BLOCKED
+        return self.policy.on_release(rank, self) + self._fill()
+
+    def finish(self, rank: int) -> list[Action]:
+        """``rank`` ended (normally or not): it leaves the schedule."""
+        st = self.state(rank)
+        if st == RankState.FINISHED:
+            return []
+        if st == RankState.RUNNING:
+            self.running.remove(rank)
+        elif st == RankState.WAITING:
+            self._queue.remove(rank)
+        self._state[rank] = RankState.FINISHED
+        return self.policy.on_finish(rank, self) + self._fill()
+
+    def _fill(self) -> list[Action]:
+        actions: list[Action] = []
+        while self._queue and len(self.running) < self.slots:
+            rank = self._queue.popleft()
+            actions += self.policy.before_grant(rank, self)
+            self._state[rank] = RankState.RUNNING
+            self.running.append(rank)
+            self.started.add(rank)
+            actions.append(Grant(rank))
+        return actions

@@ -1,0 +1,466 @@
+"""The rank process's end of the transport: a blocking client, no trio.
+
+A rank process runs the user's training script on its main thread, so the
+client cannot own an event loop. A background I/O thread owns the ZeroMQ
+DEALER socket (ZeroMQ sockets are not thread-safe): callers hand it encoded
+frames through a queue and wake it through a pipe, and it resolves
+``concurrent.futures.Future`` objects as replies arrive. So an asynchronous
+collective completes while the main thread computes.
+
+Replies are matched to waiters by ``protocol.routing_key``. An ``Error`` or
+``Shutdown`` from the coordinator, or the loss of the coordinator, fails every
+pending and every later future, so no rank ever waits forever on a dead run.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import threading
+import types
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from prism.core import protocol
+from prism.core.protocol import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    Error,
+    Hello,
+    Message,
+    ProtocolError,
+    Shutdown,
+    VersionMismatch,
+    Welcome,
+)
+
+__all__ = [
+    "BlockingClient",
+    "CoordinatorError",
+    "CoordinatorLost",
+    "HandshakeRefused",
+]
+
+log = logging.getLogger(__name__)
+
+#: ZMTP heartbeats (answered by the peer's ZeroMQ I/O thread, so a busy
+#: coordinator still answers): ping every second, declare the coordinator lost
+#: after 10 s of silence, as a dead host or a killed process, not a slow one.
+DEFAULT_HEARTBEAT_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+
+_WELCOME_KEY = ("welcome",)
+
+
+class CoordinatorError(Exception):
+    """The coordinator reported a failure (``msg`` is its ``Error`` or
+    ``Shutdown``); whose fault it is depends on ``msg.code`` (see
+    docs/PROTOCOL.md). Raised by every pending and later future."""
+
+    def __init__(self, msg: Error | Shutdown, endpoint: str) -> None:
+        super().__init__(msg, endpoint)
+        self.msg = msg
+        self.endpoint = endpoint
+
+    def __str__(self) -> str:
+        if isinstance(self.msg, Shutdown):
+            return f"the coordinator at {self.endpoint} shut the run down: {self.msg.reason}"
+        return f"{self.msg.message} [error {self.msg.code!r} from the coordinator at {self.endpoint}]"
+
+
+class CoordinatorLost(CoordinatorError, ConnectionError):
+    """The coordinator went away, never answered, or sent bytes this client
+    cannot read. ``msg`` is an ``Error`` made by the client (code "lost",
+    "unreachable" or "bad_message"), never one received."""
+
+
+class HandshakeRefused(CoordinatorError, ConnectionError):
+    """The coordinator refused this rank's ``Hello`` (e.g. another protocol
+    version); ``msg`` is the coordinator's ``Error``."""
+
+
+def _set_result(fut: concurrent.futures.Future, value: Any) -> None:
+    # The caller may have cancelled the future meanwhile; that is not an error.
+    try:
+        fut.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _set_exception(fut: concurrent.futures.Future, exc: BaseException) -> None:
+    try:
+        fut.set_exception(exc)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+class BlockingClient:
+    """A rank's connection to the coordinator, usable from any thread.
+
+    Open it with ``BlockingClient.connect`` (which does the handshake). Then
+    ``send`` messages and wait on ``future(key)`` for the replies.
+    ``on_error(msg)`` is called once, from the I/O thread, with the ``Error``
+    or ``Shutdown`` that failed the client (for a lost coordinator an ``Error``
+    with code "lost" made by the client); it must not block.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        context: zmq.Context | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        on_error: Callable[[Error | Shutdown], None] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.max_message_bytes = max_message_bytes
+        self._on_error = on_error
+        ctx = context or zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        sock.connect(endpoint)
+        self._sock = sock
+        self._copy_threshold: int = sock.copy_threshold
+
+        self._lock = threading.Lock()
+        self._waiting: dict[Hashable, concurrent.futures.Future] = {}
+        self._early: dict[Hashable, collections.deque[Message]] = {}
+        self._failure: CoordinatorError | None = None
+        self._outbox: collections.deque[tuple[list[Any], concurrent.futures.Future | None]] = (
+            collections.deque()
+        )
+        self._closing = False
+        self._linger_ms = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(
+            target=self._run, name=f"prism-io {endpoint}", daemon=True
+        )
+        self._thread.start()
+
+    @classmethod
+    def connect(
+        cls,
+        endpoint: str,
+        hello: Hello,
+        *,
+        timeout: float = 30.0,
+        context: zmq.Context | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        on_error: Callable[[Error | Shutdown], None] | None = None,
+    ) -> tuple[BlockingClient, Welcome]:
+        """Connect to the coordinator at ``endpoint``, send ``hello`` and wait
+        up to ``timeout`` seconds for its ``Welcome``.
+
+        Raises ``HandshakeRefused`` with the coordinator's message when it
+        answers ``Error`` (e.g. a protocol version mismatch), and
+        ``CoordinatorLost`` when nothing answers in time.
+        """
+        client = cls(
+            endpoint,
+            context=context,
+            max_message_bytes=max_message_bytes,
+            heartbeat_s=heartbeat_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            on_error=on_error,
+        )
+        try:
+            welcome_future = client.future(_WELCOME_KEY)
+            client.send(hello)
+            try:
+                welcome = welcome_future.result(timeout)
+            except concurrent.futures.TimeoutError:
+                raise CoordinatorLost(
+                    Error(
+                        code="unreachable",
+                        message=(
+                            f"rank {hello.rank}: no Welcome from the coordinator at {endpoint} "
+                            f"within {timeout:g} s; is `python -m prism coordinator` running and "
+                            "listening there (same --endpoint)?"
+                        ),
+                        rank=hello.rank,
+                    ),
+                    endpoint,
+                ) from None
+            except CoordinatorLost:
+                raise
+            except CoordinatorError as e:
+                raise HandshakeRefused(e.msg, endpoint) from None
+        except BaseException:
+            client.close(linger=0)
+            raise
+        return client, welcome
+
+    # --- API for any thread --------------------------------------------------
+
+    def send(self, msg: Message) -> concurrent.futures.Future[None]:
+        """Queue ``msg`` for the coordinator; thread-safe, never blocks.
+
+        Payloads of ``copy_threshold`` bytes or more (64 KiB) are sent without
+        copying: the returned future completes once ZeroMQ no longer reads
+        them, and until then the caller must not modify them. Smaller ones are
+        copied here, and the future is already done.
+        """
+        if self._closing:
+            raise RuntimeError(f"send({type(msg).__name__}) on a closed BlockingClient ({self.endpoint})")
+        frames = protocol.encode(msg, max_bytes=self.max_message_bytes)
+        sent: concurrent.futures.Future[None] = concurrent.futures.Future()
+        if any(memoryview(f).nbytes >= self._copy_threshold for f in frames[1:]):
+            self._outbox.append((frames, sent))
+        else:
+            frames = [bytes(f) if not isinstance(f, bytes) else f for f in frames]
+            sent.set_result(None)
+            self._outbox.append((frames, None))
+        self._wake()
+        return sent
+
+    def future(self, key: Hashable) -> concurrent.futures.Future[Message]:
+        """A future for the reply ``r`` with ``protocol.routing_key(r) == key``
+        (a reply that already arrived is delivered at once). It fails with
+        ``CoordinatorError`` once the client has failed; ``close`` cancels it.
+        """
+        fut: concurrent.futures.Future[Message] = concurrent.futures.Future()
+        with self._lock:
+            early = self._early.get(key)
+            if early:
+                msg = early.popleft()
+                if not early:
+                    del self._early[key]
+                fut.set_result(msg)
+                return fut
+            if self._failure is not None:
+                fut.set_exception(self._failure)
+                return fut
+            if self._closing:
+                fut.cancel()
+                return fut
+            if key in self._waiting:
+                raise ValueError(
+                    f"a future for {key!r} is already registered on this BlockingClient: "
+                    "each reply is delivered once, so wait on the first future"
+                )
+            self._waiting[key] = fut
+        return fut
+
+    @property
+    def failure(self) -> CoordinatorError | None:
+        """Why the client failed, or None while it works."""
+        return self._failure
+
+    def close(self, linger: float = 5.0) -> None:
+        """Send what is queued (for up to ``linger`` seconds), close the socket
+        and join the I/O thread; pending futures are cancelled. Sends nothing
+        by itself: send ``Goodbye`` first."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._linger_ms = int(linger * 1000)
+        self._wake()
+        self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __enter__(self) -> BlockingClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- the I/O thread ------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def _fail(self, exc: CoordinatorError) -> None:
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = exc
+            waiting = list(self._waiting.values())
+            self._waiting.clear()
+        for fut in waiting:
+            _set_exception(fut, exc)
+        if self._on_error is not None:
+            try:
+                self._on_error(exc.msg)
+            except Exception:
+                log.exception("on_error callback of the BlockingClient for %s failed", self.endpoint)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, (Error, Shutdown)):
+            self._fail(CoordinatorError(msg, self.endpoint))
+            return
+        key = protocol.routing_key(msg)
+        if key is None:
+            self._fail(
+                CoordinatorError(
+                    Error(
+                        code="bad_message",
+                        message=(
+                            f"the coordinator sent a {type(msg).__name__} message, which ranks "
+                            "never receive: a Prism bug, please report it"
+                        ),
+                    ),
+                    self.endpoint,
+                )
+            )
+            return
+        with self._lock:
+            fut = self._waiting.pop(key, None)
+            if fut is None:
+                self._early.setdefault(key, collections.deque()).append(msg)
+                return
+        _set_result(fut, msg)
+
+    def _recv_all(self) -> None:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = protocol.decode(frames, max_bytes=self.max_message_bytes)
+            except VersionMismatch as e:
+                self._fail(CoordinatorLost(Error(code="version", message=str(e)), self.endpoint))
+                continue
+            except ProtocolError as e:
+                self._fail(
+                    CoordinatorLost(
+                        Error(
+                            code="bad_message",
+                            message=f"malformed message from the coordinator ({e}): a Prism bug, please report it",
+                        ),
+                        self.endpoint,
+                    )
+                )
+                continue
+            self._dispatch(msg)
+
+    def _check_monitor(self, handshaken: bool) -> bool:
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return handshaken
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                handshaken = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED and handshaken and not self._closing:
+                self._fail(
+                    CoordinatorLost(
+                        Error(
+                            code="lost",
+                            message=(
+                                f"lost the connection to the coordinator at {self.endpoint} "
+                                "(it exited, or sent no heartbeat for too long); see the "
+                                "coordinator's log for why"
+                            ),
+                        ),
+                        self.endpoint,
+                    )
+                )
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:
+            self._fail(
+                CoordinatorLost(
+                    Error(
+                        code="internal",
+                        message=f"the transport's I/O thread failed ({e!r}): a Prism bug, please report it",
+                    ),
+                    self.endpoint,
+                )
+            )
+            log.exception("I/O thread of the BlockingClient for %s failed", self.endpoint)
+        finally:
+            with self._lock:
+                self._closing = True
+                waiting = list(self._waiting.values())
+                self._waiting.clear()
+            for fut in waiting:
+                fut.cancel()
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=self._linger_ms)
+
+    def _loop(self) -> None:
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        blocked: collections.deque[tuple[list[Any], concurrent.futures.Future | None]] = (
+            collections.deque()
+        )
+        trackers: list[tuple[zmq.MessageTracker, concurrent.futures.Future]] = []
+        handshaken = False
+        while True:
+            # Trackers complete in ZeroMQ's threads with no wake-up for us:
+            # poll them every millisecond while any is pending.
+            timeout = 1 if trackers else None
+            poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
+            ready = dict(poller.poll(timeout))
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 65536)
+                except BlockingIOError:
+                    pass
+            closing = self._closing
+            while self._outbox:
+                blocked.append(self._outbox.popleft())
+            while blocked:
+                frames, sent = blocked[0]
+                try:
+                    tracker = sock.send_multipart(
+                        frames, zmq.NOBLOCK, copy=False, track=sent is not None
+                    )
+                except zmq.Again:
+                    break
+                blocked.popleft()
+                if sent is not None:
+                    trackers.append((tracker, sent))
+            if trackers:
+                still = []
+                for tracker, sent in trackers:
+                    if tracker.done:
+                        _set_result(sent, None)
+                    else:
+                        still.append((tracker, sent))
+                trackers = still
+            self._recv_all()
+            if self._monitor in ready:
+                handshaken = self._check_monitor(handshaken)
+            if closing:
+                # What could not be queued in ZeroMQ now is dropped with the
+                # socket; tracked sends complete when ZeroMQ frees them.
+                for _frames, sent in blocked:
+                    if sent is not None:
+                        sent.cancel()
+                for _tracker, sent in trackers:
+                    sent.cancel()
+                return

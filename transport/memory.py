@@ -1,0 +1,192 @@
+"""An in-memory transport pair for unit tests (as ``trio.testing.memory_stream_pair``).
+
+``memory_pair()`` returns two ``MemorySocket`` ends with the message-level
+interface of ``AsyncSocket`` (``send_message``, ``recv_message``, plus the raw
+``send_multipart``/``recv_multipart``), so a coordinator loop written against
+``AsyncSocket`` runs unchanged on it. Hooks make the fake network misbehave:
+``delay(msg) -> seconds`` holds a message back (in order, as on one ZeroMQ
+connection; use ``autojump_clock``), ``drop(msg) -> bool`` loses it, and
+``codec=True`` (the default) sends every message through ``encode``/``decode``
+with payloads copied, so codec bugs and aliasing show up in unit tests.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable, Sequence
+
+import trio
+
+from prism.core import protocol
+from prism.core.protocol import DEFAULT_MAX_MESSAGE_BYTES, Message, ProtocolError
+
+from .trio_socket import _Owner
+
+__all__ = ["MemorySocket", "memory_pair"]
+
+#: What travels: frames (a list of bytes) or, with ``codec=False``, the
+#: message object itself.
+_Item = list[bytes] | Message
+
+
+class MemorySocket:
+    """One end of ``memory_pair``. With ``identity`` set on the pair, the first
+    end behaves as a ROUTER: it receives ``(identity, msg)`` and must name that
+    identity when sending; the second end is its DEALER peer."""
+
+    def __init__(
+        self,
+        send_channel: trio.MemorySendChannel[tuple[float, _Item]],
+        receive_channel: trio.MemoryReceiveChannel[tuple[float, _Item]],
+        *,
+        routed_identity: bytes | None,
+        delay: Callable[[Message], float] | float | None,
+        drop: Callable[[Message], bool] | None,
+        codec: bool,
+        max_message_bytes: int,
+    ) -> None:
+        self._send = send_channel
+        self._receive = receive_channel
+        #: On the ROUTER end, the peer's identity (sent to, received from).
+        self._routed_identity = routed_identity
+        self._delay = delay
+        self._drop = drop
+        self._codec = codec
+        self.max_message_bytes = max_message_bytes
+        self._recv_owner = _Owner("receiving")
+        self._closed = False
+
+    def _transit_delay(self, msg: Message) -> float:
+        if self._delay is None:
+            return 0.0
+        if callable(self._delay):
+            return float(self._delay(msg))
+        return float(self._delay)
+
+    async def _put(self, item: _Item, msg: Message | None) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("this MemorySocket was closed")
+        await trio.lowlevel.checkpoint()
+        if msg is not None and self._drop is not None and self._drop(msg):
+            return
+        deliver_at = trio.current_time() + (0.0 if msg is None else self._transit_delay(msg))
+        try:
+            self._send.send_nowait((deliver_at, item))
+        except trio.BrokenResourceError:
+            # The peer closed: like ZeroMQ, sending to nobody is not an error.
+            pass
+
+    async def send_message(self, msg: Message, identity: bytes | None = None) -> None:
+        """Send ``msg``; on the ROUTER end ``identity`` must name the peer."""
+        self._check_identity(identity, type(msg).__name__)
+        if self._codec:
+            frames = protocol.encode(msg, max_bytes=self.max_message_bytes)
+            item: _Item = [bytes(f) for f in frames]
+        else:
+            item = msg
+        await self._put(item, msg)
+
+    async def send_multipart(self, frames: Sequence[object], copy: bool = False) -> None:
+        """Send raw frames (on the ROUTER end the first frame is the peer's
+        identity); they skip the delay and drop hooks, which see messages."""
+        frames = [bytes(memoryview(f)) for f in frames]  # type: ignore[arg-type]
+        if self._routed_identity is not None:
+            if not frames:
+                raise ValueError("a ROUTER message needs the peer's identity as its first frame")
+            self._check_identity(frames[0], "frames")
+            frames = frames[1:]
+        await self._put(frames, None)
+
+    def _check_identity(self, identity: bytes | None, what: str) -> None:
+        if self._routed_identity is None:
+            if identity is not None:
+                raise ValueError("only the ROUTER end of a memory pair takes an identity")
+        elif identity is None:
+            raise ValueError(f"sending {what} on the ROUTER end needs the peer's identity")
+        # A ROUTER drops messages to unknown identities silently; in a test
+        # that is always a bug, so say so.
+        elif identity != self._routed_identity:
+            raise ValueError(
+                f"no peer with identity {identity!r} on this memory pair "
+                f"(the peer is {self._routed_identity!r})"
+            )
+
+    async def _get(self) -> _Item:
+        if self._closed:
+            raise trio.ClosedResourceError("this MemorySocket was closed")
+        try:
+            deliver_at, item = await self._receive.receive()
+        except trio.EndOfChannel:
+            raise trio.BrokenResourceError("the other end of the memory pair was closed") from None
+        await trio.sleep_until(deliver_at)
+        return item
+
+    async def recv_multipart(self, copy: bool = False) -> list[bytes]:
+        """The next message's frames (the ROUTER end gets the identity first)."""
+        with self._recv_owner:
+            item = await self._get()
+        frames = item if isinstance(item, list) else [bytes(f) for f in protocol.encode(item)]
+        if self._routed_identity is not None:
+            return [self._routed_identity, *frames]
+        return frames
+
+    async def recv_message(self) -> tuple[bytes | None, Message]:
+        """The next message and the sender's identity (None unless ROUTER);
+        ``ProtocolError`` (with ``identity``) for malformed frames."""
+        with self._recv_owner:
+            item = await self._get()
+        identity = self._routed_identity
+        if not isinstance(item, list):
+            return identity, item
+        try:
+            return identity, protocol.decode(item, max_bytes=self.max_message_bytes)
+        except ProtocolError as e:
+            e.identity = identity
+            raise
+
+    def close(self) -> None:
+        """Close this end; the peer's receives then raise ``BrokenResourceError``."""
+        if not self._closed:
+            self._closed = True
+            self._send.close()
+            self._receive.close()
+
+    async def __aenter__(self) -> MemorySocket:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def memory_pair(
+    *,
+    identity: bytes | None = None,
+    delay: Callable[[Message], float] | float | None = None,
+    drop: Callable[[Message], bool] | None = None,
+    codec: bool = True,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> tuple[MemorySocket, MemorySocket]:
+    """Two connected in-memory sockets ``(a, b)``.
+
+    ``identity``: make ``a`` a ROUTER that sees ``b`` under this identity.
+    ``delay``: seconds each message spends in transit (a number or a function
+    of the message); messages keep their order. ``drop``: a predicate; True
+    loses the message. Both hooks apply in both directions. ``codec``: carry
+    encoded frames (payloads copied) instead of the message objects.
+    """
+    a_to_b_send, a_to_b_recv = trio.open_memory_channel[tuple[float, _Item]](math.inf)
+    b_to_a_send, b_to_a_recv = trio.open_memory_channel[tuple[float, _Item]](math.inf)
+    common = dict(delay=delay, drop=drop, codec=codec, max_message_bytes=max_message_bytes)
+    a = MemorySocket(
+        a_to_b_send, b_to_a_recv, routed_identity=identity, **common
+    )
+    b = MemorySocket(
+        b_to_a_send, a_to_b_recv, routed_identity=None, **common
+    )
+    return a, b
