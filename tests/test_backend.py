@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prism.core import trace
-from prism.rank.backend import _fallback_group_id
+from prism.core.trace import group_id
 from tests.rank_harness import SCRIPTS, events, log, run_world
 
 WORLD = 3
@@ -88,7 +88,7 @@ def test_trace_records(runs):
         sub = [g for g in groups if g["index"] == 1]
         assert bool(sub) == (r in (0, WORLD - 1))
         if sub:
-            assert sub[0]["gid"] == _fallback_group_id(1, [0, WORLD - 1])
+            assert sub[0]["gid"] == group_id(1, [0, WORLD - 1])
         mine = [g for g in groups if g["ranks"] == [r]]
         assert len(mine) == 1 and mine[0]["index"] == 2 + r
         # Per-group sequence numbers are dense from 0.

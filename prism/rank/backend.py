@@ -54,7 +54,6 @@ counts as complete.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import threading
 import time
@@ -75,14 +74,8 @@ from prism.rank.runtime import PrismRankError
 BACKEND_NAME = "prism"
 
 
-def _fallback_group_id(index: int, ranks: Sequence[int]) -> str:
-    if index == 0:
-        return "world"
-    return f"g{index}-" + hashlib.blake2b(",".join(map(str, ranks)).encode()).hexdigest()[:8]
-
-
-#: One swap point: ``prism.core.trace.group_id`` once it lands.
-_group_id: Callable[[int, Sequence[int]], str] = getattr(trace, "group_id", _fallback_group_id)
+#: A group's Prism id from its creation index and members (WORLD: "world").
+_group_id: Callable[[int, Sequence[int]], str] = trace.group_id
 
 
 def _unsupported(call: str) -> NotImplementedError:
@@ -182,14 +175,26 @@ class _Op:
         self.end_ns = 0
         self.step = step
         self.done = threading.Event()
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
+        #: Calls issued before this one as parts of the same user call (a
+        #: coalesced call split into instances); they complete first.
+        self.deps: list[_Op] = []
         self.lock = threading.Lock()
         devices = sorted({t.device for t in result if t.device.type == "cuda"}, key=str)
         self.torch_future = _PrismFuture(self, devices=devices)
         #: Builds the trace events once the op completed: f(op) -> events.
         self.finish_events: Callable[[_Op], list[Any]] = lambda op: []
 
+    @property
+    def error(self) -> BaseException | None:
+        for dep in self.deps:
+            if dep.error is not None:
+                return dep.error
+        return self._error
+
     def wait(self) -> None:
+        for dep in self.deps:
+            dep.wait()
         if not self.done.is_set():
             rt = _rt.current()
             t = time.monotonic_ns()
@@ -215,7 +220,7 @@ class _Op:
             self.end_ns = time.monotonic_ns()
             if self.wait_ns is None:
                 self.wait_ns = self.end_ns
-        self.error = error
+        self._error = error
         rt = _rt.current()
         if error is None:
             for ev in self.finish_events(self):
@@ -228,6 +233,8 @@ class _Op:
             self.torch_future.set_exception(error)
 
     def _copy_out(self, payloads: Sequence[Any]) -> None:
+        if not payloads:
+            return  # the coordinator's "leave your tensors as they are"
         if len(payloads) != len(self.outputs):
             raise PrismRankError(
                 f"{self.what}: the coordinator sent {len(payloads)} tensors, expected "
@@ -360,6 +367,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         root: int = -1,
         in_splits: Sequence[int] = (),
         out_splits: Sequence[int] = (),
+        deps: Sequence[_Op] = (),
     ) -> PrismWork:
         rt = _rt.current()
         t0 = time.monotonic_ns()
@@ -396,6 +404,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             pending = _Op(what, list(outputs), list(result if result is not None else outputs), t0,
                           not async_op, rt.recorder.step)
             pending.wait_key = wait_key_coll(self.gid, seq)
+            pending.deps = list(deps)
             ref = f"coll:{self.gid}:{seq}"
             limit = rt.recorder.small_tensor_limit
             in_values = _value_events(ref, "in", hosts, limit)
@@ -422,6 +431,19 @@ class PrismProcessGroup(dist.ProcessGroup):
             return PrismWork(pending)
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
+
+    def _each(self, op: str, parts: Sequence[tuple[list[torch.Tensor], list[torch.Tensor]]], opts: Any,
+              **kwargs: Any) -> PrismWork:
+        """A coalesced call as one collective instance per part (the
+        coordinator's ops take one input each); the returned Work completes
+        with the last part, whose Future holds every output."""
+        if not parts:
+            raise ValueError(f"{op} on group {self.gid} got no tensors (your script's fault)")
+        everything = [t for _, outs in parts for t in outs]
+        works = [self._collective(op, ins, outs, opts, **kwargs) for ins, outs in parts[:-1]]
+        ins, outs = parts[-1]
+        last = self._collective(op, ins, outs, opts, result=everything, deps=[w._op for w in works], **kwargs)
+        return last
 
     def _check_len(self, call: str, what: str, items: Sequence[Any], n: int) -> None:
         if len(items) != n:
@@ -464,11 +486,9 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
         opts = opts or dist.AllgatherOptions()
-        outputs = []
         for lst in output_lists:
             self._check_len("all_gather", "the output list", lst, self._size)
-            outputs.extend(lst)
-        return self._collective("all_gather", inputs, outputs, opts)
+        return self._each("all_gather", [([i], list(o)) for i, o in zip(inputs, output_lists, strict=True)], opts)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
         return self.allgather(output_lists, inputs, opts)
@@ -490,7 +510,7 @@ class PrismProcessGroup(dist.ProcessGroup):
                     f"all_gather_into_tensor on group {self.gid}: output has {o.numel()} elements, "
                     f"expected input's {i.numel()} x {self._size} ranks (your script's fault)"
                 )
-        return self._collective("all_gather_into_tensor", inputs, outputs, opts)
+        return self._each("all_gather_into_tensor", [([i], [o]) for i, o in zip(inputs, outputs)], opts)
 
     # --- gather / scatter --------------------------------------------------------
 
@@ -538,7 +558,8 @@ class PrismProcessGroup(dist.ProcessGroup):
                     f"reduce_scatter_tensor on group {self.gid}: input has {i.numel()} elements, "
                     f"expected output's {o.numel()} x {self._size} ranks (your script's fault)"
                 )
-        return self._collective("reduce_scatter_tensor", inputs, outputs, opts, reduce=opts.reduceOp)
+        return self._each("reduce_scatter_tensor", [([i], [o]) for i, o in zip(inputs, outputs)], opts,
+                          reduce=opts.reduceOp)
 
     # --- all_to_all ----------------------------------------------------------------
 
