@@ -111,7 +111,10 @@ def _child(spec: dict[str, Any], rank: int, out_w: int) -> None:
 
 
 def _report(obj: dict[str, Any]) -> None:
-    os.write(1, orjson.dumps(obj) + b"\n")
+    try:
+        os.write(1, orjson.dumps(obj) + b"\n")
+    except BrokenPipeError:
+        pass  # the launcher is gone; EOF on stdin makes the loop kill the ranks
 
 
 def serve(spec: dict[str, Any]) -> None:

@@ -51,6 +51,18 @@ with dist._coalescing_manager():
         dist.all_reduce(x)
 res["all_reduce_coalesced"] = ts
 
+# coalesced all_gather_single / reduce_scatter_single (split into instances)
+outs = [torch.zeros(n * 2), torch.zeros(n * 3)]
+with dist._coalescing_manager():
+    dist.all_gather_single(outs[0], base((2,)))
+    dist.all_gather_single(outs[1], base((3,), k=1))
+res["all_gather_coalesced"] = outs
+outs = [torch.zeros(2), torch.zeros(1)]
+with dist._coalescing_manager():
+    dist.reduce_scatter_single(outs[0], base((2 * n,)))
+    dist.reduce_scatter_single(outs[1], base((n,), k=1))
+res["reduce_scatter_coalesced"] = outs
+
 t = base() if rank == 1 else torch.zeros(4)
 dist.broadcast(t, src=1)
 res["broadcast"] = t
