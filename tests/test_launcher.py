@@ -119,3 +119,18 @@ def test_kill_all_leaves_no_orphans(tmp_path):
     finally:
         procs.close()
         fc.close()
+
+
+def test_coordinator_error_fails_the_call(tmp_path):
+    codes, fc = run_world(tmp_path, 2, [str(SCRIPTS / "mismatch_worker.py")])
+    assert codes == [1, 1]
+    for r in range(2):
+        text = log(tmp_path, r)
+        assert "PrismRankError" in text and "ranks called different collectives" in text
+        assert fc.goodbyes[r].status == "error"
+
+
+def test_unsupported_call_is_named(tmp_path):
+    codes, fc = run_world(tmp_path, 1, [str(SCRIPTS / "unsupported_worker.py")])
+    assert codes == [1]
+    assert "Prism does not support recv from any source" in log(tmp_path, 0)

@@ -266,8 +266,9 @@ def make_hello(rank: int, world_size: int, local_rank: int, device: str) -> prot
 class _StepTracker:
     """Marks iteration ends from optimizer steps (rule in the module docstring)."""
 
-    def __init__(self, runtime: RankRuntime) -> None:
+    def __init__(self, runtime: RankRuntime, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.runtime = runtime
+        self.clock = clock
         self.live: weakref.WeakSet = weakref.WeakSet()
         self._stepped: set[int] = set()
         self._pending_end: int | None = None
@@ -277,7 +278,7 @@ class _StepTracker:
         self.live.add(optimizer)
 
     def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        t = time.monotonic_ns()
+        t = self.clock()
         with self._lock:
             self.live.add(optimizer)
             if id(optimizer) in self._stepped and self._pending_end is not None:
