@@ -158,3 +158,18 @@ def test_real_coordinator_matches_gloo(runs, tmp_path):
         for name in gloo[r]:
             _assert_same(got[name], gloo[r][name], f"rank {r} {name}")
     assert trace.validate_run(trace.read_run(tmp_path / "run")) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: CUDA tensors are staged through host memory")
+def test_cuda_tensors(tmp_path):
+    codes, fc = run_world(tmp_path, 2, [str(SCRIPTS / "cuda_worker.py"), str(tmp_path)], slots=1)
+    assert codes == [0, 0], [log(tmp_path, r) for r in range(2)]
+    for r in range(2):
+        res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        assert torch.equal(res["all_reduce"], torch.full((1024,), 6.0))
+        assert all(torch.equal(o, torch.arange(3.0) + j) for j, o in enumerate(res["all_gather"]))
+        assert torch.equal(res["future"], torch.full((2,), 2.0))
+        assert torch.equal(res["p2p"], torch.full((4,), float((r - 1) % 2)))
+        mem = [e for e in events(fc, r) if e["k"] == "mem"]
+        assert len(mem) == 1 and mem[0]["device"].startswith("cuda:") and mem[0]["peak_allocated"] > 0
