@@ -14,30 +14,18 @@ Wire contract with the coordinator
 
 A collective is one ``CollectiveArrive`` per member, keyed ``(gid, seq)`` with
 ``seq`` the group's own call counter, answered by one ``CollectiveResult``
-(routing key ``("coll", gid, seq)``). ``in_shapes``/``out_shapes`` are *this
-rank's* tensors: there is exactly one request payload per ``in_shapes`` entry
-and the reply must carry exactly one payload per ``out_shapes`` entry. Each
-payload holds a tensor's raw bytes, C-contiguous, native (little-endian) byte
-order, dtype ``dtype`` (torch's name without ``torch.``). ``n`` is the group
-size; chunks are in group-rank order.
-
-=======================  ===============================  ==============================
-op                       in (payloads sent)               out (payloads received)
-=======================  ===============================  ==============================
-all_reduce               [t]                              [result]
-all_reduce_coalesced     [t1..tk]                         [r1..rk]
-broadcast                root: [t]; others: []            root: []; others: [t]
-reduce                   [t]                              root: [result]; others: []
-all_gather               [t1..tk]                         n per input: t_i of rank 0..n-1
-all_gather_into_tensor   [t1..tk]                         [cat_j t_i of rank j] per input
-gather                   [t]                              root: n tensors; others: []
-scatter                  root: n tensors; others: []      [chunk for this rank]
-reduce_scatter           n tensors (chunk j for rank j)   [result chunk]
-reduce_scatter_tensor    [T1..Tk] (n chunks on dim 0)     [result chunk of each]
-all_to_all               n tensors (chunk j for rank j)   n tensors (chunk from rank j)
-all_to_all_single        [T] split by in_splits rows      [T'] split by out_splits rows
-barrier                  []                               []
-=======================  ===============================  ==============================
+(routing key ``("coll", gid, seq)``). The per-op shapes and payloads are
+``prism.core.collectives``' contract (its module docstring has the table);
+this rank declares its own tensors in ``in_shapes``/``out_shapes`` and sends
+one payload per input, except that a broadcast's non-root members declare the
+tensor without sending it. A reply carries one payload per declared output,
+or none, which means "leave your tensors as they are" (the broadcast root, a
+reduce's non-root members). Each payload holds a tensor's raw bytes,
+C-contiguous, native (little-endian) byte order, dtype ``dtype`` (torch's name
+without ``torch.``). Calls that carry several tensors where the contract takes
+one (coalesced all_gather_into_tensor and reduce_scatter_tensor, the old
+multi-input all_gather) become one collective instance per tensor, issued
+back to back; their Work completes with the last.
 
 ``reduce_op`` is the ReduceOp's name; for ``PREMUL_SUM`` the inputs are sent
 unscaled and ``premul`` carries the factor (result = sum of factor * t).
