@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Literal
 

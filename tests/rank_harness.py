@@ -9,11 +9,13 @@ from typing import Any
 import orjson
 
 from prism.launcher import launch_ranks
-from tests.fake_coordinator import FakeCoordinator
+from fake_coordinator import FakeCoordinator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
-FAKE_ENV = {"PRISM_CLIENT_FACTORY": "tests.fake_coordinator:connect", "PYTHONPATH": str(ROOT)}
+# The ranks import the fake client as a top-level module, as pytest imports
+# these files (tests/ is no package).
+FAKE_ENV = {"PRISM_CLIENT_FACTORY": "fake_coordinator:connect", "PYTHONPATH": str(ROOT / "tests")}
 
 
 def run_world(tmp: pathlib.Path, world: int, command: list[str], *, prism: bool = True, slots: int | None = None,

@@ -4,14 +4,13 @@ slots are respected, and the trace says what happened."""
 
 from __future__ import annotations
 
-import pathlib
 
 import pytest
 import torch
 
 from prism.core import trace
 from prism.core.trace import group_id
-from tests.rank_harness import SCRIPTS, events, log, run_world
+from rank_harness import SCRIPTS, events, log, run_world
 
 WORLD = 3
 

@@ -208,17 +208,22 @@ class _Op:
             self.end_ns = time.monotonic_ns()
             if self.wait_ns is None:
                 self.wait_ns = self.end_ns
-        self._error = error
         rt = _rt.current()
-        if error is None:
-            for ev in self.finish_events(self):
-                rt.recorder.emit(ev)
-        rt.before_wakeup()
-        self.done.set()
-        if error is None:
-            self.torch_future.set_result(self.result)
-        else:
-            self.torch_future.set_exception(error)
+        try:
+            if error is None:
+                for ev in self.finish_events(self):
+                    rt.recorder.emit(ev)
+        finally:
+            self._error = error
+            try:
+                rt.before_wakeup()
+            except BaseException as e:  # no slot: the coordinator failed
+                self._error = self._error or e
+            self.done.set()
+            if self._error is None:
+                self.torch_future.set_result(self.result)
+            else:
+                self.torch_future.set_exception(self._error)
 
     def _copy_out(self, payloads: Sequence[Any]) -> None:
         if not payloads:

@@ -39,8 +39,10 @@ import concurrent.futures
 import os
 import queue
 import socket
+import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -199,7 +201,8 @@ class RankRuntime:
             used = time.clock_gettime_ns(self._main_clock) - cpu0
             with self._slot_lock:
                 if (
-                    used < STALL_CPU_FRACTION * STALL_WINDOW_NS
+                    not self._finished
+                    and used < STALL_CPU_FRACTION * STALL_WINDOW_NS
                     and self._in_flight > 0
                     and self._holds_slot
                     and self._blocked == 0
@@ -243,7 +246,13 @@ class RankRuntime:
     def _complete_loop(self) -> None:
         while True:
             handler, fut = self._completions.get()
-            handler(fut)
+            try:
+                handler(fut)
+            except BaseException:
+                # The thread must survive, or every later call would hang.
+                print(f"Prism (rank {self.rank}): completing a call failed; this is a Prism bug, "
+                      "please report it with this traceback:", file=sys.stderr)
+                traceback.print_exc()
 
 
 def make_hello(rank: int, world_size: int, local_rank: int, device: str) -> protocol.Hello:
