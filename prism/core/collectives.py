@@ -224,10 +224,11 @@ def _step_fn(reduce_op: str, dtype: str):
     return fn
 
 
-def _ring_chunk_elems(n: int, itemsize: int, world: int) -> int:
+def _ring_chunk_elems(n: int, itemsize: int, world: int, max_segment_bytes: int) -> int:
     """Elements per chunk of gloo's ring all_reduce (see the module docstring)."""
     total = n * itemsize
-    segs = max(-(-total // GLOO_MAX_SEGMENT_BYTES), 2 * world)
+    max_segment_bytes = itemsize * max(1, max_segment_bytes // itemsize)
+    segs = max(-(-total // max_segment_bytes), 2 * world)
     segs = -(-segs // world) * world
     return (segs // world) * -(-n // segs)
 
@@ -247,11 +248,17 @@ def check_reduce_op(reduce_op: str, dtype: str) -> str | None:
 
 
 def reduce_arrays(
-    arrays: Sequence[np.ndarray], reduce_op: str, dtype: str, premul: float | None = None
+    arrays: Sequence[np.ndarray],
+    reduce_op: str,
+    dtype: str,
+    premul: float | None = None,
+    *,
+    max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES,
 ) -> np.ndarray:
     """Element-wise reduction of the members' arrays (group-rank order, equal
     shapes) in gloo's ring order. ValueError on an op torch refuses for the
-    dtype (``check_reduce_op``) or on unequal shapes."""
+    dtype (``check_reduce_op``) or on unequal shapes. ``max_segment_bytes`` is
+    gloo's segment limit (``setMaxSegmentSize``; tests shrink it)."""
     why = check_reduce_op(reduce_op, dtype)
     if why:
         raise ValueError(why)
@@ -274,7 +281,7 @@ def reduce_arrays(
             out = stacked[0].copy()
         else:
             fn = _step_fn(reduce_op, dtype)
-            chunk = _ring_chunk_elems(n, dt.itemsize, world)
+            chunk = _ring_chunk_elems(n, dt.itemsize, world, max_segment_bytes)
             cols = np.arange(n)
             chunk_of = cols // chunk
             acc = stacked[(chunk_of - 1) % world, cols]
@@ -488,7 +495,7 @@ def run_collective(
             _check_out_shapes(fail, i, c.out_shapes, [one(j, i).shape for j in range(world)])
         return [[one(j, i) for j in range(world)] for i in range(world)]
     if op == "all_to_all_single":
-        return _all_to_all_single(fail, calls, inputs, world)
+        return _all_to_all_single(fail, calls, inputs, world, ranks)
     raise fail("is not implemented by Prism yet; please report this")
 
 
@@ -514,7 +521,7 @@ def _splits(fail, i: int, splits: Sequence[int], rows: int, world: int, what: st
     return list(splits)
 
 
-def _all_to_all_single(fail, calls, inputs, world):
+def _all_to_all_single(fail, calls, inputs, world, ranks):
     ins, outs = [], []
     for i, c in enumerate(calls):
         if len(c.in_shapes) != 1 or len(c.out_shapes) != 1:
@@ -529,14 +536,14 @@ def _all_to_all_single(fail, calls, inputs, world):
     row = tuple(calls[0].in_shapes[0][1:])
     for i, c in enumerate(calls):
         if tuple(c.in_shapes[0][1:]) != row:
-            raise fail(f"sends rows of shape {tuple(c.in_shapes[0][1:])} but rank 0 sends {row}", i)
+            raise fail(f"sends rows of shape {tuple(c.in_shapes[0][1:])} but rank {ranks[0]} sends {row}", i)
     starts = [np.concatenate([[0], np.cumsum(s)]).astype(int) for s in ins]
     result = []
     for i in range(world):
         pieces = []
         for j in range(world):
             if ins[j][i] != outs[i][j]:
-                raise fail(f"expects {outs[i][j]} rows from group rank {j}, which sends {ins[j][i]}; "
+                raise fail(f"expects {outs[i][j]} rows from rank {ranks[j]}, which sends {ins[j][i]}; "
                            "the split sizes disagree between the two ranks", i)
             pieces.append(inputs[j][0][starts[j][i]:starts[j][i + 1]])
         result.append([np.concatenate(pieces) if pieces else inputs[i][0][:0]])
