@@ -385,7 +385,15 @@ class Matcher:
             return self._fail(inst, InvalidCall(f"{e}; the script's call is at fault", (), inst.gid, inst.seq))
         del self._instances[(inst.gid, inst.seq)]
         self._clear_waits(("coll", inst.gid, inst.seq))
-        outputs = {r: tuple(C.from_array(a) for a in outs[i]) for i, r in enumerate(inst.ranks)}
+        # Members often get the same array (all_reduce, all_gather): encode each once.
+        encoded: dict[int, bytes] = {}
+
+        def enc(a: np.ndarray) -> bytes:
+            if id(a) not in encoded:
+                encoded[id(a)] = C.from_array(a)
+            return encoded[id(a)]
+
+        outputs = {r: tuple(enc(a) for a in outs[i]) for i, r in enumerate(inst.ranks)}
         return CollectiveDone(inst.gid, inst.seq, calls[0].op, inst.ranks, outputs)
 
     def _fail(self, inst: _Instance, failure: Failure, extra: tuple[int, ...] = ()) -> Failure:
