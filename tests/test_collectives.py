@@ -319,6 +319,9 @@ GLOO_SCRIPT = textwrap.dedent("""
         res[f"in_{dt}"] = raw(x)
         for op in ("SUM", "AVG", "MAX", "PRODUCT"):
             y = x.clone(); dist.all_reduce(y, op=getattr(dist.ReduceOp, op)); res[f"{op}_{dt}"] = raw(y)
+        nan = x.clone(); nan[rank::5] = float("nan"); res[f"nan_{dt}"] = raw(nan)
+        for op in ("MIN", "MAX"):  # gloo's std::min/max keep the local value when one is NaN
+            y = nan.clone(); dist.all_reduce(y, op=getattr(dist.ReduceOp, op)); res[f"nan{op}_{dt}"] = raw(y)
         m = 1000 - 1000 % world
         o = torch.empty(m // world, dtype=dt)
         dist.reduce_scatter_tensor(o, x[:m].clone()); res[f"rs_{dt}"] = raw(o)
@@ -351,6 +354,10 @@ def test_matches_real_gloo(tmp_path):
         for op in ("SUM", "AVG", "MAX", "PRODUCT"):
             got = reduce_arrays(xs, op, dtype)
             assert all(got.tobytes().hex() == r[f"{op}_{tname}"] for r in res), (op, dtype)
+        nans = [np.frombuffer(bytes.fromhex(r[f"nan_{tname}"]), DTYPES[dtype]) for r in res]
+        for op in ("MIN", "MAX"):
+            got = reduce_arrays(nans, op, dtype)
+            assert all(got.tobytes().hex() == r[f"nan{op}_{tname}"] for r in res), (op, dtype)
         m = 1000 - 1000 % world
         c = call("reduce_scatter_tensor", dtype, [(m,)], [(m // world,)], reduce_op="SUM")
         outs = run_collective([c] * world, [[x[:m]] for x in xs])
