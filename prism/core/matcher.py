@@ -16,7 +16,8 @@ of outcomes for the shell to deliver:
 ``CollectiveDone``
     send ``protocol.CollectiveResult(gid, seq, payloads=outputs[r])`` to every
     rank ``r`` in ``outputs`` (all members; an empty tuple means "leave your
-    tensors as they are", see ``collectives``).
+    tensors as they are", see ``collectives``; skip members that have died
+    or finished since they arrived).
 ``P2PDone``
     send ``protocol.P2PData(src, dst, tag, pseq, payloads)`` to ``dst``.
 ``Failure`` (``CollectiveMismatch``, ``P2PMismatch``, ``GroupMismatch``,
@@ -38,7 +39,7 @@ Public API
     ``deadlock_report(live_ranks, now) -> DeadlockReport | None``
     ``waiting_for(rank) -> str | None``, ``groups``, ``last_progress_ns``
 ``wait_key_coll(gid, seq)``, ``wait_key_p2p(src, dst, tag, pseq)``: the
-``Wait.what`` strings.
+``Wait.what`` strings. ``DEFAULT_DEADLOCK_QUIET_NS`` (30 s).
 
 What a rank waits for: a blocking collective (``async_op=False``) from its
 arrival; anything else (async collectives, receives, blocking ``recv``
@@ -51,7 +52,7 @@ a report when every live rank waits; the shell calls it after a quiet period
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -59,6 +60,10 @@ import numpy as np
 
 from . import collectives as C
 from .protocol import Buffer
+
+#: How long nothing may happen, while every live rank waits, before the shell
+#: reports a deadlock (the capture issue's default).
+DEFAULT_DEADLOCK_QUIET_NS = 30 * 10**9
 
 # --- outcomes ------------------------------------------------------------------
 
