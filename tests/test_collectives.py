@@ -213,11 +213,13 @@ def test_all_reduce_and_coalesced():
 
 def test_broadcast_and_reduce_return_only_changed_tensors():
     x = np.arange(6, dtype=np.float64).reshape(2, 3)
-    c = call("broadcast", "float64", [(2, 3)], [(2, 3)], root=1)
-    outs = run_collective([c] * 3, [[], [x], []])
+    root = call("broadcast", "float64", [(2, 3)], [], root=1)
+    other = call("broadcast", "float64", [], [(2, 3)], root=1)
+    outs = run_collective([other, root, other], [[], [x], []])
     assert outs[1] == [] and all(np.array_equal(outs[i][0], x) for i in (0, 2))
-    c = call("reduce", "float64", [(2, 3)], [(2, 3)], reduce_op="SUM", root=2)
-    outs = run_collective([c] * 3, [[x], [x], [x]])
+    root = call("reduce", "float64", [(2, 3)], [(2, 3)], reduce_op="SUM", root=2)
+    other = call("reduce", "float64", [(2, 3)], [], reduce_op="SUM", root=2)
+    outs = run_collective([other, other, root], [[x], [x], [x]])
     assert outs[0] == [] and outs[1] == [] and np.array_equal(outs[2][0], 3 * x)
 
 
@@ -226,7 +228,9 @@ def test_gathers_and_scatter():
     c = call("all_gather", "int8", [(2,)], [(2,)] * 3)
     assert all([a.tolist() for a in o] == [[0, 0], [1, 1], [2, 2]] for o in run_collective([c] * 3, [[x] for x in xs]))
     c = call("all_gather_into_tensor", "int8", [(2,)], [(3, 2)])
-    assert all(o[0].tolist() == [[0, 0], [1, 1], [2, 2]] for o in run_collective([c] * 3, [[x] for x in xs]))
+    outs = run_collective([c] * 3, [[x] for x in xs])
+    assert all(o[0].tolist() == [[0, 0], [1, 1], [2, 2]] for o in outs)
+    assert outs[0][0] is outs[2][0]  # one shared result, encoded once by the matcher
     root = call("gather", "int8", [(2,)], [(2,)] * 3, root=0)
     other = call("gather", "int8", [(2,)], [], root=0)
     outs = run_collective([root, other, other], [[x] for x in xs])
@@ -235,6 +239,22 @@ def test_gathers_and_scatter():
     other = call("scatter", "int8", [], [(2,)], root=1)
     outs = run_collective([other, root, other], [[], xs, []])
     assert [o[0].tolist() for o in outs] == [[0, 0], [1, 1], [2, 2]]
+
+
+def test_coalesced_gathers_and_reduce_scatter():
+    # k inputs per member: outputs are grouped by input, then by group rank.
+    xs = [[np.full(2, 10 * i, np.int32), np.full(3, 10 * i + 1, np.int32)] for i in range(2)]
+    c = call("all_gather", "int32", [(2,), (3,)], [(2,), (2,), (3,), (3,)])
+    outs = run_collective([c] * 2, xs)
+    assert [a[0] for a in outs[1]] == [0, 10, 1, 11]
+    c = call("all_gather_into_tensor", "int32", [(2,), (3,)], [(4,), (2, 3)])
+    outs = run_collective([c] * 2, xs)
+    assert outs[0][0].tolist() == [0, 0, 10, 10] and outs[0][1].tolist() == [[1, 1, 1], [11, 11, 11]]
+    ys = [[np.arange(4, dtype=np.int32) * (i + 1), np.arange(6, dtype=np.int32).reshape(3, 2)] for i in range(2)]
+    c = call("reduce_scatter_tensor", "int32", [(4,), (3, 2)], [(2,), (3,)], reduce_op="SUM")
+    outs = run_collective([c] * 2, ys)
+    assert outs[0][0].tolist() == [0, 3] and outs[1][0].tolist() == [6, 9]
+    assert outs[0][1].tolist() == [0, 2, 4] and outs[1][1].tolist() == [6, 8, 10]
 
 
 def test_reduce_scatter_both_forms():
@@ -283,7 +303,9 @@ def test_all_to_all_single_split_disagreement_names_both_sides():
         ([call("broadcast", "int8", [(2,)], [(2,)], root=3)] * 2, [[np.zeros(2, np.int8)], []],
          r"names root 3 \(a group rank\), which must be in \[0, 2\)"),
         ([call("all_gather_into_tensor", "int8", [(2,)], [(3,)])] * 2, [[np.zeros(2, np.int8)]] * 2,
-         r"rank 0 passed an output of shape \(3,\) for inputs of shape \(2,\)"),
+         r"rank 0 passed output tensor 0 of shape \(3,\) for a result of shape \(4,\); size the output"),
+        ([call("reduce", "int8", [(2,)], [(2,)], reduce_op="SUM", root=0)] * 2, [[np.zeros(2, np.int8)]] * 2,
+         r"rank 1 passed 1 output tensors where reduce returns 0"),
         ([call("all_reduce", "int8", [(2,)], [(2,)], reduce_op="SUM"),
           call("all_reduce", "int8", [(3,)], [(3,)], reduce_op="SUM")],
          [[np.zeros(2, np.int8)], [np.zeros(3, np.int8)]],
@@ -299,7 +321,8 @@ def test_bad_calls_are_the_scripts_fault(calls, inputs, message):
 
 def test_describe():
     assert C.describe(call("all_reduce", "float32", [(4, 4)], [(4, 4)], reduce_op="SUM")) == "all_reduce(SUM, float32, [(4, 4)])"
-    assert C.describe(call("broadcast", "int8", [(2,)], [(2,)], root=1)) == "broadcast(int8, [(2,)], root=1)"
+    assert C.describe(call("broadcast", "int8", [(2,)], [], root=1)) == "broadcast(int8, [(2,)], root=1)"
+    assert C.describe(call("broadcast", "int8", [], [(2,)], root=1)) == "broadcast(int8, [(2,)], root=1)"
 
 
 # --- against real gloo ------------------------------------------------------------

@@ -29,33 +29,34 @@ Dtypes are named as torch names them (``DTYPES``); bfloat16 is stored as its
 raw 16 bits in ``uint16`` arrays and converted with ``bf16_to_f32`` and
 ``f32_to_bf16`` (round to nearest even, NaN kept quiet, as c10::BFloat16).
 
-Per-op contract (``CollectiveArrive`` fields, per member; ``W`` group size,
-``i`` the member's group rank; "payloads" are the tensors sent):
+Per-op contract (the rank backend's, ``prism/rank/backend.py``):
+``in_shapes`` are the tensors a member sends (one payload each) and
+``out_shapes`` the tensors it gets back (one output each, in order); ``n`` is
+the group size, ``i`` the member's group rank, ``x_j`` member ``j``'s inputs.
 
-=========================  ====================  =====================  ===========================
-op                         in_shapes (payloads)  out_shapes             outputs returned to member i
-=========================  ====================  =====================  ===========================
-all_reduce                 (s,)                  (s,)                   [reduced]
-all_reduce_coalesced       (s_1, ..., s_k)       same                   [reduced_1, ..., reduced_k]
-broadcast                  (s,); only the root   (s,)                   [root's tensor]; root: []
-                           sends its payload
-reduce                     (s,)                  (s,)                   root: [reduced]; others: []
-all_gather                 (s,)                  (s_0, ..., s_{W-1})    [x_0, ..., x_{W-1}]
-all_gather_into_tensor     (s,)                  (S,) numel W*numel(s)  [concatenation, shape S]
-gather                     (s,)                  root: (s,)*W; others ()  root: [x_0, ...]; others: []
-scatter                    root: W tensors;      (s,)                   [root's tensor i]
-                           others ()
-reduce_scatter             W tensors             (s,)                   [reduce of the members' i-th]
-reduce_scatter_tensor      (S,)                  (s,) numel(S)=W*numel  [rows i of the reduction]
-all_to_all                 W tensors             W tensors              [x_0[i], ..., x_{W-1}[i]]
-all_to_all_single          (S,)                  (T,)                   [T: rows from each member]
-barrier                    ()                    ()                     []
-=========================  ====================  =====================  ===========================
+=========================  ==========================  ======================================
+op                         in (payloads sent)          out (outputs returned to member i)
+=========================  ==========================  ======================================
+all_reduce                 [t]                         [reduced]
+all_reduce_coalesced       [t_1 .. t_k]                [reduced_1 .. reduced_k]
+broadcast                  root: [t]; others: []       root: []; others: [root's t]
+reduce                     [t]                         root: [reduced]; others: []
+all_gather                 [t_1 .. t_k]                for each input t: x_0[t] .. x_{n-1}[t]
+all_gather_into_tensor     [t_1 .. t_k]                for each input t: concat_j x_j[t]
+gather                     [t]                         root: [x_0 .. x_{n-1}]; others: []
+scatter                    root: n tensors; others []  [root's tensor i]
+reduce_scatter             n tensors                   [reduction of the members' i-th]
+reduce_scatter_tensor      [T_1 .. T_k]                for each input: part i of its reduction
+all_to_all                 n tensors                   [x_0[i] .. x_{n-1}[i]]
+all_to_all_single          [T] (rows split in_splits)  [rows from each member (out_splits)]
+barrier                    []                          []
+=========================  ==========================  ======================================
 
-An empty output list means "leave your tensors as they are". all_to_all_single
-splits dim 0 by ``in_splits``/``out_splits`` (rows; both empty means equal
-splits). Member ``i``'s outputs are numpy arrays (views into inputs where no
-arithmetic was needed); ``from_array`` turns each into payload bytes.
+Outputs are reshaped to the member's ``out_shapes`` (equal element counts
+are required). all_to_all_single splits dim 0 by ``in_splits``/``out_splits``
+(rows; both empty means equal splits). PREMUL_SUM inputs arrive unscaled with
+the factor in ``premul``. Outputs are numpy arrays, often shared between
+members and views of the inputs; ``from_array`` turns each into payload bytes.
 
 Public API
 ----------
@@ -345,7 +346,8 @@ def describe(call: CallLike) -> str:
     if call.op in _REDUCING_OPS:
         parts.append(call.reduce_op if call.reduce_op != "PREMUL_SUM" else f"PREMUL_SUM({call.premul})")
     parts.append(call.dtype)
-    parts.append(_shapes(call.in_shapes))
+    # A broadcast's receivers send nothing: show the tensor they receive into.
+    parts.append(_shapes(tuple(call.in_shapes) + tuple(call.out_shapes) if call.op == "broadcast" else call.in_shapes))
     if call.op in _ROOTED_OPS:
         parts.append(f"root={call.root}")
     if call.op == "all_to_all_single" and (call.in_splits or call.out_splits):
@@ -365,7 +367,10 @@ def signature(call: CallLike) -> tuple:
         sig += (call.dtype,)
     if op in _ROOTED_OPS:
         sig += (call.root,)
-    if op in ("all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "reduce_scatter",
+    if op == "broadcast":
+        # The root sends the tensor (in_shapes), the others receive it (out_shapes).
+        sig += (tuple(call.in_shapes) + tuple(call.out_shapes),)
+    if op in ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
               "reduce_scatter_tensor", "all_gather_into_tensor", "gather"):
         sig += (tuple(call.in_shapes),)
     if op in ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "scatter"):
@@ -423,13 +428,32 @@ def run_collective(
         if why:
             raise fail(why)
     for i, (c, arrs) in enumerate(zip(calls, inputs)):
-        expect = tuple(tuple(s) for s in c.in_shapes)
-        if op == "broadcast" and i != first.root:
-            expect = ()
         got = tuple(a.shape for a in arrs)
-        if got != expect:
-            raise fail(f"sent tensors of shapes {_shapes(got)} but declared {_shapes(expect)}; "
+        if got != tuple(tuple(s) for s in c.in_shapes):
+            raise fail(f"sent tensors of shapes {_shapes(got)} but declared {_shapes(c.in_shapes)}; "
                        "this is a Prism bug, please report it", i)
+    outs = _compute(op, first, calls, inputs, world, ranks, fail)
+    # Reshape each shared result once, so members keep sharing one array.
+    reshaped: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
+    for i, c in enumerate(calls):
+        declared = [tuple(s) for s in c.out_shapes]
+        if len(outs[i]) != len(declared):
+            raise fail(f"passed {len(declared)} output tensors where {op} returns {len(outs[i])} "
+                       f"(shapes {_shapes([a.shape for a in outs[i]])})", i)
+        for k, (a, shape) in enumerate(zip(outs[i], declared)):
+            if a.shape != shape:
+                if a.size != math.prod(shape):
+                    raise fail(f"passed output tensor {k} of shape {shape} for a result of shape "
+                               f"{a.shape}; size the output to match", i)
+                key = (id(a), shape)
+                if key not in reshaped:
+                    reshaped[key] = a.reshape(shape)
+                outs[i][k] = reshaped[key]
+    return outs
+
+
+def _compute(op, first, calls, inputs, world, ranks, fail) -> list[list[np.ndarray]]:
+    dtype = first.dtype
 
     def one(i: int, k: int) -> np.ndarray:
         return inputs[i][k]
@@ -441,11 +465,12 @@ def run_collective(
         if len(shapes) != count:
             raise fail(f"passed {len(shapes)} {what} tensors; a group of {world} needs {count}", i)
 
+    root = first.root
     if op in ("all_reduce", "reduce"):
         need_count(0, first.in_shapes, 1, "input")
         result = reduce([one(i, 0) for i in range(world)])
         if op == "reduce":
-            return [[result] if i == first.root else [] for i in range(world)]
+            return [[result] if i == root else [] for i in range(world)]
         return [[result] for _ in range(world)]
     if op == "all_reduce_coalesced":
         flat = [np.concatenate([a.reshape(-1) for a in inputs[i]]) if inputs[i] else
@@ -458,72 +483,49 @@ def run_collective(
             at += size
         return [list(outs) for _ in range(world)]
     if op == "broadcast":
-        need_count(0, first.in_shapes, 1, "input")
-        value = one(first.root, 0)
-        return [[] if i == first.root else [value] for i in range(world)]
-    if op in ("all_gather", "gather"):
+        need_count(root, calls[root].in_shapes, 1, "broadcast input")
+        value = one(root, 0)
+        return [[] if i == root else [value] for i in range(world)]
+    if op == "all_gather":
+        k = len(first.in_shapes)
+        for i, c in enumerate(calls):
+            need_count(i, c.in_shapes, k, "input")
+        # n outputs per input: input t's shard from group rank 0, 1, ...
+        return [[one(j, t) for t in range(k) for j in range(world)] for _ in range(world)]
+    if op == "gather":
         for i, c in enumerate(calls):
             need_count(i, c.in_shapes, 1, "input")
         shards = [one(i, 0) for i in range(world)]
-        if op == "gather":
-            root_out = calls[first.root].out_shapes
-            need_count(first.root, root_out, world, "gather output")
-            _check_out_shapes(fail, first.root, root_out, [s.shape for s in shards])
-            return [list(shards) if i == first.root else [] for i in range(world)]
-        for i, c in enumerate(calls):
-            need_count(i, c.out_shapes, world, "output")
-            _check_out_shapes(fail, i, c.out_shapes, [s.shape for s in shards])
-        return [list(shards) for _ in range(world)]
+        return [list(shards) if i == root else [] for i in range(world)]
     if op == "all_gather_into_tensor":
-        need_count(0, first.in_shapes, 1, "input")
-        need_count(0, first.out_shapes, 1, "output")
-        out_shape = tuple(first.out_shapes[0])
-        if math.prod(out_shape) != world * math.prod(first.in_shapes[0]):
-            raise fail(f"passed an output of shape {out_shape} for inputs of shape "
-                       f"{tuple(first.in_shapes[0])}; it must hold {world} of them "
-                       f"(e.g. ({world * (first.in_shapes[0] or (1,))[0]}, ...))", 0)
-        cat = np.concatenate([one(i, 0).reshape(-1) for i in range(world)]).reshape(out_shape)
-        return [[cat] for _ in range(world)]
+        cats = [np.concatenate([one(j, t).reshape(-1) for j in range(world)])
+                for t in range(len(first.in_shapes))]
+        return [list(cats) for _ in range(world)]
     if op == "scatter":
-        root = first.root
         need_count(root, calls[root].in_shapes, world, "scatter input")
-        for i, c in enumerate(calls):
-            need_count(i, c.out_shapes, 1, "output")
-            _check_out_shapes(fail, i, c.out_shapes, [one(root, i).shape])
         return [[one(root, i)] for i in range(world)]
     if op == "reduce_scatter":
         for i, c in enumerate(calls):
             need_count(i, c.in_shapes, world, "input")
-            _check_out_shapes(fail, i, c.out_shapes, [tuple(c.in_shapes[i])])
         return [[reduce([one(j, i) for j in range(world)])] for i in range(world)]
     if op == "reduce_scatter_tensor":
-        need_count(0, first.in_shapes, 1, "input")
-        need_count(0, first.out_shapes, 1, "output")
-        in_shape, out_shape = tuple(first.in_shapes[0]), tuple(first.out_shapes[0])
-        part = math.prod(out_shape)
-        if math.prod(in_shape) != world * part:
-            raise fail(f"passed an input of shape {in_shape} for outputs of shape {out_shape}; "
-                       f"the input must hold {world} outputs", 0)
-        red = reduce([one(i, 0).reshape(-1) for i in range(world)])
-        return [[red[i * part:(i + 1) * part].reshape(out_shape)] for i in range(world)]
+        parts = []
+        for t, in_shape in enumerate(first.in_shapes):
+            size = math.prod(in_shape)
+            if size % world:
+                raise fail(f"passed input tensor {t} of shape {tuple(in_shape)}, which does not split "
+                           f"into {world} equal parts", 0)
+            red = reduce([one(j, t).reshape(-1) for j in range(world)])
+            part = size // world
+            parts.append([red[i * part:(i + 1) * part] for i in range(world)])
+        return [[p[i] for p in parts] for i in range(world)]
     if op == "all_to_all":
         for i, c in enumerate(calls):
             need_count(i, c.in_shapes, world, "input")
-            need_count(i, c.out_shapes, world, "output")
-        for i, c in enumerate(calls):
-            _check_out_shapes(fail, i, c.out_shapes, [one(j, i).shape for j in range(world)])
         return [[one(j, i) for j in range(world)] for i in range(world)]
     if op == "all_to_all_single":
         return _all_to_all_single(fail, calls, inputs, world, ranks)
     raise fail("is not implemented by Prism yet; please report this")
-
-
-def _check_out_shapes(fail, i: int, declared, actual) -> None:
-    declared = [tuple(s) for s in declared]
-    actual = [tuple(s) for s in actual]
-    if declared != actual:
-        raise fail(f"passed output tensors of shapes {_shapes(declared)} but the members "
-                   f"send {_shapes(actual)}; size the outputs to match", i)
 
 
 def _splits(fail, i: int, splits: Sequence[int], rows: int, world: int, what: str) -> list[int]:
