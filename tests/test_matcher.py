@@ -134,7 +134,7 @@ def test_mismatch_before_all_arrive_and_late_members_get_it_too():
     [
         (dict(dtype="float64", arrays=[np.zeros(2)]), "all_reduce(SUM, float64, [(2,)])"),
         (dict(arrays=[np.zeros(3, np.float32)]), "all_reduce(SUM, float32, [(3,)])"),
-        (dict(op="broadcast", reduce_op="", root=1, arrays=[np.zeros(2, np.float32)]), "broadcast(float32, [(2,)], root=1)"),
+        (dict(op="broadcast", reduce_op="", root=1, arrays=[np.zeros(2, np.float32)], out_shapes=()), "broadcast(float32, [(2,)], root=1)"),
     ],
 )
 def test_mismatch_on_dtype_shape_op(other, words):
