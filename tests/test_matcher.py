@@ -309,3 +309,30 @@ def test_finished_rank_never_completes_a_collective():
     assert isinstance(f, NeverCompletes) and f.code == "deadlock" and f.ranks == (0,)
     assert "rank 1 finished without reaching all_reduce" in f.message
     assert m.deadlock_report([0], 99 * S) is None  # the failed instance is no longer waited on
+
+
+def test_wait_texts_of_the_rank_backend_are_understood():
+    m = matcher(2, groups=((WORLD, None),))
+    m.arrive(coll(0, arrays=[np.zeros(1, np.float32)], async_op=True), 0)
+    m.recv_post(recv(1, 0, tag=2, pseq=5), 0)
+    assert m.wait(Wait(rank=0, what=f"all_reduce on group {WORLD} (seq 0)", t_ns=0), 1) == []
+    assert m.wait(Wait(rank=1, what="recv from rank 0 tag 2 (pseq 5)", t_ns=0), 1) == []
+    assert m.waiting_for(0).startswith("waits in all_reduce") and m.waiting_for(1).startswith("waits in recv")
+    assert m.wait(Wait(rank=0, what="send to rank 1 tag 0", t_ns=0), 1) == []  # eager: nothing to wait for
+
+
+def test_blocked_ranks_without_a_readable_wait_list_their_pending_operations():
+    m = matcher(3, groups=((WORLD, None),))
+    m.arrive(coll(0, arrays=[np.zeros(1, np.float32)], async_op=True), 0)  # e.g. DDP's bucket all_reduce
+    m.recv_post(recv(0, 2, tag=0, shape=(1,)), 0)
+    m.arrive(coll(1, arrays=[np.zeros(1, np.float32)]), 0)
+    m.recv_post(recv(2, 1, tag=0, shape=(1,)), 0)
+    m.wait(Wait(rank=2, what=wait_key_p2p(1, 2, 0, 0), t_ns=0), 0)
+    assert m.deadlock_report(range(3), 60 * S) is None  # rank 0 might still be computing
+    lines = m.deadlock_report(range(3), 60 * S, blocked=[0]).text.splitlines()
+    assert lines[1:5] == [
+        f"rank 0: waits in all_reduce on group {WORLD} (ranks [0, 1, 2]) seq 0; missing: rank 2",
+        "rank 0: waits in recv from rank 2 tag 0 (no matching send)",
+        f"rank 1: waits in all_reduce on group {WORLD} (ranks [0, 1, 2]) seq 0; missing: rank 2",
+        "rank 2: waits in recv from rank 1 tag 0 (no matching send)",
+    ]
