@@ -217,6 +217,10 @@ def test_broadcast_and_reduce_return_only_changed_tensors():
     other = call("broadcast", "float64", [], [(2, 3)], root=1)
     outs = run_collective([other, root, other], [[], [x], []])
     assert outs[1] == [] and all(np.array_equal(outs[i][0], x) for i in (0, 2))
+    # Receivers may also declare the tensor as an input they do not send.
+    declared = call("broadcast", "float64", [(2, 3)], [(2, 3)], root=1)
+    outs = run_collective([declared, root, declared], [[], [x], []])
+    assert outs[1] == [] and all(np.array_equal(outs[i][0], x) for i in (0, 2))
     root = call("reduce", "float64", [(2, 3)], [(2, 3)], reduce_op="SUM", root=2)
     other = call("reduce", "float64", [(2, 3)], [], reduce_op="SUM", root=2)
     outs = run_collective([other, other, root], [[x], [x], [x]])
@@ -304,8 +308,8 @@ def test_all_to_all_single_split_disagreement_names_both_sides():
          r"names root 3 \(a group rank\), which must be in \[0, 2\)"),
         ([call("all_gather_into_tensor", "int8", [(2,)], [(3,)])] * 2, [[np.zeros(2, np.int8)]] * 2,
          r"rank 0 passed output tensor 0 of shape \(3,\) for a result of shape \(4,\); size the output"),
-        ([call("reduce", "int8", [(2,)], [(2,)], reduce_op="SUM", root=0)] * 2, [[np.zeros(2, np.int8)]] * 2,
-         r"rank 1 passed 1 output tensors where reduce returns 0"),
+        ([call("all_reduce", "int8", [(2,)], [(2,), (2,)], reduce_op="SUM")] * 2, [[np.zeros(2, np.int8)]] * 2,
+         r"rank 0 passed 2 output tensors where all_reduce returns 1"),
         ([call("all_reduce", "int8", [(2,)], [(2,)], reduce_op="SUM"),
           call("all_reduce", "int8", [(3,)], [(3,)], reduce_op="SUM")],
          [[np.zeros(2, np.int8)], [np.zeros(3, np.int8)]],

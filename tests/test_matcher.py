@@ -336,3 +336,15 @@ def test_blocked_ranks_without_a_readable_wait_list_their_pending_operations():
         f"rank 1: waits in all_reduce on group {WORLD} (ranks [0, 1, 2]) seq 0; missing: rank 2",
         "rank 2: waits in recv from rank 1 tag 0 (no matching send)",
     ]
+
+
+def test_broadcast_receivers_send_no_payload():
+    m = matcher(3, groups=((WORLD, None),))
+    x = np.arange(4, dtype=np.float32)
+    recv_call = CollectiveArrive(rank=0, gid=WORLD, seq=0, op="broadcast", reduce_op="", dtype="float32",
+                                 in_shapes=((4,),), out_shapes=((4,),), root=1)
+    assert m.arrive(recv_call, 0) == []
+    assert m.arrive(coll(1, "broadcast", arrays=[x], reduce_op="", out_shapes=(), root=1), 0) == []
+    (done,) = m.arrive(CollectiveArrive(rank=2, gid=WORLD, seq=0, op="broadcast", reduce_op="", dtype="float32",
+                                        in_shapes=(), out_shapes=((4,),), root=1), 0)
+    assert done.outputs[1] == () and done.outputs[0] == done.outputs[2] == (x.tobytes(),)

@@ -29,21 +29,25 @@ Dtypes are named as torch names them (``DTYPES``); bfloat16 is stored as its
 raw 16 bits in ``uint16`` arrays and converted with ``bf16_to_f32`` and
 ``f32_to_bf16`` (round to nearest even, NaN kept quiet, as c10::BFloat16).
 
-Per-op contract (the rank backend's, ``prism/rank/backend.py``):
-``in_shapes`` are the tensors a member sends (one payload each) and
-``out_shapes`` the tensors it gets back (one output each, in order); ``n`` is
-the group size, ``i`` the member's group rank, ``x_j`` member ``j``'s inputs.
+Per-op contract (shared with the rank backend, ``prism/rank/backend.py``):
+``in_shapes`` are the tensors a member sends, one payload each, except that a
+broadcast's receivers send no payload (they may declare the tensor in
+``in_shapes``, or only in ``out_shapes``); ``out_shapes`` are the tensors it
+gets back. The outputs for a member are one array per declared output, in
+order, or none, which means "leave your tensors as they are" (the broadcast
+root, a reduce's or gather's non-root members). ``n`` is the group size,
+``i`` the member's group rank, ``x_j`` member ``j``'s inputs.
 
 =========================  ==========================  ======================================
-op                         in (payloads sent)          out (outputs returned to member i)
+op                         in (payloads sent)          outputs returned to member i
 =========================  ==========================  ======================================
 all_reduce                 [t]                         [reduced]
 all_reduce_coalesced       [t_1 .. t_k]                [reduced_1 .. reduced_k]
-broadcast                  root: [t]; others: []       root: []; others: [root's t]
-reduce                     [t]                         root: [reduced]; others: []
+broadcast                  root: [t]; others: none     root: none; others: [root's t]
+reduce                     [t]                         root: [reduced]; others: none
 all_gather                 [t_1 .. t_k]                for each input t: x_0[t] .. x_{n-1}[t]
 all_gather_into_tensor     [t_1 .. t_k]                for each input t: concat_j x_j[t]
-gather                     [t]                         root: [x_0 .. x_{n-1}]; others: []
+gather                     [t]                         root: [x_0 .. x_{n-1}]; others: none
 scatter                    root: n tensors; others []  [root's tensor i]
 reduce_scatter             n tensors                   [reduction of the members' i-th]
 reduce_scatter_tensor      [T_1 .. T_k]                for each input: part i of its reduction
@@ -64,7 +68,8 @@ Public API
 ``nbytes(dtype, shape)``, ``bf16_to_f32``, ``f32_to_bf16``,
 ``reduce_arrays(arrays, reduce_op, dtype, premul=None, where=...)``,
 ``run_collective(calls, inputs, *, gid, seq, ranks)``,
-``signature(call)``, ``describe(call)``, ``CollectiveError``.
+``signature(call)``, ``describe(call)``, ``payload_shapes(call, group_rank)``,
+``CollectiveError``.
 """
 
 from __future__ import annotations
@@ -338,6 +343,20 @@ def _shapes(shapes: Sequence[Sequence[int]]) -> str:
     return "[" + ", ".join(str(tuple(s)) for s in shapes) + "]"
 
 
+def _broadcast_shapes(call: CallLike) -> tuple:
+    """The broadcast tensor's shape as a member declares it: receivers declare
+    it in ``in_shapes`` (sending no payload) or only in ``out_shapes``."""
+    return tuple(call.in_shapes) or tuple(call.out_shapes)
+
+
+def payload_shapes(call: CallLike, group_rank: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the payloads member ``group_rank`` sends with ``call``:
+    its ``in_shapes``, except that a broadcast's receivers send nothing."""
+    if call.op == "broadcast" and group_rank != call.root:
+        return ()
+    return tuple(tuple(s) for s in call.in_shapes)
+
+
 def describe(call: CallLike) -> str:
     """A call as the script wrote it, e.g. ``all_reduce(SUM, float32, [(4, 4)])``."""
     if call.op == "barrier":
@@ -346,8 +365,7 @@ def describe(call: CallLike) -> str:
     if call.op in _REDUCING_OPS:
         parts.append(call.reduce_op if call.reduce_op != "PREMUL_SUM" else f"PREMUL_SUM({call.premul})")
     parts.append(call.dtype)
-    # A broadcast's receivers send nothing: show the tensor they receive into.
-    parts.append(_shapes(tuple(call.in_shapes) + tuple(call.out_shapes) if call.op == "broadcast" else call.in_shapes))
+    parts.append(_shapes(_broadcast_shapes(call) if call.op == "broadcast" else call.in_shapes))
     if call.op in _ROOTED_OPS:
         parts.append(f"root={call.root}")
     if call.op == "all_to_all_single" and (call.in_splits or call.out_splits):
@@ -368,8 +386,7 @@ def signature(call: CallLike) -> tuple:
     if op in _ROOTED_OPS:
         sig += (call.root,)
     if op == "broadcast":
-        # The root sends the tensor (in_shapes), the others receive it (out_shapes).
-        sig += (tuple(call.in_shapes) + tuple(call.out_shapes),)
+        sig += (_broadcast_shapes(call),)
     if op in ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
               "reduce_scatter_tensor", "all_gather_into_tensor", "gather"):
         sig += (tuple(call.in_shapes),)
@@ -429,14 +446,17 @@ def run_collective(
             raise fail(why)
     for i, (c, arrs) in enumerate(zip(calls, inputs)):
         got = tuple(a.shape for a in arrs)
-        if got != tuple(tuple(s) for s in c.in_shapes):
-            raise fail(f"sent tensors of shapes {_shapes(got)} but declared {_shapes(c.in_shapes)}; "
+        want = payload_shapes(c, i)
+        if got != want:
+            raise fail(f"sent tensors of shapes {_shapes(got)} but declared {_shapes(want)}; "
                        "this is a Prism bug, please report it", i)
     outs = _compute(op, first, calls, inputs, world, ranks, fail)
     # Reshape each shared result once, so members keep sharing one array.
     reshaped: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
     for i, c in enumerate(calls):
         declared = [tuple(s) for s in c.out_shapes]
+        if not outs[i]:
+            continue  # "leave your tensors as they are", whatever the member declared
         if len(outs[i]) != len(declared):
             raise fail(f"passed {len(declared)} output tensors where {op} returns {len(outs[i])} "
                        f"(shapes {_shapes([a.shape for a in outs[i]])})", i)

@@ -375,7 +375,7 @@ class Matcher:
                     f"{C.describe(msg)}; the script calls different collectives on different ranks",
                     (), gid, seq), extra=(rank,))]
         try:
-            arrays = self._arrays(msg)
+            arrays = self._arrays(msg, me)
         except ValueError as e:
             return [self._fail(inst, InvalidCall(
                 f"rank {rank} sent a malformed {C.describe(msg)} on group {gid} at sequence {seq} "
@@ -389,8 +389,8 @@ class Matcher:
             return []
         return [self._complete(inst)]
 
-    def _arrays(self, msg: C.CallLike) -> list[np.ndarray]:
-        shapes = msg.in_shapes
+    def _arrays(self, msg: C.CallLike, me: int) -> list[np.ndarray]:
+        shapes = C.payload_shapes(msg, me)
         payloads = tuple(getattr(msg, "payloads", ()))
         if len(payloads) != len(shapes):
             raise ValueError(f"{len(payloads)} payloads for {len(shapes)} input tensors")
