@@ -348,3 +348,12 @@ def test_broadcast_receivers_send_no_payload():
     (done,) = m.arrive(CollectiveArrive(rank=2, gid=WORLD, seq=0, op="broadcast", reduce_op="", dtype="float32",
                                         in_shapes=(), out_shapes=((4,),), root=1), 0)
     assert done.outputs[1] == () and done.outputs[0] == done.outputs[2] == (x.tobytes(),)
+
+
+def test_unsupported_dtype_is_named():
+    m = matcher(2, groups=((WORLD, None),))
+    c = CollectiveArrive(rank=1, gid=WORLD, seq=0, op="all_reduce", reduce_op="SUM", dtype="complex64",
+                         in_shapes=((2,),), out_shapes=((2,),), payloads=(b"\0" * 16,))
+    (f,) = m.arrive(c, 0)
+    assert isinstance(f, InvalidCall) and f.ranks == (1,)
+    assert f.message.endswith("not complex64")

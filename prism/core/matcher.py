@@ -374,6 +374,10 @@ class Matcher:
                     f"rank {ranks[first_i]} called {C.describe(first)} but rank {rank} called "
                     f"{C.describe(msg)}; the script calls different collectives on different ranks",
                     (), gid, seq), extra=(rank,))]
+        if msg.op != "barrier" and msg.dtype not in C.DTYPES:
+            return [self._fail(inst, InvalidCall(
+                f"rank {rank} called {C.describe(msg)} on group {gid} at sequence {seq}; Prism's "
+                f"collectives support {sorted(C.DTYPES)}, not {msg.dtype}", (), gid, seq), extra=(rank,))]
         try:
             arrays = self._arrays(msg, me)
         except ValueError as e:
