@@ -20,8 +20,14 @@ spans ``segments_per_rank * ceil(n / num_segments)`` elements where
 ``reduce_scatter_tensor`` give the same values as that all_reduce over the
 whole input, ``all_reduce_coalesced`` as one all_reduce over the concatenation
 of its tensors, and list ``reduce_scatter`` as one all_reduce per list entry;
-``reduce_arrays`` does all of these. AVG is that SUM divided by ``W`` in the
+``reduce_arrays`` does all of these. gloo's MIN and MAX are ``std::min`` and
+``std::max``, which keep the local value when either is NaN (numpy's
+minimum would propagate it). AVG is that SUM divided by ``W`` in the
 tensor's dtype (torch raises for integer tensors: see ``CollectiveError``).
+Checked bit for bit for float32/float64/float16/bfloat16 at group sizes 3
+and 4, from 1 element to 12 MB. One deliberate difference: gloo leaves
+partial sums in a reduce's non-root tensors (torch calls them undefined);
+Prism leaves them unchanged.
 PREMUL_SUM (which gloo refuses; NCCL supports it and FSDP2 uses it) scales
 each input by the factor in the tensor's dtype, then sums.
 
@@ -66,10 +72,12 @@ Public API
 ----------
 ``DTYPES``, ``to_array(buf, dtype, shape)``, ``from_array(arr)``,
 ``nbytes(dtype, shape)``, ``bf16_to_f32``, ``f32_to_bf16``,
-``reduce_arrays(arrays, reduce_op, dtype, premul=None, where=...)``,
-``run_collective(calls, inputs, *, gid, seq, ranks)``,
+``storage_dtype(dtype)``, ``FLOAT_DTYPES``,
+``reduce_arrays(arrays, reduce_op, dtype, premul=None, *, max_segment_bytes=GLOO_MAX_SEGMENT_BYTES)``,
+``check_reduce_op(reduce_op, dtype) -> str | None``,
+``run_collective(calls, inputs, *, gid="", seq=-1, ranks=()) -> list[list[np.ndarray]]``,
 ``signature(call)``, ``describe(call)``, ``payload_shapes(call, group_rank)``,
-``CollectiveError``.
+``CollectiveError`` (``.gid``, ``.seq``, ``.op``, ``.rank``), ``CallLike``.
 """
 
 from __future__ import annotations
@@ -483,7 +491,8 @@ def _compute(op, first, calls, inputs, world, ranks, fail) -> list[list[np.ndarr
 
     def need_count(i: int, shapes: Sequence, count: int, what: str) -> None:
         if len(shapes) != count:
-            raise fail(f"passed {len(shapes)} {what} tensors; a group of {world} needs {count}", i)
+            per = f" in a group of {world}" if count == world else ""
+            raise fail(f"passed {len(shapes)} {what} tensors where {op} takes {count}{per}", i)
 
     root = first.root
     if op in ("all_reduce", "reduce"):
