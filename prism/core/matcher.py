@@ -24,7 +24,10 @@ of outcomes for the shell to deliver:
 ``InvalidCall``, ``PeerFailed``, ``NeverCompletes``)
     send ``protocol.Error(code, message, rank=r, gid, seq)`` to each ``r`` in
     ``ranks``. A failed collective instance stays failed: members arriving
-    later get the same failure at once.
+    later get the same failure at once. Codes: "mismatch" (the script calls
+    different things on different ranks), "invalid" (a call torch would
+    refuse, or a backend bug the message names), "peer_failed" (a rank it
+    needs died), "deadlock" (a rank it needs finished without taking part).
 
 Public API
 ----------
@@ -56,11 +59,10 @@ a report when every live rank waits; the shell calls it after a quiet period
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
-
-import re
 
 import numpy as np
 
