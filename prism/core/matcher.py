@@ -51,7 +51,8 @@ included) from the ``protocol.Wait`` that names it, until it completes.
 descriptions ("all_reduce on group G (seq 3)", "recv from rank 4 tag 0 (pseq
 1)"); other texts are ignored. Ranks the shell knows are blocked without such
 a Wait (the backend's stall monitor releasing the slot) are passed to
-``deadlock_report`` as ``blocked``. Sends are eager (the payload
+``deadlock_report`` as ``blocked``, e.g. the ranks whose
+``scheduler.Scheduler.state`` is ``RankState.BLOCKED``. Sends are eager (the payload
 travels with the send), so a sender never waits. ``deadlock_report`` returns
 a report when every live rank waits; the shell calls it after a quiet period
 (``now - last_progress_ns``, default 30 s, is the shell's choice).
