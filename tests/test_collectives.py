@@ -354,6 +354,9 @@ GLOO_SCRIPT = textwrap.dedent("""
         dist.reduce_scatter_tensor(o, x[:m].clone()); res[f"rs_{dt}"] = raw(o)
         ys = [x[:300].clone(), x[300:].clone()]
         dist.all_reduce_coalesced(ys); res[f"coal_{dt}"] = raw(torch.cat(ys))
+        o = torch.empty(250, dtype=dt)
+        dist.reduce_scatter(o, [x[i * 250:(i + 1) * 250].clone() for i in range(world)]); res[f"rsl_{dt}"] = raw(o)
+        y = x.clone(); dist.reduce(y, dst=1); res[f"red_{dt}"] = raw(y)
     with open(out, "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
@@ -389,6 +392,12 @@ def test_matches_real_gloo(tmp_path):
         c = call("reduce_scatter_tensor", dtype, [(m,)], [(m // world,)], reduce_op="SUM")
         outs = run_collective([c] * world, [[x[:m]] for x in xs])
         assert [from_array(o[0]).hex() for o in outs] == [r[f"rs_{tname}"] for r in res], dtype
+        c = call("reduce_scatter", dtype, [(250,)] * world, [(250,)], reduce_op="SUM")
+        outs = run_collective([c] * world, [[x[i * 250:(i + 1) * 250] for i in range(world)] for x in xs])
+        assert [from_array(o[0]).hex() for o in outs] == [r[f"rsl_{tname}"] for r in res], dtype
+        c = call("reduce", dtype, [(1001,)], [(1001,)], reduce_op="SUM", root=1)
+        outs = run_collective([c] * world, [[x] for x in xs])
+        assert from_array(outs[1][0]).hex() == res[1][f"red_{tname}"], dtype
         c = call("all_reduce_coalesced", dtype, [(300,), (701,)], [(300,), (701,)], reduce_op="SUM")
         outs = run_collective([c] * world, [[x[:300], x[300:]] for x in xs])
         assert all(from_array(np.concatenate(o)).hex() == r[f"coal_{tname}"] for o, r in zip(outs, res)), dtype
