@@ -64,7 +64,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from prism.core.graph import COLL, COMPUTE, ITER, OPS, RECV, SEND, WAIT
+from prism.core.graph import COLL, COMPUTE, ITER, OPS, SEND, WAIT
 from prism.core.timeline import Timeline
 
 __all__ = [

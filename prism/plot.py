@@ -106,7 +106,7 @@ def write_plot(tl: Timeline, path: str | os.PathLike[str], *, steps: tuple[int |
         xs = (s_c[vis] - t0) / scale
         ws = (e_c[vis] - s_c[vis]) / scale
         if cat == "async":
-            y, h = rows + 0.28, 0.14  # a thin bar at the top of the row: in flight, not holding the rank
+            y, h = rows + 0.28, 0.14  # a thin bar under the row: in flight, not holding the rank
         else:
             y, h = rows - 0.35, 0.6
         # one collection of rectangles per category: tens of thousands of bars stay fast
