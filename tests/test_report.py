@@ -16,14 +16,18 @@ from collections import Counter, defaultdict
 
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from prism import cli
-from prism.core.costmodel import load_profile
+from prism.chakra import et_nodes
+from prism.core.costmodel import ZERO, CostModel, Link, load_profile
 from prism.core.graph import COLL, COMPUTE, ITER, OPS, RECV, SEND, WAIT, ExecutionGraph
-from prism.core.replay import replay_batch
+from prism.core.replay import Costs, replay_batch
 from prism.core.synthetic import MegatronSpec, megatron_events
-from prism.core.timeline import chrome_trace, predicted_timeline
+from prism.core.timeline import chrome_trace, predicted_timeline, recorded_timeline
 from prism.core.trace import Iteration, Manifest, Memory, RankStart, write_run
+from tests.helpers_graph import Program
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HAS_PROTOBUF = importlib.util.find_spec("google.protobuf") is not None
@@ -224,6 +228,31 @@ def test_trace_processor_loads_the_file(syn, tmp_path):
     assert int(s) == int((g.kind != ITER).sum()) and int(f) == expected_flows(g)
 
 
+def check_dependencies(g: ExecutionGraph, rank: int, nodes: list[tuple[int, list[int]]]) -> None:
+    """Chakra nodes (id, data_deps) of ``rank`` against the graph: ids run 0, 1, ...; a node depends
+    on the last node that held the rank and on every async op waited for since then, nothing else."""
+    assert [i for i, _ in nodes] == list(range(len(nodes)))
+    sl = g.nodes_of(rank)
+    emitted = [n for n in range(sl.start, sl.stop) if g.kind[n] in (COMPUTE, COLL, SEND, RECV)]
+    assert len(emitted) == len(nodes)
+    id_of = {gn: i for i, gn in enumerate(emitted)}
+    held_by, waited = None, []
+    it = iter(nodes)
+    for n in range(sl.start, sl.stop):
+        k = int(g.kind[n])
+        if k == ITER:
+            continue
+        if k == WAIT:
+            waited.append(id_of[int(g.wait_of[n])])
+            continue
+        nid, deps = next(it)
+        want = ([held_by] if held_by is not None else []) + waited
+        assert sorted(deps) == sorted(set(want)), g.describe(n)
+        assert all(d < nid for d in deps)
+        if k == COMPUTE or not g.is_async[n]:
+            held_by, waited = nid, []
+
+
 # ------------------------------------------------------------------- chakra
 @needs_protobuf
 def test_chakra_files_decode_to_the_graph(syn, tmp_path):
@@ -242,25 +271,13 @@ def test_chakra_files_decode_to_the_graph(syn, tmp_path):
         graph_nodes = [n for n in range(sl.start, sl.stop) if g.kind[n] in kind_type]
         assert len(nodes) == len(graph_nodes)
         assert [n.id for n in nodes] == list(range(len(nodes)))
-        id_of = {gn: i for i, gn in enumerate(graph_nodes)}
-        blocking_before = None  # the id of the last node that held the rank
-        waited: list[int] = []
-        et = iter(nodes)
-        for n in range(sl.start, sl.stop):
+        check_dependencies(g, r, [(n.id, list(n.data_deps)) for n in nodes])
+        assert all(list(n.ctrl_deps) == [] for n in nodes)
+        for n, node in zip(graph_nodes, nodes):
             k = int(g.kind[n])
-            if k == ITER:
-                continue
-            if k == WAIT:
-                waited.append(id_of[int(g.wait_of[n])])
-                continue
-            node = next(et)
             attrs = {a.name: getattr(a, a.WhichOneof("value")) for a in node.attr}
             assert node.type == kind_type[k]
             assert attrs["step"] == g.step[n] and attrs["is_cpu_op"] is False
-            # program order, plus the async ops waited for since the last blocking node
-            want = ([blocking_before] if blocking_before is not None else []) + waited
-            assert sorted(node.data_deps) == sorted(set(want)), g.describe(n)
-            assert list(node.ctrl_deps) == []
             if k == COMPUTE:
                 assert abs(node.duration_micros - g.dur[n] / 1000) <= 1
             else:
@@ -271,10 +288,6 @@ def test_chakra_files_decode_to_the_graph(syn, tmp_path):
                 else:
                     src, dst = (r, g.peer[n]) if k == SEND else (g.peer[n], r)
                     assert (attrs["comm_src"], attrs["comm_dst"], attrs["comm_tag"]) == (src, dst, g.tag[n])
-            if k == COMPUTE or not g.is_async[n]:
-                blocking_before, waited = node.id, []
-    # all_reduce is ALL_REDUCE = 0 in et_def.proto; the synthetic DP and TP traffic is all_reduce
-    assert COMM_TYPE["all_reduce"] == 0 and COMM_TYPE["all_to_all_single"] == 6
 
 
 @needs_protobuf
@@ -283,7 +296,7 @@ def test_chakra_wire_format_follows_et_def_proto(syn, tmp_path):
     from google.protobuf import empty_pb2
     from google.protobuf.unknown_fields import UnknownFieldSet
 
-    from prism.chakra import chakra_classes, read_et
+    from prism.chakra import COMM_TYPE, chakra_classes, read_et
 
     c = chakra_classes()
     numbers = {f.name: f.number for f in c.Node.DESCRIPTOR.fields}
@@ -294,6 +307,12 @@ def test_chakra_wire_format_follows_et_def_proto(syn, tmp_path):
     assert {f.name: f.number for f in c.GlobalMetadata.DESCRIPTOR.fields} == {"version": 1, "attr": 2}
     nt = c.Node.DESCRIPTOR.fields_by_name["type"].enum_type.values_by_name
     assert [nt[k].number for k in ("COMP_NODE", "COMM_SEND_NODE", "COMM_RECV_NODE", "COMM_COLL_NODE")] == [4, 5, 6, 7]
+    cct = c.Node.DESCRIPTOR.file.enum_types_by_name["CollectiveCommType"].values_by_name
+    assert {k: cct[k].number for k in cct} == {
+        "ALL_REDUCE": 0, "REDUCE": 1, "ALL_GATHER": 2, "GATHER": 3, "SCATTER": 4, "BROADCAST": 5, "ALL_TO_ALL": 6,
+        "REDUCE_SCATTER": 7, "REDUCE_SCATTER_BLOCK": 8, "BARRIER": 9}
+    assert [COMM_TYPE[op] for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                                     "all_to_all_single", "broadcast", "barrier")] == [0, 2, 7, 6, 5, 9]
 
     run, _, g = syn
     assert report(run, "--chakra", tmp_path / "et") == 0
@@ -362,3 +381,57 @@ def test_report_of_a_real_capture(tmp_path):
         check_trace(trace, g, memory=any(isinstance(e, Memory) for evs in read_run(run).ranks.values() for e in evs))
         assert len(list((tmp_path / "et").glob("prism.*.et"))) == 4
         assert (tmp_path / "g.png").stat().st_size > 20_000
+
+
+# ----------------------------------------------------------- random graphs
+#: Two nodes of two ranks, slow inter-node link: costs differ between groups.
+SKEWED = CostModel("skewed", 2, Link(2e9, 3e-6), Link(0.25e9, 7e-6), base_latency=1e-6, source="test")
+
+
+@st.composite
+def programs(draw):
+    """Deadlock-free random runs: collectives on random groups (async on random members), p2p, waits."""
+    world = draw(st.integers(2, 4))
+    extra = draw(st.lists(st.sets(st.integers(0, world - 1), min_size=1, max_size=world), max_size=2))
+    p = Program(world, {f"g{i}": tuple(sorted(s)) for i, s in enumerate(extra)})
+    outstanding: list[tuple[int, str]] = []
+    for step in range(draw(st.integers(1, 2))):
+        for n in range(draw(st.integers(1, 10))):
+            handle = f"h{step}.{n}"
+            what = draw(st.sampled_from(["compute", "coll", "p2p", "wait"]))
+            if what == "compute":
+                p.compute(draw(st.integers(0, world - 1)), draw(st.integers(0, 5000)))
+            elif what == "coll":
+                gid = draw(st.sampled_from(sorted(p.groups)))
+                asy = draw(st.sets(st.sampled_from(p.groups[gid])))
+                p.coll(gid, draw(st.sampled_from(["all_reduce", "all_gather_into_tensor", "broadcast"])),
+                       draw(st.integers(0, 1 << 16)), async_on=asy, handle=handle)
+                outstanding += [(r, handle) for r in sorted(asy)]
+            elif what == "p2p":
+                src, dst = draw(st.lists(st.integers(0, world - 1), min_size=2, max_size=2, unique=True))
+                a_s, a_r = draw(st.booleans()), draw(st.booleans())
+                p.send(src, dst, draw(st.integers(0, 1 << 16)), async_send=a_s, async_recv=a_r, handle=handle)
+                outstanding += [(r, handle) for r, a in ((src, a_s), (dst, a_r)) if a]
+            elif outstanding:
+                p.wait(*outstanding.pop(draw(st.integers(0, len(outstanding) - 1))))
+        for r, h in outstanding:
+            p.wait(r, h)
+        outstanding = []
+        p.end_step()
+    return p.events
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs(), st.sampled_from([ZERO, SKEWED]), st.booleans())
+def test_random_graphs_give_well_formed_traces_and_dependencies(events, model, recorded):
+    g = ExecutionGraph.from_events(events)
+    if recorded:
+        tl = recorded_timeline(g, [1000 * r for r in range(g.world_size)], Costs.of(g, cost_model=model))
+    else:
+        tl = predicted_timeline(replay_batch(g, cost_model=model))
+    trace = chrome_trace(tl)
+    assert nesting_problems(trace) == []
+    assert flow_problems(trace) == []
+    assert sum(e["ph"] == "s" for e in trace["traceEvents"]) == expected_flows(g)
+    for r in range(g.world_size):
+        check_dependencies(g, r, [(n.id, list(n.data_deps)) for n in et_nodes(tl, r)])
