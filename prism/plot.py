@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from prism.core.graph import ITER
-from prism.core.timeline import Timeline, segments
+from prism.core.timeline import CATEGORIES, Timeline, segments
 
 __all__ = ["COLOURS", "PlotUnavailableError", "write_plot", "step_window"]
 
@@ -129,7 +129,7 @@ def write_plot(tl: Timeline, path: str | os.PathLike[str], *, steps: tuple[int |
     sample = f"; {nrows} of {world} ranks shown" if nrows < world else ""
     gantt.set_title(f"{title + ': ' if title else ''}{what}{sample}")
     gantt.legend(handles=[Patch(color=COLOURS[c], label=c if c != "async" else "async comm in flight")
-                          for c in ("compute", "communication", "waiting", "async")],
+                          for c in CATEGORIES],
                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     gantt.grid(axis="x", alpha=0.3)
     # breakdown

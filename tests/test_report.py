@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections import Counter, defaultdict
 
+import numpy as np
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,7 +26,7 @@ from prism.core.costmodel import ZERO, CostModel, Link, load_profile
 from prism.core.graph import COLL, COMPUTE, ITER, OPS, RECV, SEND, WAIT, ExecutionGraph
 from prism.core.replay import Costs, replay_batch
 from prism.core.synthetic import MegatronSpec, megatron_events
-from prism.core.timeline import chrome_trace, predicted_timeline, recorded_timeline
+from prism.core.timeline import chrome_trace, predicted_timeline, recorded_timeline, segments
 from prism.core.trace import Iteration, Manifest, Memory, RankStart, write_run
 from tests.helpers_graph import Program
 
@@ -202,6 +203,16 @@ def test_overlapping_async_ops_get_their_own_threads(syn):
     threads = [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"]
     assert any("(overlap 1)" in t for t in threads)
     assert nesting_problems(trace) == []
+
+
+def test_segments_split_held_time_as_the_replay_breakdown_does(syn):
+    _, _, g = syn
+    res = replay_batch(g, cost_model=load_profile("h200_nvlink_ib400"))
+    totals = segments(predicted_timeline(res)).totals(g.world_size)
+    b = res.breakdown()
+    for key in ("compute", "communication", "waiting"):
+        assert np.array_equal(totals[key], b[key]), key
+    assert totals["communication"].sum() > 0 and totals["waiting"].sum() > 0 and totals["async"].sum() > 0
 
 
 def test_no_memory_samples_no_counters(syn):

@@ -37,6 +37,7 @@ from prism.core.replay import Costs, ReplayResult
 from prism.core.trace import Memory
 
 __all__ = [
+    "CATEGORIES",
     "PREDICTED",
     "RECORDED",
     "Segments",
@@ -50,7 +51,7 @@ __all__ = [
 PREDICTED, RECORDED = "predicted", "recorded"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Timeline:
     """Start and end (int64 ns, per node) of every node of ``graph`` on one clock.
 
@@ -119,7 +120,7 @@ def recorded_timeline(graph: ExecutionGraph, clock_offsets_ns: Sequence[int], co
 CATEGORIES = ("compute", "communication", "waiting", "async")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Segments:
     """Per category, parallel arrays ``rank``, ``t0``, ``t1`` (ns) and ``node``.
 
