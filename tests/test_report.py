@@ -26,7 +26,7 @@ from prism.core.costmodel import ZERO, CostModel, Link, load_profile
 from prism.core.graph import COLL, COMPUTE, ITER, OPS, RECV, SEND, WAIT, ExecutionGraph
 from prism.core.replay import Costs, replay_batch
 from prism.core.synthetic import MegatronSpec, megatron_events
-from prism.core.timeline import chrome_trace, predicted_timeline, recorded_timeline, segments
+from prism.core.timeline import PID_BASE, chrome_trace, predicted_timeline, recorded_timeline, segments
 from prism.core.trace import Iteration, Manifest, Memory, RankStart, write_run
 from tests.helpers_graph import Program
 
@@ -78,6 +78,10 @@ def load(path) -> dict:
 
 
 # ------------------------------------------------------------ trace checks
+def rank(e: dict) -> int:
+    return e["pid"] - PID_BASE
+
+
 def ns(us: float) -> int:
     return round(us * 1000)
 
@@ -129,11 +133,11 @@ def expected_flows(g: ExecutionGraph) -> int:
 
 def check_trace(trace: dict, g: ExecutionGraph, memory: bool) -> None:
     ev = trace["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
+    names = {rank(e): e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {r: f"rank {r}" for r in range(g.world_size)}
     slices = [e for e in ev if e["ph"] == "X"]
     assert len(slices) == int((g.kind != ITER).sum())
-    assert Counter(e["pid"] for e in slices) == Counter(g.rank[g.kind != ITER].tolist())
+    assert Counter(rank(e) for e in slices) == Counter(g.rank[g.kind != ITER].tolist())
     for e in slices:
         assert {"op", "step"} <= e["args"].keys()
         if e["cat"] != "compute":
@@ -145,12 +149,13 @@ def check_trace(trace: dict, g: ExecutionGraph, memory: bool) -> None:
     assert len(marks) == int((g.kind == ITER).sum())
     counters = [e for e in ev if e["ph"] == "C"]
     if memory:
-        assert Counter(e["pid"] for e in counters) == Counter(g.rank[g.kind == ITER].tolist())
+        assert Counter(rank(e) for e in counters) == Counter(g.rank[g.kind == ITER].tolist())
     else:
         assert counters == []
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert all(e["pid"] > 0 and e.get("tid", 1) > 0 for e in ev)  # Perfetto reserves pid 0 (swapper)
+    threads = {(rank(e), e["tid"]): e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
     for e in slices:  # every slice's thread is named
-        assert (e["pid"], e["tid"]) in threads
+        assert (rank(e), e["tid"]) in threads
     comm = (g.kind == COLL) | (g.kind == SEND) | (g.kind == RECV)
     used = set(zip(g.rank[comm].tolist(), g.group[comm].tolist()))
     assert used, "the run should communicate"
@@ -170,16 +175,16 @@ def test_perfetto_predicted_structure_and_times(syn, tmp_path):
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert max(ns(e["ts"]) + ns(e["dur"]) for e in slices) == res.makespan_ns
     # the slices are the replay's times, node by node (rank by rank, program order)
-    got = sorted((e["pid"], ns(e["ts"]), ns(e["dur"])) for e in slices)
+    got = sorted((rank(e), ns(e["ts"]), ns(e["dur"])) for e in slices)
     keep = g.kind != ITER
     want = sorted(zip(g.rank[keep].tolist(), res.start[keep].tolist(), (res.end - res.start)[keep].tolist()))
     assert got == want
     assert trace["otherData"]["source"] == "predicted" and trace["otherData"]["cost_model"] == "h200_nvlink_ib400"
     # a memory sample taken at a step's end sits on that rank's end-of-step mark
-    marks = {(e["pid"], e["args"]["step"]): e["ts"] for e in trace["traceEvents"] if e["ph"] == "i" and e["s"] == "t"}
+    marks = {(rank(e), e["args"]["step"]): e["ts"] for e in trace["traceEvents"] if e["ph"] == "i" and e["s"] == "t"}
     for e in (e for e in trace["traceEvents"] if e["ph"] == "C"):
-        step = round(e["args"]["allocated"] / (e["pid"] + 1)) - 1
-        assert e["ts"] == marks[(e["pid"], step)]
+        step = round(e["args"]["allocated"] / (rank(e) + 1)) - 1
+        assert e["ts"] == marks[(rank(e), step)]
 
 
 def test_perfetto_recorded_uses_the_clock_offsets(syn, tmp_path):
@@ -190,7 +195,7 @@ def test_perfetto_recorded_uses_the_clock_offsets(syn, tmp_path):
     check_trace(trace, g, memory=True)
     assert trace["otherData"]["source"] == "recorded"
     t0 = min(int(g.rec_start[g.nodes_of(r)].min()) + offset_of(r) for r in range(g.world_size))
-    computes = sorted((e["pid"], ns(e["ts"]), ns(e["dur"])) for e in trace["traceEvents"] if e.get("cat") == "compute")
+    computes = sorted((rank(e), ns(e["ts"]), ns(e["dur"])) for e in trace["traceEvents"] if e.get("cat") == "compute")
     want = sorted((r, ev.start_ns + offset_of(r) - t0, ev.end_ns - ev.start_ns)
                   for r, evs in events.items() for ev in evs if type(ev).__name__ == "Compute")
     assert computes == want

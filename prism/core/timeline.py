@@ -38,6 +38,7 @@ from prism.core.trace import Memory
 
 __all__ = [
     "CATEGORIES",
+    "PID_BASE",
     "PREDICTED",
     "RECORDED",
     "Segments",
@@ -46,9 +47,14 @@ __all__ = [
     "predicted_timeline",
     "recorded_timeline",
     "segments",
+    "TID_BASE",
 ]
 
 PREDICTED, RECORDED = "predicted", "recorded"
+#: Chrome trace pid of rank 0, and tid of a rank's compute thread. Not 0: Perfetto treats pid 0 as
+#: the kernel's swapper and its maintainers advise synthetic traces to start at 1 (google/perfetto#394),
+#: and some Perfetto UI versions merged tid 0 with tid 1.
+PID_BASE, TID_BASE = 1, 1
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -244,8 +250,9 @@ def chrome_trace(
 
     Layout (timestamps in µs, floats with ns precision):
 
-    * one process per rank: ``pid`` = rank, named ``rank N``;
-    * per rank, thread 0 ``compute`` holds compute segments and waits for
+    * one process per rank: ``pid`` = rank + ``PID_BASE`` (1: Perfetto reserves pid 0 for the
+      kernel's swapper), named ``rank N`` and sorted by rank;
+    * per rank, the first thread (``tid`` ``TID_BASE``), ``compute``, holds compute segments and waits for
       async ops (both hold the rank), and the rank's end-of-step instants;
     * per group the rank communicates on, a thread named by the gid and its
       member ranks holds that group's collectives, sends and receives. Slices
@@ -278,10 +285,10 @@ def chrome_trace(
         for n in range(sl.start, sl.stop):
             if g.kind[n] != ITER:
                 by_track.setdefault(int(track[n]), []).append((int(start[n]), int(end[n]), n))
-        ev.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
-        ev.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
-        by_track.setdefault(-1, [])  # the compute thread (tid 0) also carries the step marks
-        next_tid = 0
+        ev.append({"ph": "M", "name": "process_name", "pid": r + PID_BASE, "args": {"name": f"rank {r}"}})
+        ev.append({"ph": "M", "name": "process_sort_index", "pid": r + PID_BASE, "args": {"sort_index": r}})
+        by_track.setdefault(-1, [])  # the compute thread (the first) also carries the step marks
+        next_tid = TID_BASE
         for tr in sorted(by_track, key=lambda x: (x >= 0, x)):
             lanes = _lanes(by_track[tr])
             if tr >= 0:
@@ -293,8 +300,9 @@ def chrome_trace(
             for lane in range(nl):
                 t = next_tid + lane
                 name = label if lane == 0 else f"{label} (overlap {lane})"
-                ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": t, "args": {"name": name}})
-                ev.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": t, "args": {"sort_index": t}})
+                ev.append({"ph": "M", "name": "thread_name", "pid": r + PID_BASE, "tid": t, "args": {"name": name}})
+                ev.append({"ph": "M", "name": "thread_sort_index", "pid": r + PID_BASE, "tid": t,
+                           "args": {"sort_index": t}})
             for n, lane in lanes.items():
                 tid[n] = next_tid + lane
             next_tid += nl
@@ -305,10 +313,10 @@ def chrome_trace(
         r = int(g.rank[n])
         if k == ITER:
             ev.append({"ph": "i", "s": "t", "name": f"end of step {g.step[n]}", "cat": "iteration",
-                       "pid": r, "tid": 0, "ts": _us(int(start[n])), "args": {"step": int(g.step[n])}})
+                       "pid": r + PID_BASE, "tid": TID_BASE, "ts": _us(int(start[n])), "args": {"step": int(g.step[n])}})
             continue
         name, args = _node_name(g, n)
-        ev.append({"ph": "X", "name": name, "cat": KIND_NAMES[k], "pid": r, "tid": int(tid[n]),
+        ev.append({"ph": "X", "name": name, "cat": KIND_NAMES[k], "pid": r + PID_BASE, "tid": int(tid[n]),
                    "ts": _us(int(start[n])), "dur": _us(int(end[n] - start[n])), "args": args})
     # flows
     mid = (start + end) // 2
@@ -319,9 +327,9 @@ def chrome_trace(
         flow_id += 1
         ts_s = int(mid[src])
         ts_f = min(max(int(mid[dst]), ts_s), int(end[dst]))
-        ev.append({"ph": "s", "id": flow_id, "name": name, "cat": "flow", "pid": int(g.rank[src]),
+        ev.append({"ph": "s", "id": flow_id, "name": name, "cat": "flow", "pid": int(g.rank[src]) + PID_BASE,
                    "tid": int(tid[src]), "ts": _us(ts_s)})
-        ev.append({"ph": "f", "bp": "e", "id": flow_id, "name": name, "cat": "flow", "pid": int(g.rank[dst]),
+        ev.append({"ph": "f", "bp": "e", "id": flow_id, "name": name, "cat": "flow", "pid": int(g.rank[dst]) + PID_BASE,
                    "tid": int(tid[dst]), "ts": _us(ts_f)})
 
     for j in range(g.n_messages):
@@ -337,7 +345,7 @@ def chrome_trace(
         if not 0 <= r < g.world_size:
             raise ValueError(f"memory samples for rank {r}, outside the graph's world of {g.world_size} ranks")
         for s in samples:
-            ev.append({"ph": "C", "name": "memory (MiB)", "pid": r, "tid": 0,
+            ev.append({"ph": "C", "name": "memory (MiB)", "pid": r + PID_BASE,
                        "ts": _us(tl.map_rank_time(r, s.t_ns)),
                        "args": {"allocated": s.allocated / 2**20, "reserved": s.reserved / 2**20,
                                 "peak_allocated": s.peak_allocated / 2**20}})
@@ -348,7 +356,7 @@ def chrome_trace(
         for s in steps.tolist():
             t = int(start[it[g.step[it] == s]].max())
             ev.append({"ph": "i", "s": "g", "name": f"step {s} ends (last rank)", "cat": "iteration",
-                       "pid": 0, "tid": 0, "ts": _us(t), "args": {"step": s}})
+                       "pid": PID_BASE, "tid": TID_BASE, "ts": _us(t), "args": {"step": s}})
     other = {"source": tl.source, "cost_model": tl.costs.model.name, "world_size": g.world_size,
              "flows": flow_id}
     other.update(metadata or {})
