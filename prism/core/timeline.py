@@ -250,17 +250,19 @@ def chrome_trace(
 
     Layout (timestamps in µs, floats with ns precision):
 
-    * one process per rank: ``pid`` = rank + ``PID_BASE`` (1: Perfetto reserves pid 0 for the
-      kernel's swapper), named ``rank N`` and sorted by rank;
-    * per rank, the first thread (``tid`` ``TID_BASE``), ``compute``, holds compute segments and waits for
-      async ops (both hold the rank), and the rank's end-of-step instants;
+    * one process per rank: ``pid`` = rank + ``PID_BASE`` (1: Perfetto
+      reserves pid 0 for the kernel's swapper), named ``rank N``, sorted by rank;
+    * per rank, the first thread (``tid`` = ``TID_BASE``), ``compute``, holds
+      compute segments and waits for async ops (both hold the rank), and the
+      rank's end-of-step instants;
     * per group the rank communicates on, a thread named by the gid and its
       member ranks holds that group's collectives, sends and receives. Slices
       on one thread never overlap partially: when ops overlap (async ops in
       flight together, or a blocking op issued while an async one is in
       flight) the later ones go to further threads of the same group, named
       ``... (overlap k)``;
-    * every node is an ``X`` slice with ``args`` op, gid, seq, bytes, step;
+    * every node but the end-of-step marks is an ``X`` slice with ``args``
+      op, gid, seq, bytes, step (compute: op and step);
     * flow arrows (``s`` / ``f`` pairs, ``f`` binding to its enclosing slice):
       each send to its receive, and for each collective instance one arrow
       from every member's participation to the participation of the *last
