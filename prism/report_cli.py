@@ -11,6 +11,7 @@ A thin shell over ``prism.core.timeline``, ``prism.plot`` and ``prism.chakra``.
 from __future__ import annotations
 
 import argparse
+import gzip
 import pathlib
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,7 +28,8 @@ from prism.predict_cli import DEFAULT_PROFILE, RunReadError, load_run_events
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run directory (a PrismTrace capture)")
-    p.add_argument("--perfetto", metavar="FILE.json", help="write a Chrome trace JSON (open it in ui.perfetto.dev)")
+    p.add_argument("--perfetto", metavar="FILE.json",
+                   help="write a Chrome trace JSON, gzipped if FILE ends in .gz (open it in ui.perfetto.dev)")
     p.add_argument("--plot", metavar="FILE.png", help="write a per-rank Gantt chart and breakdown (needs matplotlib)")
     p.add_argument("--chakra", metavar="DIR", help="write Chakra execution traces DIR/PREFIX.RANK.et (needs protobuf)")
     p.add_argument("--chakra-prefix", default="prism", metavar="PREFIX", help="file name prefix of the Chakra traces")
@@ -37,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "transfer and waiting")
     p.add_argument("--recorded", action="store_true",
                    help="use the recorded timestamps instead of the replay's predicted times")
+    p.add_argument("--ranks", metavar="LIST",
+                   help="Perfetto trace: only these ranks, e.g. 0-7,64 (default: all; a viewer struggles with "
+                        "thousands)")
     p.add_argument("--steps", metavar="FIRST[:LAST]",
                    help="plot only these steps (inclusive), e.g. 2: to skip warm-up (default: the whole run)")
     p.set_defaults(func=main)
@@ -52,6 +57,25 @@ def _parse_steps(text: str | None) -> tuple[int | None, int | None]:
     except ValueError:
         raise ValueError(f"--steps takes FIRST[:LAST] with whole step numbers (e.g. 2:4 or 2:), got {text!r}") from None
     return a, b
+
+
+def parse_ranks(text: str | None, world_size: int) -> list[int] | None:
+    """``"0-7,64"`` -> [0, ..., 7, 64]; None when not given."""
+    if text is None:
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        a, sep, b = part.strip().partition("-")
+        try:
+            lo = int(a)
+            hi = int(b) if sep else lo
+        except ValueError:
+            raise ValueError(f"--ranks takes ranks and ranges like 0-7,64, got {text!r}") from None
+        if not 0 <= lo <= hi < world_size:
+            raise ValueError(f"--ranks {part.strip()!r}: ranks must lie in 0..{world_size - 1} (the run's world) "
+                             "and a range must not run backwards")
+        out.extend(range(lo, hi + 1))
+    return out
 
 
 def clock_offsets(ranks: Mapping[int, Sequence[Event]]) -> list[int]:
@@ -98,10 +122,18 @@ def main(args: argparse.Namespace) -> int:
     except (GraphError, ReplayError, ValueError) as e:
         print(f"prism report: the trace in {args.run} is inconsistent: {e}", file=sys.stderr)
         return 1
+    try:
+        shown = parse_ranks(args.ranks, tl.graph.world_size)
+    except ValueError as e:
+        print(f"prism report: {e}", file=sys.stderr)
+        return 2
     wrote = []
     if args.perfetto:
-        trace = chrome_trace(tl, memory_samples(ranks), metadata={"run": str(pathlib.Path(args.run).resolve())})
-        pathlib.Path(args.perfetto).write_bytes(orjson.dumps(trace))
+        trace = chrome_trace(tl, memory_samples(ranks), metadata={"run": str(pathlib.Path(args.run).resolve())},
+                             ranks=shown)
+        data = orjson.dumps(trace)
+        # Perfetto opens gzipped JSON as is; traces of thousands of ranks shrink about tenfold
+        pathlib.Path(args.perfetto).write_bytes(gzip.compress(data, 6) if args.perfetto.endswith(".gz") else data)
         wrote.append(f"{args.perfetto} (Chrome trace, {len(trace['traceEvents']):,} events; open in ui.perfetto.dev)")
     if args.plot:
         from prism.plot import PlotUnavailableError, write_plot

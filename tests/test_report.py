@@ -6,6 +6,7 @@ world-4 run. Expected counts come from the graph, never from the output under
 test.
 """
 
+import gzip
 import importlib.util
 import os
 import pathlib
@@ -199,6 +200,33 @@ def test_perfetto_recorded_uses_the_clock_offsets(syn, tmp_path):
     want = sorted((r, ev.start_ns + offset_of(r) - t0, ev.end_ns - ev.start_ns)
                   for r, evs in events.items() for ev in evs if type(ev).__name__ == "Compute")
     assert computes == want
+
+
+def test_perfetto_subset_of_ranks_gzipped(syn, tmp_path):
+    run, _, g = syn
+    out = tmp_path / "t.json.gz"
+    assert report(run, "--perfetto", out, "--ranks", "0-1,6") == 0
+    trace = orjson.loads(gzip.decompress(out.read_bytes()))
+    kept = {0, 1, 6}
+    assert {rank(e) for e in trace["traceEvents"] if e["ph"] != "i" or e["s"] != "g"} == kept
+    assert nesting_problems(trace) == [] and flow_problems(trace) == []
+    keep = np.isin(g.rank, list(kept))
+    start = replay_batch(g, cost_model=load_profile("h200_nvlink_ib400")).start
+    want = int((keep[g.msg_send] & keep[g.msg_recv]).sum())
+    for i in range(g.n_instances):
+        m = g.inst_nodes[g.inst_ptr[i]:g.inst_ptr[i + 1]]
+        last = m[np.argmax(start[m])]
+        want += int(keep[last]) * int(sum(keep[x] for x in m if x != last))
+    assert trace["otherData"]["ranks_shown"] == 3
+    assert sum(e["ph"] == "s" for e in trace["traceEvents"]) == want > 0
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("0-99", "ranks must lie in 0..7"), ("3-1", "must not run backwards"), ("a", "ranks and ranges like 0-7,64"),
+])
+def test_perfetto_bad_ranks(syn, tmp_path, capsys, spec, message):
+    assert report(syn[0], "--perfetto", tmp_path / "t.json", "--ranks", spec) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_overlapping_async_ops_get_their_own_threads(syn):

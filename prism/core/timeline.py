@@ -245,6 +245,7 @@ def chrome_trace(
     memory: Mapping[int, Sequence[Memory]] | None = None,
     *,
     metadata: Mapping[str, object] | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> dict:
     """The timeline as a Chrome trace (JSON object format), ready to serialise.
 
@@ -274,14 +275,29 @@ def chrome_trace(
       per rank from ``memory`` (rank -> ``Memory`` samples on the rank's
       clock, placed with ``Timeline.map_rank_time``);
     * global instants at each job step end (when the last rank finished it).
+
+    ``ranks`` keeps only those ranks' processes (for runs of thousands of
+    ranks, whose full trace is too large for a viewer); flows are kept when
+    both ends are kept, so a collective whose last arriver is left out shows
+    no arrows. Timestamps and step ends are those of the whole run.
     """
     g = tl.graph
     start, end = tl.start, tl.end
+    if ranks is None:
+        keep_rank = np.ones(g.world_size, bool)
+    else:
+        keep_rank = np.zeros(g.world_size, bool)
+        chosen = np.asarray(list(ranks), dtype=np.int64)
+        bad = chosen[(chosen < 0) | (chosen >= g.world_size)]
+        if len(bad):
+            raise ValueError(f"ranks {bad[:8].tolist()} are outside the run's world of {g.world_size} ranks")
+        keep_rank[chosen] = True
+    keep = keep_rank[g.rank]
     ev: list[dict] = []
     # thread assignment: (rank, track) with track -1 = compute, else group index
     track = np.where((g.kind == COMPUTE) | (g.kind == WAIT) | (g.kind == ITER), -1, g.group)
     tid = np.zeros(g.n_nodes, np.int64)
-    for r in range(g.world_size):
+    for r in np.flatnonzero(keep_rank).tolist():
         sl = g.nodes_of(r)
         by_track: dict[int, list[tuple[int, int, int]]] = {}
         for n in range(sl.start, sl.stop):
@@ -310,7 +326,7 @@ def chrome_trace(
             next_tid += nl
     # slices and step marks
     kinds = g.kind
-    for n in range(g.n_nodes):
+    for n in np.flatnonzero(keep).tolist():
         k = int(kinds[n])
         r = int(g.rank[n])
         if k == ITER:
@@ -326,6 +342,8 @@ def chrome_trace(
 
     def flow(src: int, dst: int, name: str) -> None:
         nonlocal flow_id
+        if not (keep[src] and keep[dst]):
+            return
         flow_id += 1
         ts_s = int(mid[src])
         ts_f = min(max(int(mid[dst]), ts_s), int(end[dst]))
@@ -346,6 +364,8 @@ def chrome_trace(
     for r, samples in sorted((memory or {}).items()):
         if not 0 <= r < g.world_size:
             raise ValueError(f"memory samples for rank {r}, outside the graph's world of {g.world_size} ranks")
+        if not keep_rank[r]:
+            continue
         for s in samples:
             ev.append({"ph": "C", "name": "memory (MiB)", "pid": r + PID_BASE,
                        "ts": _us(tl.map_rank_time(r, s.t_ns)),
@@ -360,6 +380,6 @@ def chrome_trace(
             ev.append({"ph": "i", "s": "g", "name": f"step {s} ends (last rank)", "cat": "iteration",
                        "pid": PID_BASE, "tid": TID_BASE, "ts": _us(t), "args": {"step": s}})
     other = {"source": tl.source, "cost_model": tl.costs.model.name, "world_size": g.world_size,
-             "flows": flow_id}
+             "ranks_shown": int(keep_rank.sum()), "flows": flow_id}
     other.update(metadata or {})
     return {"traceEvents": ev, "displayTimeUnit": "ns", "otherData": other}
