@@ -373,12 +373,14 @@ def chrome_trace(
                                 "peak_allocated": s.peak_allocated / 2**20}})
     # job step ends
     it = np.flatnonzero(kinds == ITER)
-    if len(it):
+    if len(it) and keep_rank.any():
+        # global-scope instants; the pid only has to name a process that exists
+        host = int(np.flatnonzero(keep_rank)[0]) + PID_BASE
         steps = np.unique(g.step[it])
         for s in steps.tolist():
             t = int(start[it[g.step[it] == s]].max())
             ev.append({"ph": "i", "s": "g", "name": f"step {s} ends (last rank)", "cat": "iteration",
-                       "pid": PID_BASE, "tid": TID_BASE, "ts": _us(t), "args": {"step": s}})
+                       "pid": host, "tid": TID_BASE, "ts": _us(t), "args": {"step": s}})
     other = {"source": tl.source, "cost_model": tl.costs.model.name, "world_size": g.world_size,
              "ranks_shown": int(keep_rank.sum()), "flows": flow_id}
     other.update(metadata or {})
