@@ -103,9 +103,14 @@ class RankRuntime:
         self.local_rank = hello.local_rank
         self.device = hello.device
         recv = welcome_recv_ns if welcome_recv_ns is not None else hello.t_ns
-        # Same host clock in practice; the midpoint estimate also covers a
-        # coordinator whose clock differs.
-        self.clock_offset_ns = welcome.t_ns - (hello.t_ns + recv) // 2
+        endpoint = str(getattr(client, "endpoint", ""))
+        if endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://localhost", "tcp://[::1]")):
+            # One host: CLOCK_MONOTONIC is system-wide on Linux, so the clocks
+            # are the same one; a midpoint estimate would only add the
+            # handshake's jitter (tenths of a second while ranks start).
+            self.clock_offset_ns = 0
+        else:
+            self.clock_offset_ns = welcome.t_ns - (hello.t_ns + recv) // 2
         self.recorder = RankRecorder(self.rank, client.send, small_tensor_limit=welcome.small_tensor_limit)
         self._slot_lock = threading.Lock()
         self._holds_slot = False
