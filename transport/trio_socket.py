@@ -71,7 +71,7 @@ class AsyncSocket:
         self.max_message_bytes = max_message_bytes
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._fd: int = sock.getsockopt(zmq.FD)
-        self._routed = sock.socket_type in _ROUTED
+        self._routed = sock.type in _ROUTED
         self._closed = False
         self._recv_owner = _Owner("receiving")
         self._send_owner = _Owner("sending")
@@ -230,13 +230,27 @@ class AsyncSocket:
         if self._closed:
             return
         self._closed = True
-        trio.lowlevel.notify_closing(self._fd)
+        try:
+            trio.lowlevel.notify_closing(self._fd)
+        except RuntimeError:
+            pass  # closed outside trio, where nobody can wait on the descriptor
         self._wake.set()
         self.socket.close(linger=None if linger_s is None else int(linger_s * 1000))
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def __enter__(self) -> AsyncSocket:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        self.close()
 
     async def __aenter__(self) -> AsyncSocket:
         return self
