@@ -110,14 +110,17 @@ class AsyncSocket:
 
     # --- waiting on the edge-triggered descriptor ------------------------
 
-    async def _wait_for(self, flag: int) -> None:
-        """Return once ``zmq.EVENTS`` has ``flag``; the caller retries its op."""
+    async def _wait_for(self, flag: int) -> bool:
+        """Return once ``zmq.EVENTS`` has ``flag`` (the caller retries its
+        op): True if this yielded to the scheduler on the way."""
+        yielded = False
         while True:
             if self._closed:
                 raise trio.ClosedResourceError("this AsyncSocket was closed")
             events = self.socket.getsockopt(zmq.EVENTS)
             if events & flag:
-                return
+                return yielded
+            yielded = True
             if self._watch_scope is not None:
                 # The other direction is parked on the descriptor. Reading
                 # EVENTS may just have swallowed its edge: wake it if its event
@@ -156,6 +159,7 @@ class AsyncSocket:
         """
         with self._send_owner:
             await trio.lowlevel.checkpoint_if_cancelled()
+            waited = False
             while True:
                 if self._closed:
                     raise trio.ClosedResourceError("this AsyncSocket was closed")
@@ -164,10 +168,13 @@ class AsyncSocket:
                         frames, zmq.NOBLOCK, copy=copy, track=track
                     )
                 except zmq.Again:
-                    await self._wait_for(zmq.POLLOUT)
+                    waited |= await self._wait_for(zmq.POLLOUT)
                     continue
                 self._after_op()
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                # A call that waited has yielded already: one schedule point
+                # per call is the contract, a second one only costs latency.
+                if not waited:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return tracker
 
     async def recv_multipart(self, copy: bool = False) -> list[zmq.Frame] | list[bytes]:
@@ -175,16 +182,22 @@ class AsyncSocket:
         ``copy=False``, ``bytes`` with ``copy=True``)."""
         with self._recv_owner:
             await trio.lowlevel.checkpoint_if_cancelled()
+            waited = False
             while True:
                 if self._closed:
                     raise trio.ClosedResourceError("this AsyncSocket was closed")
+                # Ask EVENTS before receiving: an empty socket is the common
+                # case, and pyzmq's zmq.Again costs more than the question.
+                if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    waited |= await self._wait_for(zmq.POLLIN)
+                    continue
                 try:
                     frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=copy)
                 except zmq.Again:
-                    await self._wait_for(zmq.POLLIN)
                     continue
                 self._after_op()
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if not waited:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return frames
 
     # --- messages --------------------------------------------------------
