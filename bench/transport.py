@@ -5,6 +5,8 @@ in this one (as a rank). Each Prism component is swapped in alone:
 
   bare / bare      pyzmq DEALER (blocking)      -> pyzmq ROUTER (blocking)
   bare / trio      pyzmq DEALER (blocking)      -> Prism AsyncSocket ROUTER (trio)
+  bare / nowait    pyzmq DEALER (blocking)      -> AsyncSocket, replies with
+                                                   send_message_nowait (no yield)
   client / bare    Prism BlockingClient         -> pyzmq ROUTER (blocking)
   client / trio    Prism BlockingClient         -> Prism AsyncSocket ROUTER (trio)
 
@@ -69,7 +71,7 @@ def bare_server(endpoint: str, conn) -> None:
     ctx.term()
 
 
-def trio_server(endpoint: str, conn) -> None:
+def trio_server(endpoint: str, conn, nowait: bool = False) -> None:
     async def main() -> None:
         with AsyncSocket.create(zmq.ROUTER, context=zmq.Context()) as sock:
             conn.send(sock.bind(endpoint))
@@ -78,9 +80,16 @@ def trio_server(endpoint: str, conn) -> None:
                     ident, msg = await sock.recv_message()
                 except ProtocolError:
                     break
-                await sock.send_message(msg, ident)
+                if nowait:
+                    sock.send_message_nowait(msg, ident)
+                else:
+                    await sock.send_message(msg, ident)
 
     trio.run(main)
+
+
+def trio_nowait_server(endpoint: str, conn) -> None:
+    trio_server(endpoint, conn, nowait=True)
 
 
 # --- clients (this process) --------------------------------------------------
@@ -125,9 +134,11 @@ def stop_server(endpoint: str) -> None:
 CONFIGS = [
     ("bare", "bare", BareClient, "bare"),
     ("bare", "trio", BareClient, "trio"),
+    ("bare", "nowait", BareClient, "nowait"),
     ("client", "bare", PrismClient, "bare"),
     ("client", "trio", PrismClient, "trio"),
 ]
+SERVERS = {"bare": bare_server, "trio": trio_server, "nowait": trio_nowait_server}
 
 
 def measure_small(client, iters: int, seq0: int) -> list[int]:
@@ -180,7 +191,7 @@ def main() -> None:
     for transport in args.transports:
         servers = {}
         tmp = tempfile.mkdtemp(prefix="prism-bench-")
-        for kind, target in (("bare", bare_server), ("trio", trio_server)):
+        for kind, target in SERVERS.items():
             ep = f"ipc://{tmp}/{kind}.sock" if transport == "ipc" else "tcp://127.0.0.1:*"
             parent, child = mp.Pipe()
             proc = mp.Process(target=target, args=(ep, child), daemon=True)

@@ -469,6 +469,22 @@ async def test_memory_pair_carries_messages_through_the_codec():
         await router.send_message(SlotGrant(0), b"rank9")
 
 
+async def test_nowait_sends_do_not_yield(coordinator):
+    dealer = AsyncSocket.create(zmq.DEALER)
+    dealer.connect(coordinator.endpoint)
+    router, peer = memory_pair(identity=b"r")
+    with dealer:
+        dealer.send_message_nowait(hello())
+        router.send_message_nowait(SlotGrant(1), b"r")
+        assert (await dealer.recv_message())[1] == Welcome(PROTOCOL_VERSION, "run-1", 0, 1024)
+        assert await peer.recv_message() == (None, SlotGrant(1))
+        dealer.socket.setsockopt(zmq.SNDHWM, 1)
+        dealer.socket.disconnect(coordinator.endpoint)  # nobody to take the queue
+        with pytest.raises(trio.WouldBlock):
+            for seq in range(100):
+                dealer.send_message_nowait(arrive(seq))
+
+
 async def test_memory_pair_without_codec_passes_objects():
     a, b = memory_pair(codec=False)
     msg = arrive(0)

@@ -39,7 +39,6 @@ from zmq.utils.monitor import parse_monitor_message
 from prism.core import protocol
 from prism.core.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
-    PROTOCOL_VERSION,
     Error,
     Hello,
     Message,
@@ -48,6 +47,11 @@ from prism.core.protocol import (
     VersionMismatch,
     Welcome,
 )
+
+from ._frames import EVENTS as _EVENTS
+from ._frames import POLLIN as _POLLIN
+from ._frames import POLLOUT as _POLLOUT
+from ._frames import recv_frames, send_frames
 
 __all__ = [
     "BlockingClient",
@@ -65,6 +69,9 @@ DEFAULT_HEARTBEAT_S = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 
 _WELCOME_KEY = ("welcome",)
+#: What ``send`` returns when ZeroMQ copied the payloads at once.
+_SENT: concurrent.futures.Future[None] = concurrent.futures.Future()
+_SENT.set_result(None)
 
 
 class CoordinatorError(Exception):
@@ -270,12 +277,13 @@ class BlockingClient:
         if self._closing:
             raise RuntimeError(f"send({type(msg).__name__}) on a closed BlockingClient ({self.endpoint})")
         frames = protocol.encode(msg, max_bytes=self.max_message_bytes)
-        sent: concurrent.futures.Future[None] = concurrent.futures.Future()
         tracked = any(memoryview(f).nbytes >= self._copy_threshold for f in frames[1:])
-        if not tracked:
-            frames = [f if isinstance(f, bytes) else bytes(f) for f in frames]
-            sent.set_result(None)
-        self._outbox.append((frames, sent if tracked else None))
+        if tracked:
+            sent: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._outbox.append((frames, sent))
+        else:
+            sent = _SENT
+            self._outbox.append(([f if isinstance(f, bytes) else bytes(f) for f in frames], None))
         if self._io_lock.acquire(blocking=False):
             try:
                 if not self._io_done:
@@ -404,18 +412,23 @@ class BlockingClient:
         while self._blocked:
             frames, sent = self._blocked[0]
             try:
-                tracker = sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=sent is not None)
+                tracker = send_frames(sock, frames, copy=False, track=sent is not None)
             except zmq.Again:
                 return
             self._blocked.popleft()
             if sent is not None:
                 self._trackers.append((tracker, sent))
 
-    def _recv_all(self) -> None:
+    def _recv_all(self) -> int:
+        """Receive and dispatch what is queued; returns ``zmq.EVENTS`` as last
+        read, which no socket operation has made stale."""
         sock = self._sock
         # Ask EVENTS rather than end on zmq.Again, which costs more in pyzmq.
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        while True:
+            events: int = sock.getsockopt(_EVENTS)
+            if not events & _POLLIN:
+                return events
+            frames = recv_frames(sock)
             try:
                 msg = protocol.decode(frames, max_bytes=self.max_message_bytes)
             except VersionMismatch as e:
@@ -434,15 +447,16 @@ class BlockingClient:
                 continue
             self._dispatch(msg)
 
-    def _release_io(self) -> None:
+    def _release_io(self, events: int | None = None) -> None:
         """Let go of the socket, first taking what arrived (waking the I/O
         thread for it would cost more than dispatching it here); wake the I/O
-        thread if sends are left that no descriptor edge will announce."""
+        thread if sends are left that no descriptor edge will announce.
+        ``events``: a fresh ``_recv_all`` result, if the caller has one."""
         pending = False
         if not self._io_done:
-            self._recv_all()
-            events = self._sock.getsockopt(zmq.EVENTS)
-            pending = bool((self._blocked and events & zmq.POLLOUT) or self._outbox)
+            if events is None:
+                events = self._recv_all()
+            pending = bool((self._blocked and events & _POLLOUT) or self._outbox)
         self._io_lock.release()
         if pending:
             self._wake()
@@ -460,20 +474,21 @@ class BlockingClient:
                 wait_ms = min(wait_ms, max(1, int(left * 1000)))
             if not self._io_lock.acquire(blocking=False):
                 break
+            events = None
             try:
                 if self._io_done:
                     break
                 self._send_queued()
-                self._recv_all()
                 if fut.done() or self._blocked or self._outbox:
                     break
+                # zmq_poll looks at EVENTS first, so a reply that is already
+                # queued returns at once.
                 ready = dict(self._lead_poller.poll(wait_ms))
-                if self._sock in ready:
-                    self._recv_all()
-                elif ready:
+                events = self._recv_all()
+                if self._wake_r in ready:
                     break  # a wake-up for the I/O thread: let it take over
             finally:
-                self._release_io()
+                self._release_io(events)
         if deadline is None:
             return None
         return max(0.0, deadline - time.monotonic())
@@ -586,7 +601,7 @@ class BlockingClient:
                     self._trackers = still
                 if closing:
                     return
-                events = self._sock.getsockopt(zmq.EVENTS)
-                again = bool(events & zmq.POLLIN or (self._blocked and events & zmq.POLLOUT))
+                events = self._recv_all()
+                again = bool(self._blocked and events & _POLLOUT)
             finally:
                 self._io_lock.release()

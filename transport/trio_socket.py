@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Sequence
+from typing import Any
 
 import trio
 import zmq
@@ -23,6 +24,10 @@ import zmq
 from prism.core import protocol
 from prism.core.protocol import DEFAULT_MAX_MESSAGE_BYTES, Message, ProtocolError
 
+from ._frames import EVENTS as _EVENTS
+from ._frames import POLLIN as _POLLIN
+from ._frames import POLLOUT as _POLLOUT
+from ._frames import recv_frames, send_frames
 from .endpoints import check_listen_endpoint
 
 __all__ = ["AsyncSocket"]
@@ -76,7 +81,7 @@ class AsyncSocket:
         self._recv_owner = _Owner("receiving")
         self._send_owner = _Owner("sending")
         # The watcher parks on the descriptor; the other direction waits on
-        # _wake. _watching holds the zmq.POLLIN/POLLOUT bit the watcher needs.
+        # _wake (see _park). _watching: the POLLIN/POLLOUT bit the watcher needs.
         self._watch_scope: trio.CancelScope | None = None
         self._watching = 0
         self._wake = trio.Event()
@@ -110,41 +115,33 @@ class AsyncSocket:
 
     # --- waiting on the edge-triggered descriptor ------------------------
 
-    async def _wait_for(self, flag: int) -> bool:
-        """Return once ``zmq.EVENTS`` has ``flag`` (the caller retries its
-        op): True if this yielded to the scheduler on the way."""
-        yielded = False
-        while True:
-            if self._closed:
-                raise trio.ClosedResourceError("this AsyncSocket was closed")
-            events = self.socket.getsockopt(zmq.EVENTS)
-            if events & flag:
-                return yielded
-            yielded = True
-            if self._watch_scope is not None:
-                # The other direction is parked on the descriptor. Reading
-                # EVENTS may just have swallowed its edge: wake it if its event
-                # is due, then wait until it has looked again.
-                if events & self._watching:
-                    self._watch_scope.cancel()
-                await self._wake.wait()
-                continue
-            self._watching = flag
-            with trio.CancelScope() as scope:
-                self._watch_scope = scope
-                try:
-                    await trio.lowlevel.wait_readable(self._fd)
-                finally:
-                    self._watch_scope = None
-                    self._watching = 0
-                    self._wake.set()
-                    self._wake = trio.Event()
+    async def _park(self, flag: int, events: int) -> None:
+        """Wait once for the socket's state to change (``events``: EVENTS as
+        just read, without ``flag``); the caller reads EVENTS again."""
+        if self._watch_scope is not None:
+            # The other direction is parked on the descriptor. Reading EVENTS
+            # may just have swallowed its edge: wake it if its event is due,
+            # then wait until it has looked again.
+            if events & self._watching:
+                self._watch_scope.cancel()
+            await self._wake.wait()
+            return
+        self._watching = flag
+        with trio.CancelScope() as scope:
+            self._watch_scope = scope
+            try:
+                await trio.lowlevel.wait_readable(self._fd)
+            finally:
+                self._watch_scope = None
+                self._watching = 0
+                self._wake.set()
+                self._wake = trio.Event()
 
     def _after_op(self) -> None:
         """A send or recv may have consumed the descriptor's edge: if a task
         is parked on it, read EVENTS for it and wake it if its event is due."""
         if self._watch_scope is not None and (
-            self.socket.getsockopt(zmq.EVENTS) & self._watching
+            self.socket.getsockopt(_EVENTS) & self._watching
         ):
             self._watch_scope.cancel()
 
@@ -164,11 +161,12 @@ class AsyncSocket:
                 if self._closed:
                     raise trio.ClosedResourceError("this AsyncSocket was closed")
                 try:
-                    tracker = self.socket.send_multipart(
-                        frames, zmq.NOBLOCK, copy=copy, track=track
-                    )
+                    tracker = send_frames(self.socket, frames, copy=copy, track=track)
                 except zmq.Again:
-                    waited |= await self._wait_for(zmq.POLLOUT)
+                    events = self.socket.getsockopt(_EVENTS)
+                    if not events & _POLLOUT:
+                        await self._park(_POLLOUT, events)
+                        waited = True
                     continue
                 self._after_op()
                 # A call that waited has yielded already: one schedule point
@@ -176,6 +174,22 @@ class AsyncSocket:
                 if not waited:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                 return tracker
+
+    def send_multipart_nowait(
+        self, frames: Sequence[object], copy: bool = False, track: bool = False
+    ) -> zmq.MessageTracker | None:
+        """``send_multipart`` without waiting or yielding: ``trio.WouldBlock``
+        if ZeroMQ's queue is full (a ROUTER never is: it drops messages to
+        a peer whose queue is full, as ZeroMQ documents)."""
+        with self._send_owner:
+            if self._closed:
+                raise trio.ClosedResourceError("this AsyncSocket was closed")
+            try:
+                tracker = send_frames(self.socket, frames, copy=copy, track=track)
+            except zmq.Again:
+                raise trio.WouldBlock from None
+            self._after_op()
+            return tracker
 
     async def recv_multipart(self, copy: bool = False) -> list[zmq.Frame] | list[bytes]:
         """Receive one whole multipart message (``zmq.Frame`` objects with
@@ -188,22 +202,33 @@ class AsyncSocket:
                     raise trio.ClosedResourceError("this AsyncSocket was closed")
                 # Ask EVENTS before receiving: an empty socket is the common
                 # case, and pyzmq's zmq.Again costs more than the question.
-                if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    waited |= await self._wait_for(zmq.POLLIN)
+                events = self.socket.getsockopt(_EVENTS)
+                if not events & _POLLIN:
+                    await self._park(_POLLIN, events)
+                    waited = True
                     continue
                 try:
-                    frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=copy)
+                    frames = recv_frames(self.socket)
                 except zmq.Again:
                     continue
                 self._after_op()
                 if not waited:
                     await trio.lowlevel.cancel_shielded_checkpoint()
-                return frames
+                return [f.bytes for f in frames] if copy else frames
 
     # --- messages --------------------------------------------------------
 
     async def send_message(self, msg: Message, identity: bytes | None = None) -> None:
         """Encode and send ``msg``; on a ROUTER ``identity`` names the peer."""
+        await self.send_multipart(self._frames_for(msg, identity), copy=False)
+
+    def send_message_nowait(self, msg: Message, identity: bytes | None = None) -> None:
+        """``send_message`` without yielding (``trio.WouldBlock`` if the queue
+        is full): for a coordinator answering many ranks at once, where one
+        schedule point per reply would only add latency."""
+        self.send_multipart_nowait(self._frames_for(msg, identity), copy=False)
+
+    def _frames_for(self, msg: Message, identity: bytes | None) -> list[Any]:
         frames = protocol.encode(msg, max_bytes=self.max_message_bytes)
         if self._routed:
             if identity is None:
@@ -214,7 +239,7 @@ class AsyncSocket:
             frames = [identity, *frames]
         elif identity is not None:
             raise ValueError("only ROUTER sockets take an identity; pass identity=None")
-        await self.send_multipart(frames, copy=False)
+        return frames
 
     async def recv_message(self) -> tuple[bytes | None, Message]:
         """The next message and its sender's identity (None unless ROUTER).

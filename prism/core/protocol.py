@@ -294,6 +294,35 @@ def _field_specs(cls: type) -> tuple[tuple[str, Any, bool], ...]:
 
 
 _SPECS: dict[type, tuple[tuple[str, Any, bool], ...]] = {m: _field_specs(m) for m in MESSAGE_TYPES}
+#: Header keys each type may carry, and per field a quick converter for
+#: well-formed values. It only skips work: anything else still meets
+#: _convert and its error message.
+_ALLOWED_KEYS = {m: frozenset({"t", "v", *(n for n, _, _ in _SPECS[m])}) for m in MESSAGE_TYPES}
+_SLOW = object()
+
+
+def _fast_converter(hint: Any) -> Any:
+    """A quick converter for the common well-formed value of ``hint`` that
+    returns ``_SLOW`` for anything else (None: no quick path)."""
+    if hint in (int, str, bool):
+        return lambda v: v if type(v) is hint else _SLOW
+    if hint == tuple[int, ...]:
+        return lambda v: (
+            tuple(v) if type(v) is list and all(type(x) is int for x in v) else _SLOW
+        )
+    if hint == tuple[tuple[int, ...], ...]:
+        return lambda v: (
+            tuple(tuple(x) for x in v)
+            if type(v) is list
+            and all(type(x) is list and all(type(y) is int for y in x) for x in v)
+            else _SLOW
+        )
+    return None
+
+
+_DECODE_SPECS = {
+    m: tuple((n, h, r, _fast_converter(h)) for n, h, r in _SPECS[m]) for m in MESSAGE_TYPES
+}
 _HAS_PAYLOADS = {m for m in MESSAGE_TYPES if "payloads" in {f.name for f in dataclasses.fields(m)}}
 
 
@@ -411,13 +440,15 @@ def decode(frames: Sequence[Buffer], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYT
             f"{PROTOCOL_VERSION}: run the same Prism version on every side"
         )
     kwargs: dict[str, Any] = {}
-    for name, hint, required in _SPECS[cls]:
+    for name, hint, required, fast in _DECODE_SPECS[cls]:
         if name not in header:
             if required:
                 raise ProtocolError(f"{mtype} message lacks field {name!r}")
             continue
-        kwargs[name] = _convert(header[name], hint, f"{mtype}.{name}")
-    extra = set(header) - {"t", "v"} - {n for n, _, _ in _SPECS[cls]}
+        value = header[name]
+        out = _SLOW if fast is None else fast(value)
+        kwargs[name] = _convert(value, hint, f"{mtype}.{name}") if out is _SLOW else out
+    extra = header.keys() - _ALLOWED_KEYS[cls]
     if extra:
         raise ProtocolError(f"{mtype} message has unknown fields {sorted(extra)}")
     if cls in _HAS_PAYLOADS:
