@@ -7,6 +7,8 @@ in this one (as a rank). Each Prism component is swapped in alone:
   bare / trio      pyzmq DEALER (blocking)      -> Prism AsyncSocket ROUTER (trio)
   bare / nowait    pyzmq DEALER (blocking)      -> AsyncSocket, replies with
                                                    send_message_nowait (no yield)
+  bare / floor     pyzmq DEALER (blocking)      -> bare trio loop on zmq.FD: what
+                                                   trio itself costs (no Prism code)
   client / bare    Prism BlockingClient         -> pyzmq ROUTER (blocking)
   client / trio    Prism BlockingClient         -> Prism AsyncSocket ROUTER (trio)
 
@@ -92,6 +94,30 @@ def trio_nowait_server(endpoint: str, conn) -> None:
     trio_server(endpoint, conn, nowait=True)
 
 
+def trio_floor_server(endpoint: str, conn) -> None:
+    """The least any trio integration pays: wait on the descriptor, echo raw
+    frames; no codec, no ownership checks, no schedule point per send."""
+
+    async def main() -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.bind(endpoint)
+        conn.send(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        fd = sock.getsockopt(zmq.FD)
+        while True:
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                await trio.lowlevel.wait_readable(fd)
+                continue
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            if len(frames) == 2 and frames[1].bytes == STOP[0]:
+                break
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        sock.close(linger=0)
+        ctx.term()
+
+    trio.run(main)
+
+
 # --- clients (this process) --------------------------------------------------
 
 
@@ -135,10 +161,16 @@ CONFIGS = [
     ("bare", "bare", BareClient, "bare"),
     ("bare", "trio", BareClient, "trio"),
     ("bare", "nowait", BareClient, "nowait"),
+    ("bare", "floor", BareClient, "floor"),
     ("client", "bare", PrismClient, "bare"),
     ("client", "trio", PrismClient, "trio"),
 ]
-SERVERS = {"bare": bare_server, "trio": trio_server, "nowait": trio_nowait_server}
+SERVERS = {
+    "bare": bare_server,
+    "trio": trio_server,
+    "nowait": trio_nowait_server,
+    "floor": trio_floor_server,
+}
 
 
 def measure_small(client, iters: int, seq0: int) -> list[int]:

@@ -85,6 +85,7 @@ class AsyncSocket:
         self._watch_scope: trio.CancelScope | None = None
         self._watching = 0
         self._wake = trio.Event()
+        self._wake_wanted = False
 
     @classmethod
     def create(
@@ -124,6 +125,7 @@ class AsyncSocket:
             # then wait until it has looked again.
             if events & self._watching:
                 self._watch_scope.cancel()
+            self._wake_wanted = True
             await self._wake.wait()
             return
         self._watching = flag
@@ -134,8 +136,10 @@ class AsyncSocket:
             finally:
                 self._watch_scope = None
                 self._watching = 0
-                self._wake.set()
-                self._wake = trio.Event()
+                if self._wake_wanted:
+                    self._wake_wanted = False
+                    self._wake.set()
+                    self._wake = trio.Event()
 
     def _after_op(self) -> None:
         """A send or recv may have consumed the descriptor's edge: if a task
