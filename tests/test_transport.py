@@ -7,6 +7,7 @@ A trio ROUTER (AsyncSocket, the coordinator's side) talks to BlockingClient
 import os
 import random
 import re
+import threading
 import time
 
 import pytest
@@ -220,6 +221,39 @@ async def test_many_futures_resolved_out_of_order(coordinator):
     order = await in_rank(rank)
     assert sorted(order) == list(range(n))
     assert order != list(range(n))  # the coordinator really answered out of order
+
+
+async def test_threads_share_one_client(coordinator):
+    """Threads take turns receiving for each other (leader/followers) while
+    the I/O thread fills in: every reply reaches its own waiter."""
+    threads, n = 4, 100
+
+    def rank():
+        client, _ = BlockingClient.connect(coordinator.endpoint, hello(), timeout=TIMEOUT)
+        errors = []
+
+        def worker(t):
+            try:
+                for i in range(n):
+                    seq = t * n + i
+                    fut = client.future(("coll", "g", seq))
+                    client.send(arrive(seq, seq.to_bytes(4, "little")))
+                    reply = fut.result(TIMEOUT)
+                    assert bytes(memoryview(reply.payloads[0])) == seq.to_bytes(4, "little")
+            except BaseException as e:  # reported to the test below
+                errors.append(e)
+
+        with client:
+            workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(TIMEOUT * 2)
+        return errors, [w.is_alive() for w in workers]
+
+    errors, alive = await in_rank(rank)
+    assert errors == []
+    assert not any(alive)
 
 
 async def test_async_completion_while_the_main_thread_computes(coordinator):
