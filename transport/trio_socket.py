@@ -4,9 +4,9 @@ ZeroMQ hands out one file descriptor per socket (``zmq.FD``) that becomes
 readable when the socket's state *may* have changed, edge-triggered: once
 ZeroMQ has processed its internal commands (which any send, recv or
 ``getsockopt(EVENTS)`` may do), the descriptor stays quiet even though a
-message is waiting. So the rules are: try the operation without blocking,
-read ``zmq.EVENTS`` on ``zmq.Again``, and park on the descriptor only when no
-event is pending. A send and a receive may wait at once, but trio lets only
+message is waiting. So the rules are: receive only when ``zmq.EVENTS`` says
+a message is queued, send without blocking and read ``zmq.EVENTS`` on
+``zmq.Again``, and park on the descriptor only when no event is pending. A send and a receive may wait at once, but trio lets only
 one task park on a descriptor; the first to wait parks (the *watcher*), the
 other waits for the watcher to wake, and every send or recv that might have
 swallowed the watcher's edge re-reads ``EVENTS`` and wakes it when needed.
