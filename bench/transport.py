@@ -21,7 +21,8 @@ ratio to bare is the median over blocks of the block's p50 over bare's p50
 in the same round (the interquartile range shows its spread). CPU time per
 round trip (client process with all its threads, server process; clock-tick
 resolution, summed over all blocks) is reported beside it: unlike latency it
-hardly depends on what else this machine runs.
+hardly depends on what else this machine runs. Likewise the CPU time of
+each large echo (client and server together) shows any extra payload copy.
 
 Goals: trio server round trip <= 1.5x bare, BlockingClient <= 2x bare,
 throughput >= 80% of bare.
@@ -217,6 +218,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "transport.json"))
     args = ap.parse_args()
 
+    load_before = os.getloadavg()
     mp = multiprocessing.get_context("spawn")
     payload = bytearray(os.urandom(args.size_mib << 20))
     results = []
@@ -240,6 +242,10 @@ def main() -> None:
         # of other programs on this machine.
         cpu_client = {k: 0.0 for k in clients}
         cpu_server = {k: 0.0 for k in clients}
+        # CPU seconds (client + server) of the large echoes: an extra copy of
+        # the payload shows here even when the machine's load hides it in
+        # the throughput.
+        cpu_large = {k: 0.0 for k in clients}
         seq = 0
         for client in clients.values():
             measure_small(client, 200, seq)  # warm-up: connections, caches
@@ -256,7 +262,9 @@ def main() -> None:
                 small[key] += samples
                 p50[key] = statistics.median(samples)
                 if block % args.large_every == 0:
+                    c0, s0 = time.process_time(), cpu_seconds(server_pid)
                     large[key] += measure_large(client, 1, payload, seq)
+                    cpu_large[key] += time.process_time() - c0 + cpu_seconds(server_pid) - s0
                     seq += 1
             for key in clients:
                 block_ratios[key].append(p50[key] / p50[("bare", "bare")])
@@ -290,6 +298,7 @@ def main() -> None:
                     "server_cpu_us_per_rt": round(cpu_s, 1),
                     "large_echoes": len(large[(cname, sname)]),
                     "large_mib": args.size_mib,
+                    "large_cpu_ms_per_echo": round(cpu_large[(cname, sname)] / len(large[(cname, sname)]) * 1e3, 1),
                     "throughput_gbps": round(tp, 2),
                     "throughput_ratio": round(tp / base_tp, 2),
                 }
@@ -297,7 +306,7 @@ def main() -> None:
 
     header = (
         f"{'tr':4} {'client':7} {'server':6} {'p50 us':>8} {'p99 us':>8} {'x bare':>7} "
-        f"{'(IQR)':>11} {'cli cpu':>8} {'srv cpu':>8} {'GB/s':>7} {'of bare':>8}"
+        f"{'(IQR)':>11} {'cli cpu':>8} {'srv cpu':>8} {'GB/s':>7} {'of bare':>8} {'lg cpu ms':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -307,7 +316,7 @@ def main() -> None:
             f"{r['rt_p99_us']:8.1f} {r['rt_p50_ratio']:7.2f} "
             f"{r['rt_p50_ratio_iqr'][0]:5.2f}-{r['rt_p50_ratio_iqr'][1]:<5.2f} "
             f"{r['client_cpu_us_per_rt']:8.1f} {r['server_cpu_us_per_rt']:8.1f} {r['throughput_gbps']:7.2f} "
-            f"{r['throughput_ratio']:8.0%}"
+            f"{r['throughput_ratio']:8.0%} {r['large_cpu_ms_per_echo']:9.1f}"
         )
     report = {
         "benchmark": "transport",
@@ -319,6 +328,10 @@ def main() -> None:
             "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
             "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            # Other programs' load: latency ratios on a busy machine mix in
+            # scheduling delays that hit the configurations unequally.
+            "loadavg_1_5_15_before": [round(x, 2) for x in load_before],
+            "loadavg_1_5_15_after": [round(x, 2) for x in os.getloadavg()],
         },
         "versions": {
             "python": platform.python_version(),
