@@ -267,7 +267,10 @@ class BlockingClient:
     # --- API for any thread --------------------------------------------------
 
     def send(self, msg: Message) -> concurrent.futures.Future[None]:
-        """Queue ``msg`` for the coordinator; thread-safe, never blocks.
+        """Send ``msg`` to the coordinator; thread-safe, never blocks. It
+        sends on the calling thread when the socket is free (and then also
+        dispatches replies that arrived meanwhile), else queues for the I/O
+        thread.
 
         Payloads of ``copy_threshold`` bytes or more (64 KiB) are sent without
         copying: the returned future completes once ZeroMQ no longer reads
