@@ -187,9 +187,13 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
 
     try:
         result = trio.run(main)
+        if coord.processes is not None and result.status == "ok":
+            # Every rank said goodbye; let them finish tearing down (ZeroMQ
+            # flushing, interpreter exit) rather than killing them mid-exit.
+            coord.processes.wait(timeout=30)
     finally:
         if coord.processes is not None:
-            coord.processes.kill_all()
+            coord.processes.close()
     return _report(result, run_dir)
 
 

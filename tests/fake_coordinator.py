@@ -2,7 +2,7 @@
 speak prism.core.protocol over ``multiprocessing.connection`` (AF_UNIX) and
 compute collectives with a straightforward torch reference.
 
-The rank side reaches it through ``PRISM_CLIENT_FACTORY=fake_coordinator:connect``
+The rank side reaches it through ``PRISM_CLIENT_FACTORY=tests.fake_coordinator:connect``
 (``FakeClient`` mirrors ``transport.client.BlockingClient``). Endpoints look
 like ``fake:/path/to/socket``. Only for tests: no flow control, no timeouts.
 """

@@ -9,13 +9,11 @@ from typing import Any
 import orjson
 
 from prism.launcher import launch_ranks
-from fake_coordinator import FakeCoordinator
+from tests.fake_coordinator import FakeCoordinator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
-# The ranks import the fake client as a top-level module, as pytest imports
-# these files (tests/ is no package).
-FAKE_ENV = {"PRISM_CLIENT_FACTORY": "fake_coordinator:connect", "PYTHONPATH": str(ROOT / "tests")}
+FAKE_ENV = {"PRISM_CLIENT_FACTORY": "tests.fake_coordinator:connect", "PYTHONPATH": str(ROOT)}
 
 
 def run_world(tmp: pathlib.Path, world: int, command: list[str], *, prism: bool = True, slots: int | None = None,

@@ -10,7 +10,7 @@ import torch
 
 from prism.core import trace
 from prism.core.trace import group_id
-from rank_harness import SCRIPTS, events, log, run_world
+from tests.rank_harness import SCRIPTS, events, log, run_world
 
 WORLD = 3
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from prism.launcher import launch_ranks
-from rank_harness import FAKE_ENV, SCRIPTS, log, run_world
+from tests.rank_harness import FAKE_ENV, SCRIPTS, log, run_world
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_kill_all_leaves_no_orphans(tmp_path):
-    from fake_coordinator import FakeCoordinator
+    from tests.fake_coordinator import FakeCoordinator
 
     fc = FakeCoordinator(str(tmp_path / "coord.sock"), 2)
     procs = launch_ranks(2, fc.endpoint, tmp_path, [str(SCRIPTS / "sleep_worker.py")], env=FAKE_ENV)

@@ -43,7 +43,8 @@ def rt():
                                small_tensor_limit=64)
     runtime = RankRuntime(client, welcome, hello, welcome_recv_ns=300)
     runtime.start()
-    return runtime
+    yield runtime
+    runtime.finish("ok")  # stops its stall monitor
 
 
 def test_start_takes_a_slot_and_estimates_the_clock_offset(rt):

@@ -172,6 +172,7 @@ class _Op:
         self.torch_future = _PrismFuture(self, devices=devices)
         #: Builds the trace events once the op completed: f(op) -> events.
         self.finish_events: Callable[[_Op], list[Any]] = lambda op: []
+        _rt.current().track(self)
 
     @property
     def error(self) -> BaseException | None:
@@ -199,26 +200,29 @@ class _Op:
 
     def complete(self, payloads: Sequence[Any] | None, error: BaseException | None) -> None:
         """Copy results in, record, and wake waiters (completion thread)."""
+        arrived = time.monotonic_ns()
+        rt = _rt.current()
+        try:
+            rt.before_complete(self)
+        except BaseException as e:  # no slot to be had: the coordinator failed
+            error = error or e
         if error is None and payloads is not None:
             try:
                 self._copy_out(payloads)
             except BaseException as e:
                 error = e
         with self.lock:
-            self.end_ns = time.monotonic_ns()
-            if self.wait_ns is None:
-                self.wait_ns = self.end_ns
-        rt = _rt.current()
+            self.end_ns = arrived
+            # A wait that began after the reply arrived (while this thread took
+            # the slot back) waited for nothing.
+            if self.wait_ns is None or self.wait_ns > arrived:
+                self.wait_ns = arrived
         try:
             if error is None:
                 for ev in self.finish_events(self):
                     rt.recorder.emit(ev)
         finally:
             self._error = error
-            try:
-                rt.before_wakeup()
-            except BaseException as e:  # no slot: the coordinator failed
-                self._error = self._error or e
             self.done.set()
             if self._error is None:
                 self.torch_future.set_result(self.result)
@@ -418,7 +422,6 @@ class PrismProcessGroup(dist.ProcessGroup):
 
             pending.finish_events = finish
             fut = rt.client.future(("coll", self.gid, seq))
-            rt.call_started()
             rt.client.send(msg)
             rt.on_done(fut, lambda f: _complete_from_future(pending, f))
             return PrismWork(pending)
@@ -624,6 +627,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             ))
             if h.numel() * h.element_size() <= rt.recorder.small_tensor_limit:
                 rt.recorder.emit(_value(f"p2p:{rt.rank}:{peer}:{tag}:{pseq}", h))
+            rt.untrack(pending)
             pending.done.set()
             pending.torch_future.set_result([t])
             return PrismWork(pending)
@@ -653,7 +657,6 @@ class PrismProcessGroup(dist.ProcessGroup):
 
             pending.finish_events = finish
             fut = rt.client.future(("p2p", peer, rt.rank, tag, pseq))
-            rt.call_started()
             rt.client.send(protocol.RecvPost(
                 rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape, issue_ns=t0,
             ))
