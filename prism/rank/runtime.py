@@ -128,6 +128,7 @@ class RankRuntime:
         #: The stall monitor released the slot on the main thread's behalf.
         self._implicit = False
         self._main_ident = threading.main_thread().ident
+        self._pending_cond = threading.Condition(self._slot_lock)
         self._monitor = threading.Thread(target=self._stall_loop, name="prism-stall-monitor", daemon=True)
 
     # --- lifecycle ---------------------------------------------------------
@@ -160,7 +161,9 @@ class RankRuntime:
         """Flush the trace (RankEnd) and say Goodbye; idempotent."""
         if self._finished:
             return
-        self._finished = True
+        with self._slot_lock:
+            self._finished = True
+            self._pending_cond.notify()
         step_tracker = _step_tracker
         if step_tracker is not None:
             step_tracker.flush_pending()
@@ -201,9 +204,10 @@ class RankRuntime:
     # --- waits inside C++ (see the module docstring) --------------------------
 
     def track(self, op: Any) -> None:
-        """``op`` (with ``wait_key``, ``wait_ns``, ``lock``) is in flight."""
+        """``op`` (with ``wait_key``, ``issue_ns``, ``wait_ns``, ``lock``) is in flight."""
         with self._slot_lock:
             self._pending[id(op)] = op
+            self._pending_cond.notify()
 
     def untrack(self, op: Any) -> None:
         with self._slot_lock:
@@ -229,6 +233,16 @@ class RankRuntime:
         last = time.clock_gettime_ns(clock)
         idle_since: int | None = None
         while not self._finished:
+            with self._slot_lock:
+                if not self._pending:
+                    # Nothing in flight: sleep until something is, rather than
+                    # waking every period in every rank of a large world.
+                    self._pending_cond.wait_for(lambda: self._pending or self._finished)
+                    try:
+                        last = time.clock_gettime_ns(clock)
+                    except OSError:  # the main thread is gone
+                        return
+                    idle_since = None
             time.sleep(STALL_PERIOD_S)
             try:
                 cpu = time.clock_gettime_ns(clock)
@@ -254,7 +268,8 @@ class RankRuntime:
                 self.recorder.comm_enter(idle_since)
                 with op.lock:
                     if op.wait_ns is None:
-                        op.wait_ns = idle_since
+                        # The main thread may have gone idle before this op was issued.
+                        op.wait_ns = max(idle_since, op.issue_ns)
                 self.client.send(protocol.Wait(rank=self.rank, what=op.wait_key, t_ns=idle_since))
                 self.client.send(protocol.SlotRelease(rank=self.rank))
             idle_since = None
