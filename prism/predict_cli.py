@@ -57,7 +57,7 @@ def load_run_manifest(run_dir: str | pathlib.Path) -> Manifest | None:
     path = manifest_path(run_dir)
     if not path.is_file():
         return None
-    return decode_manifest(path.read_bytes())
+    return decode_manifest(path.read_bytes(), file=str(path))
 
 
 def resolve_profile(net: str | None, manifest: Manifest | None) -> tuple[CostModel, str]:
