@@ -43,7 +43,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.run:
         run = read_run(a.run)
-        ranks, layout, source = dict(run.ranks), Layout.from_manifest(run.manifest), a.run
+        ranks, layout = dict(run.ranks), Layout.from_manifest(run.manifest)
+        source = f"{a.run} (captured: {' '.join(run.manifest.command)})"
     else:
         ranks = megatron_events(MegatronSpec(tp=2, pp=2, dp=2, iterations=4))
         layout, source = Layout(2, 2, 2), "synthetic MegatronSpec(tp=2, pp=2, dp=2, iterations=4)"
