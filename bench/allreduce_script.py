@@ -18,7 +18,8 @@ p.add_argument("--iters", type=int, default=50)
 p.add_argument("--warmup", type=int, default=5)
 args = p.parse_args()
 
-dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+# CPU tensors: gloo, also on a machine with GPUs (NCCL would refuse them).
+dist.init_process_group("gloo")
 x = torch.ones(args.numel)
 lat = []
 for i in range(args.warmup + args.iters):
