@@ -243,7 +243,15 @@ def run_demo(args: argparse.Namespace) -> int:
     slots = args.slots or os.cpu_count() or 1
     print(f"prism demo: capturing the bundled GPT at world 16 (tp2 x pp2 x dp4) on CPU with {slots} slots "
           f"into {run_dir}", file=sys.stderr, flush=True)
-    code = capture(run_dir, 16, cmd, slots=slots)
+    # Rank 8 (tp 0, dp 0, last stage) prints the losses.
+    code = capture(run_dir, 16, cmd, slots=slots, show_ranks=(8,))
     if code == 0:
         code = trace_cli._summary(argparse.Namespace(run=str(run_dir)))
+    if code == 0:
+        from prism import predict_cli
+
+        print(f"\n$ python -m prism predict {run_dir} --warmup 1", flush=True)
+        p = argparse.ArgumentParser()
+        predict_cli.add_arguments(p)
+        code = predict_cli.main(p.parse_args([str(run_dir), "--warmup", "1"]))
     return code
