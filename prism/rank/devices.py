@@ -36,6 +36,7 @@ non-``torch``-function constructors are not rewritten; a logical index
 ``>= nproc_per_node`` raises as an invalid ordinal would.
 
 Public API: ``install(rank, world_size, nproc_per_node, gpus=None)``,
+``install_if_requested(rank, world_size, nproc_per_node)`` (the fork server's hook),
 ``choose_gpu(rank, world_size, gpus)``, ``LogicalDeviceMode``,
 ``rewrite_device(obj)``, ``installed()``, ``PHYSICAL_ENV``, ``GPUS_ENV``.
 """
@@ -217,6 +218,15 @@ def install(rank: int, world_size: int, nproc_per_node: int, gpus: Sequence[int]
     _state.mode = LogicalDeviceMode()
     _state.mode.__enter__()
     return physical
+
+
+def install_if_requested(rank: int, world_size: int, nproc_per_node: int) -> int | None:
+    """``install`` when the launch asked for GPUs (``PRISM_GPUS`` or
+    ``PRISM_PHYSICAL_DEVICE`` set, as ``prism capture`` does for a CUDA
+    command or ``--gpus``); CPU captures and ground-truth runs stay untouched."""
+    if not (os.environ.get(GPUS_ENV) or os.environ.get(PHYSICAL_ENV)):
+        return None
+    return install(rank, world_size, nproc_per_node)
 
 
 def _patch_torch_cuda() -> None:

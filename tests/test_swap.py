@@ -1,0 +1,139 @@
+"""The swap executor (prism/swap.py) and swapping in a real capture on CPU,
+with a stand-in driver that stops a "checkpointed" rank process outright
+(SIGSTOP), which is stricter than the CUDA driver (that blocks only CUDA calls)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prism import swap
+from prism.capture_cli import capture
+from prism.gpu_plan import plan_gpus
+from prism.workloads.harness import parse_losses
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class StopDriver:
+    """Checkpoint = SIGSTOP, restore = SIGCONT; records the calls."""
+
+    def __init__(self, fail_on: str = ""):
+        self.states: dict[int, str] = {}
+        self.calls: list[tuple[str, int]] = []
+        self.fail_on = fail_on
+
+    def _call(self, name, pid):
+        self.calls.append((name, pid))
+        if name == self.fail_on:
+            raise swap.SwapError(f"cuCheckpointProcess{name.title()}(pid {pid}) failed: CUDA_ERROR_ILLEGAL_STATE (401)")
+
+    def state(self, pid):
+        return self.states.get(pid, "running")
+
+    def lock(self, pid):
+        self._call("lock", pid)
+        self.states[pid] = "locked"
+
+    def checkpoint(self, pid):
+        self._call("checkpoint", pid)
+        os.kill(pid, signal.SIGSTOP)
+        self.states[pid] = "checkpointed"
+
+    def restore(self, pid):
+        self._call("restore", pid)
+        os.kill(pid, signal.SIGCONT)
+        self.states[pid] = "locked"
+
+    def unlock(self, pid):
+        self._call("unlock", pid)
+        self.states[pid] = "running"
+
+
+class FakeDriver(StopDriver):
+    def checkpoint(self, pid):
+        self._call("checkpoint", pid)
+        self.states[pid] = "checkpointed"
+
+    def restore(self, pid):
+        self._call("restore", pid)
+        self.states[pid] = "locked"
+
+
+def test_executor_runs_the_driver_calls_in_order_and_summarizes():
+    drv = FakeDriver()
+    clock = iter(range(100)).__next__
+    ex = swap.SwapExecutor(drv, pid_of=lambda r: 1000 + r, memory_of=lambda pid: 2 * 10**9, clock=clock)
+    out = ex.swap_out(3, step=0)
+    back = ex.swap_in(3, step=1)
+    assert drv.calls == [("lock", 1003), ("checkpoint", 1003), ("restore", 1003), ("unlock", 1003)]
+    assert (out.direction, out.status, out.bytes, out.seconds) == ("out", "ok", 2 * 10**9, 1)
+    assert (back.direction, back.status, back.bytes) == ("in", "ok", 2 * 10**9)
+    # A process without CUDA state (never checkpointed) is skipped.
+    assert ex.swap_in(4).status == "skipped"
+    s = swap.summarize(ex.records, steps=2)
+    assert (s["swaps"], s["skipped"], s["swaps_out"], s["swaps_in"]) == (2, 1, 1, 1)
+    assert s["gb_per_s_out"] == 2.0 and s["swaps_per_step"] == {"1": 1, "2": 1}
+    assert s["swaps_per_iteration"] == 1.0
+
+
+def test_executor_failure_names_rank_pid_and_driver_error():
+    ex = swap.SwapExecutor(FakeDriver(fail_on="checkpoint"), pid_of=lambda r: 4242)
+    with pytest.raises(swap.SwapError, match=r"swapping rank 5 \(pid 4242\) out at step 2 failed: .*ILLEGAL_STATE"):
+        ex.swap_out(5, step=2)
+
+
+def test_driver_absent_says_what_is_needed():
+    try:
+        swap.CheckpointDriver()
+    except swap.SwapError as e:
+        assert "NVIDIA driver" in str(e) or "driver 570" in str(e)
+    else:
+        pytest.skip("this machine has a CUDA driver with the checkpoint API")
+
+
+GPT = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--steps", "2", "--layers", "2"]
+
+
+def _plan(driver):
+    plan = plan_gpus(4, {"tp": 2, "pp": 2}, uses_cuda=False, gpus="0", resident=2, gang="tp", slots=1)
+    plan.driver = driver
+    return plan
+
+
+@pytest.mark.slow
+def test_capture_with_swaps_keeps_every_rank_data(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    drv = StopDriver()
+    code = capture(tmp_path / "run", 4, GPT, slots=1, progress="off", show_ranks=(), quiet_s=15, gpu=_plan(drv))
+    assert code == 0
+    doc = json.loads((tmp_path / "run" / "telemetry" / "swaps.json").read_text())
+    assert doc["summary"]["swaps_out"] > 0 and doc["summary"]["swaps_in"] > 0
+    assert doc["settings"]["gang"] == "tp" and doc["settings"]["resident_per_gpu"] == 2
+    # Gang tp: TP mates 0,1 (and 2,3) always leave together.
+    outs = [r["rank"] for r in doc["records"] if r["direction"] == "out"]
+    assert all(outs[i] // 2 == outs[i + 1] // 2 for i in range(0, len(outs), 2))
+    # The last stage's rank (2) prints the losses; one process computes the same function.
+    got = parse_losses((tmp_path / "run" / "logs" / "rank-000002.log").read_text())
+    ref = subprocess.run([sys.executable, *GPT[:2], "--steps", "2", "--layers", "2"], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    want = parse_losses(ref.stdout)
+    assert len(got) == 2 and got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_failed_checkpoint_stops_the_capture_cleanly(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    code = capture(tmp_path / "run", 4, GPT, slots=1, progress="off", show_ranks=(),
+                   gpu=_plan(FakeDriver(fail_on="checkpoint")))
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "capture FAILED (swap_failed)" in err
+    assert "swapping rank 0 (pid " in err and "CUDA_ERROR_ILLEGAL_STATE" in err
+    # The trace stays valid: every rank has its end record.
+    for r in range(4):
+        assert '"k":"rank_end"' in (tmp_path / "run" / "ranks" / f"rank-{r:06d}.jsonl").read_text()
