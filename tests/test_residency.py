@@ -125,3 +125,15 @@ def test_resident_ranks_are_granted_first_with_bounded_bypass():
     s.request(0)
     # 2 has been passed over max_bypass times: it goes now, the LRU rank 0 makes room.
     assert s.release(1) == [SwapOut(0), Grant(2)]
+
+
+def test_data_to_a_resident_blocked_rank_pins_it():
+    # Data reached 0 and 1 while resident; 2's grant must not evict them
+    # silently: they go only as a last resort, and come back by themselves.
+    s, p = _sched(3, 2)
+    s.request(0), s.request(1)
+    s.release(0)
+    s.request(2)
+    assert p.wake(0, s) == [] and 0 in p.pinned
+    assert s.release(1) == [SwapOut(1), Grant(2)]  # 1 (not pinned) goes, 0 stays
+    assert p.retry(s) == []

@@ -137,3 +137,25 @@ def test_failed_checkpoint_stops_the_capture_cleanly(tmp_path, monkeypatch, caps
     # The trace stays valid: every rank has its end record.
     for r in range(4):
         assert '"k":"rank_end"' in (tmp_path / "run" / "ranks" / f"rank-{r:06d}.jsonl").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not swap.CheckpointDriver.available() if sys.platform == "linux" else True,
+                    reason="needs a CUDA device and a driver with the checkpoint API")
+def test_checkpoint_driver_round_trip_keeps_data():
+    holder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "gpu_holder.py"), "0.25"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().startswith("ready")
+        drv = swap.CheckpointDriver()
+        ex = swap.SwapExecutor(drv, pid_of=lambda r: holder.pid)
+        assert ex.swap_out(0).status == "ok"
+        assert drv.state(holder.pid) == "checkpointed"
+        assert ex.swap_in(0).status == "ok"
+        assert drv.state(holder.pid) == "running"
+        holder.stdin.write("check\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().startswith("ok")
+    finally:
+        holder.kill()
+        holder.wait()

@@ -13,7 +13,7 @@ result, a point-to-point message) to a rank. A checkpointed process's CUDA
 calls block until it is restored, and a rank copies delivered data onto its
 GPU before it asks for a slot again, so a checkpointed rank that receives
 data must be restored without waiting for its request, or it never makes
-one. A woken rank is *pinned* (evicted only when nothing else can go) until
+one. A woken rank (resident or brought back) is *pinned* (evicted only when nothing else can go) until
 it is granted or blocks again; if room cannot be made at once the wake waits
 in a queue that ``retry(sched)`` serves after every scheduler event.
 
@@ -158,7 +158,11 @@ class GangResidency:
 
     def wake(self, rank: int, sched: Scheduler) -> list[Action]:
         """Data was delivered to ``rank``: bring it back if it is checkpointed."""
-        if sched.state(rank) != RankState.BLOCKED or rank not in sched.started or self.is_resident(rank):
+        if sched.state(rank) != RankState.BLOCKED or rank not in sched.started:
+            return []
+        if self.is_resident(rank):
+            # It needs its GPU to take the data in: not the next one to go.
+            self.pinned.add(rank)
             return []
         actions = self._bring_in(rank, sched, for_grant=False)
         if actions is None:
