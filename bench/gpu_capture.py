@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 LOSS = re.compile(r"^step (\d+) loss (\S+)$", re.MULTILINE)
 RESULTS: dict = {}
+RUNS_DIR = [Path("/tmp/prism-gpu-bench")]
 
 
 def save(out_dir: Path) -> None:
@@ -172,7 +173,7 @@ class HostSampler:
 
 def capture(out_dir: Path, name: str, world: int, workload: list[str], opts: list[str], timeout: float = 240,
             sample_host: bool = False) -> dict:
-    run = out_dir / "runs" / name
+    run = RUNS_DIR[0] / name
     shutil.rmtree(run, ignore_errors=True)
     cmd = [sys.executable, "-m", "prism", "capture", "-n", str(world), "--out", str(run), "--progress", "off",
            "--quiet-period", "30", "--show-ranks", "none", *opts, "--", "-m", "prism.workloads.gpt", *workload]
@@ -229,7 +230,9 @@ def main() -> int:
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--quick", action="store_true", help="fewer configurations (smoke test)")
     ap.add_argument("--only", default="", help="comma-separated sections")
+    ap.add_argument("--runs-dir", default="/tmp/prism-gpu-bench", help="where the captures go")
     a = ap.parse_args()
+    RUNS_DIR[0] = Path(a.runs_dir)
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     only = set(filter(None, a.only.split(",")))
@@ -244,13 +247,13 @@ def main() -> int:
     if want("swap_raw"):
         section("swap_raw", out_dir)(swap_raw)((0.5,) if a.quick else (1.0, 8.0))
 
-    steps = "2" if a.quick else "3"
+    steps = "2"
 
     def world2():
         wl = ["--steps", steps]
         gpu = capture(out_dir, "w2-cuda0", 2, wl + ["--device", "cuda:0"], [])
         cpu = capture(out_dir, "w2-cpu", 2, wl + ["--device", "cpu"], [])
-        summ = subprocess.run([sys.executable, "-m", "prism", "trace", "summary", str(out_dir / "runs" / "w2-cuda0")],
+        summ = subprocess.run([sys.executable, "-m", "prism", "trace", "summary", str(RUNS_DIR[0] / "w2-cuda0")],
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
         return {"gpu": gpu, "cpu": cpu, "max_rel_loss_diff": rel_diff(gpu["losses"], cpu["losses"]),
                 "trace_summary": summ.stdout[-6000:] + summ.stderr[-1000:]}
@@ -263,7 +266,7 @@ def main() -> int:
         out = {"all_resident": capture(out_dir, f"{kind}-all", 8, wl + ["--device", "cuda"], [])}
         for g in gangs:
             out[f"resident4_gang_{g}"] = capture(out_dir, f"{kind}-r4-{g}", 8, wl + ["--device", "cuda"],
-                                                 ["--resident", "4", "--gang", g], timeout=300)
+                                                 ["--resident", "4", "--gang", g], timeout=150)
         out["cpu"] = capture(out_dir, f"{kind}-cpu", 8, wl + ["--device", "cpu"], ["--slots", "8"])
         ref, cpu = out["all_resident"]["losses"], out["cpu"]["losses"]
         out["loss_check"] = {k: {"vs_all_resident": rel_diff(v["losses"], ref), "vs_cpu": rel_diff(v["losses"], cpu)}
@@ -281,7 +284,7 @@ def main() -> int:
             dp = world // 4
             r = capture(out_dir, f"scale-{world}", world,
                         ["--tp", "2", "--pp", "2", "--dp", str(dp), "--steps", "2", "--device", "cuda"],
-                        ["--slots", "8"], sample_host=True, timeout=300)
+                        ["--slots", "8"], sample_host=True, timeout=150)
             if "gpu_mem_peak" in r:
                 r["device_bytes_per_rank"] = (r["gpu_mem_peak"] - r["gpu_mem_baseline"]) // world
             if r.get("host_peak_rss"):

@@ -194,7 +194,13 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
     coord = Coordinator(run_dir, world_size, slots=slots, endpoint=default_endpoint(run_dir),
                         quiet_s=quiet_s, progress=Progress(world_size, mode=progress))
     if gpu is not None:
-        gpu.setup(coord)
+        from prism.swap import SwapError
+
+        try:
+            gpu.setup(coord)
+        except SwapError as e:
+            print(f"prism capture: cannot swap ranks on the GPU: {e}", file=sys.stderr)
+            return 2
     from prism.telemetry import GpuSampler
 
     sampler = GpuSampler(run_dir, gpu.gpus if gpu is not None else None)

@@ -191,7 +191,11 @@ def install(rank: int, world_size: int, nproc_per_node: int, gpus: Sequence[int]
     global _state
     if _state is not None:
         return _state.physical
-    if not torch.cuda.is_available():
+    if torch.cuda.is_initialized():
+        raise RuntimeError("prism.rank.devices.install: CUDA is already initialised in this process; "
+                           "this is a Prism bug (install runs before the script), please report it")
+    # NVML's count: initialising CUDA here would fix CUDA_VISIBLE_DEVICES too early.
+    if torch.cuda.device_count() == 0:
         return None
     env = os.environ
     if env.get(PHYSICAL_ENV):
@@ -200,9 +204,6 @@ def install(rank: int, world_size: int, nproc_per_node: int, gpus: Sequence[int]
         if gpus is None:
             gpus = parse_gpus(env[GPUS_ENV]) if env.get(GPUS_ENV) else list(range(torch.cuda.device_count()))
         physical = choose_gpu(rank, world_size, gpus)
-    if torch.cuda.is_initialized():
-        raise RuntimeError("prism.rank.devices.install: CUDA is already initialised in this process; "
-                           "this is a Prism bug (install runs before the script), please report it")
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible:
         entries = [v for v in visible.split(",") if v.strip()]
