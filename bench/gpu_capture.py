@@ -242,10 +242,8 @@ def main() -> int:
 
     RESULTS["command"] = " ".join(sys.argv)
     section("env", out_dir)(env_info)()
-    if want("mode"):
-        section("mode", out_dir)(mode_cost)()
     if want("swap_raw"):
-        section("swap_raw", out_dir)(swap_raw)((0.5,) if a.quick else (1.0, 8.0))
+        section("swap_raw", out_dir)(swap_raw)((0.5,) if a.quick else (1.0, 4.0))
 
     steps = "2"
 
@@ -264,19 +262,29 @@ def main() -> int:
     def world8(kind: str, extra: list[str], gangs: list[str]):
         wl = ["--tp", "2", "--pp", "2", "--dp", "2", "--steps", steps, *extra]
         out = {"all_resident": capture(out_dir, f"{kind}-all", 8, wl + ["--device", "cuda"], [])}
-        for g in gangs:
+        RESULTS[kind] = out
+
+        def check():
+            ref, cpu = out["all_resident"]["losses"], out.get("cpu", {}).get("losses", [])
+            out["loss_check"] = {k: {"vs_all_resident": rel_diff(v["losses"], ref), "vs_cpu": rel_diff(v["losses"], cpu)}
+                                 for k, v in out.items() if isinstance(v, dict) and "losses" in v}
+            save(out_dir)
+
+        for i, g in enumerate(gangs):
             out[f"resident4_gang_{g}"] = capture(out_dir, f"{kind}-r4-{g}", 8, wl + ["--device", "cuda"],
                                                  ["--resident", "4", "--gang", g], timeout=150)
-        out["cpu"] = capture(out_dir, f"{kind}-cpu", 8, wl + ["--device", "cpu"], ["--slots", "8"])
-        ref, cpu = out["all_resident"]["losses"], out["cpu"]["losses"]
-        out["loss_check"] = {k: {"vs_all_resident": rel_diff(v["losses"], ref), "vs_cpu": rel_diff(v["losses"], cpu)}
-                             for k, v in out.items() if isinstance(v, dict) and "losses" in v}
+            if i == 0:
+                out["cpu"] = capture(out_dir, f"{kind}-cpu", 8, wl + ["--device", "cpu"], ["--slots", "8"])
+            check()
         return out
 
     if want("gpt8"):
-        section("gpt8", out_dir)(world8)("gpt8", [], ["tp"] if a.quick else ["1", "tp", "tpxpp"])
+        section("gpt8", out_dir)(world8)("gpt8", [], ["tp"] if a.quick else ["tp", "1", "tpxpp"])
     if want("moe8"):
         section("moe8", out_dir)(world8)("moe8", ["--ep", "2", "--experts", "4"], ["tp"])
+
+    if want("mode"):
+        section("mode", out_dir)(mode_cost)()
 
     def scale():
         out = {}
