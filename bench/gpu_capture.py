@@ -130,6 +130,8 @@ def swap_raw(sizes=(1.0, 8.0)) -> dict:
         finally:
             holder.kill()
             holder.wait()
+            holder.stdin.close()
+            holder.stdout.close()
     return out
 
 
@@ -248,7 +250,7 @@ def main() -> int:
     steps = "2"
 
     def world2():
-        wl = ["--steps", steps]
+        wl = ["--dp", "2", "--steps", steps]
         gpu = capture(out_dir, "w2-cuda0", 2, wl + ["--device", "cuda:0"], [])
         cpu = capture(out_dir, "w2-cpu", 2, wl + ["--device", "cpu"], [])
         summ = subprocess.run([sys.executable, "-m", "prism", "trace", "summary", str(RUNS_DIR[0] / "w2-cuda0")],
