@@ -232,9 +232,14 @@ def main() -> int:
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--quick", action="store_true", help="fewer configurations (smoke test)")
     ap.add_argument("--only", default="", help="comma-separated sections")
+    ap.add_argument("--table", metavar="JSON", help="only print the table of an earlier run's JSON")
     ap.add_argument("--runs-dir", default="/tmp/prism-gpu-bench", help="where the captures go")
     a = ap.parse_args()
     RUNS_DIR[0] = Path(a.runs_dir)
+    if a.table:
+        RESULTS.update(json.loads(Path(a.table).read_text()))
+        print_table()
+        return 0
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     only = set(filter(None, a.only.split(",")))
@@ -307,8 +312,42 @@ def main() -> int:
     if want("scale"):
         section("scale", out_dir)(scale)()
     save(out_dir)
-    print(json.dumps({k: v for k, v in RESULTS.items() if k in ("mode", "swap_raw", "section_seconds")}, indent=1))
+    print_table()
     return 0
+
+
+def print_table() -> None:
+    """One row per capture, then the raw swap and mode figures."""
+    print(f"{'capture':<28} {'rc':>3} {'wall s':>8} {'swaps':>6} {'/iter':>6} {'swap s':>7} "
+          f"{'GB/s out':>8} {'GB/s in':>8} {'loss vs ref':>11} {'loss vs cpu':>11}")
+    for sec in ("world2", "gpt8", "moe8", "scale"):
+        block = RESULTS.get(sec)
+        if not isinstance(block, dict):
+            continue
+        checks = block.get("loss_check", {})
+        for name, r in block.items():
+            if not isinstance(r, dict) or "rc" not in r:
+                continue
+            sw = r.get("swaps") or {}
+            chk = checks.get(name, {})
+            if sec == "world2" and name == "gpu":
+                chk = {"vs_cpu": block.get("max_rel_loss_diff")}
+
+            def f(x, fmt):
+                return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+            print(f"{sec + '/' + name:<28} {r['rc']:>3} {r['wall_s']:>8.1f} {f(sw.get('swaps'), 'd'):>6} "
+                  f"{f(sw.get('swaps_per_iteration'), '.1f'):>6} {f(sw.get('seconds_total'), '.1f'):>7} "
+                  f"{f(sw.get('gb_per_s_out'), '.2f'):>8} {f(sw.get('gb_per_s_in'), '.2f'):>8} "
+                  f"{f(chk.get('vs_all_resident'), '.1e'):>11} {f(chk.get('vs_cpu'), '.1e'):>11}")
+    for size, r in (RESULTS.get("swap_raw") or {}).items():
+        if isinstance(r, dict) and "out_s" in r:
+            print(f"raw swap {size}: {r['process_gpu_bytes'] / 1e9:.2f} GB out {r['out_s']} s ({r['gb_s_out']} GB/s), "
+                  f"in {r['in_s']} s ({r['gb_s_in']} GB/s), data {r['data_after_restore'].split()[0]}")
+    m = RESULTS.get("mode")
+    if isinstance(m, dict) and "us_added" in m:
+        print(f"logical-device mode on {m['device']}: +{m['us_added']} us per torch call "
+              f"({m['us_per_call_plain']} -> {m['us_per_call_mode']})")
 
 
 if __name__ == "__main__":
