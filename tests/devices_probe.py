@@ -16,6 +16,7 @@ local = rank % nproc
 physical = devices.install(rank, world, nproc)
 out = {"physical": physical, "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 out["device_count"] = torch.cuda.device_count()
+out["physical_name"] = devices.physical_name(f"cuda:{local}")
 torch.cuda.set_device(local)
 out["current_after_set"] = torch.cuda.current_device()
 with torch.cuda.device((local + 1) % nproc):

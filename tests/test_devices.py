@@ -87,6 +87,7 @@ def test_install_without_cuda_does_nothing():
         pytest.skip("checks the CPU-only path; this machine has a CUDA device")
     assert devices.install(5, 8, 8) is None
     assert not devices.installed()
+    assert devices.physical_name("cuda:5") == "cuda:5"
     assert torch.cuda.device_count() == 0
 
 
@@ -106,7 +107,7 @@ def _probe(rank: int, world: int, nproc: int, **env: str) -> dict:
 def test_every_call_with_logical_devices(rank):
     out = _probe(rank, 8, 8, PRISM_PHYSICAL_DEVICE="0", PROBE_MESH="1")
     assert out["physical"] == 0 and out["visible"] == "0"
-    assert out["device_count"] == 8
+    assert out["device_count"] == 8 and out["physical_name"] == "cuda:0"
     assert out["current_after_set"] == rank
     assert out["current_in_ctx"] == (rank + 1) % 8
     assert out["current_after_ctx"] == rank

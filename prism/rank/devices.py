@@ -37,7 +37,7 @@ non-``torch``-function constructors are not rewritten; a logical index
 
 Public API: ``install(rank, world_size, nproc_per_node, gpus=None)``,
 ``install_if_requested(rank, world_size, nproc_per_node)`` (the fork server's hook),
-``choose_gpu(rank, world_size, gpus)``, ``LogicalDeviceMode``,
+``choose_gpu(rank, world_size, gpus)``, ``physical_name(device)``, ``LogicalDeviceMode``,
 ``rewrite_device(obj)``, ``installed()``, ``PHYSICAL_ENV``, ``GPUS_ENV``.
 """
 
@@ -75,6 +75,14 @@ class _Logical:
 def installed() -> bool:
     """Whether logical devices are installed in this process."""
     return _state is not None
+
+
+def physical_name(device: str) -> str:
+    """The physical GPU behind a logical ``cuda:i`` (as NVML numbers GPUs);
+    ``device`` itself when logical devices are not installed or it is not CUDA."""
+    if _state is None or not device.startswith("cuda"):
+        return device
+    return f"cuda:{_state.physical}"
 
 
 def choose_gpu(rank: int, world_size: int, gpus: Sequence[int]) -> int:
