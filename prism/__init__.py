@@ -14,23 +14,38 @@ reads no clock and imports neither trio, zmq nor torch, wrapped by thin
 **shells** that own sockets, processes, clocks and devices.
 
 ``prism.core`` (sans-IO; ``tests/test_core_is_sans_io.py`` keeps it so)
-    ``trace``     PrismTrace v1: event dataclasses, codec, streaming writer,
-                  reader, validator (specified in ``docs/TRACE.md``).
-    ``protocol``  wire messages between a rank and the coordinator: frozen
-                  dataclasses, the frame codec, the version handshake
-                  (specified in ``docs/PROTOCOL.md``).
-    Later issues add the execution graph, the replay engine, the scheduler
-    state machine, collective semantics and the communication cost model here.
+    ``trace``        PrismTrace v1: event dataclasses, codec, streaming
+                     writer, reader, validator (``docs/TRACE.md``).
+    ``protocol``     wire messages between a rank and the coordinator, the
+                     frame codec, the version handshake (``docs/PROTOCOL.md``).
+    ``collectives``  what every collective computes, in gloo's reduction order.
+    ``matcher``      pairs collective instances and sends/receives across
+                     ranks; mismatches, dead peers, deadlock reports.
+    ``scheduler``    the slot scheduler state machine with a pluggable swap
+                     policy.
+    ``graph``        the global execution graph (numpy arrays), load checks.
+    ``replay``       discrete-event replay: a steppable engine paced by
+                     ``now`` and a vectorised batch path with one semantics.
+    ``costmodel``    alpha-beta communication cost model, TOML profiles.
+    ``timeline``     Chrome-trace (Perfetto) timelines of a replay.
     Time enters the core as an argument (``now``, integer nanoseconds).
 
-``transport`` (top-level package)
-    ZeroMQ messaging: an async socket for trio, a blocking client with a
-    background I/O thread for rank processes, an in-memory pair for tests,
-    and the endpoint policy (ipc or loopback unless authenticated).
+Shells
+    ``prism.coordinator``  the trio coordinator: one event loop owns the
+                           matcher, the scheduler and the trace writers.
+    ``prism.rank``         inside each logical rank: the ``prism``
+                           torch.distributed backend, the runtime (slots,
+                           completion thread), the fork server, the bootstrap
+                           that forces the backend without touching the script.
+    ``prism.launcher``     starts the fork server and the ranks.
+    ``prism.cli`` and ``*_cli``  ``python -m prism ...``; commands not built
+                           yet say which issue brings them.
+    ``prism.workloads``    the bundled training scripts (they never import prism).
 
-``prism.cli``
-    ``python -m prism ...``; commands not built yet say which issue brings
-    them.
+``transport`` (top-level package)
+    ZeroMQ messaging: an async socket for trio, a blocking client for rank
+    processes, an in-memory pair for tests, and the endpoint policy (ipc or
+    loopback unless authenticated).
 
 ``cuda_ext`` (top-level package)
     The CUDA extension (pruning, compensation, prefetch buffer pools): phase 2.

@@ -189,6 +189,8 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
         if bad:
             print(f"prism capture: ranks failed: {bad}; see {run_dir / T.LOGS_DIR}", file=sys.stderr)
             return 1
+        print(f"prism capture: all {world_size} ranks finished; the coordinator at {coordinator} recorded "
+              f"the trace into its own --out; rank logs are in {run_dir / T.LOGS_DIR}", file=sys.stderr)
         return 0
 
     coord = Coordinator(run_dir, world_size, slots=slots, endpoint=default_endpoint(run_dir),
@@ -220,10 +222,14 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
 
     try:
         result = trio.run(main)
+        if coord.processes is not None and result.status == "ok":
+            # Every rank said goodbye; let them finish tearing down (ZeroMQ
+            # flushing, interpreter exit) rather than killing them mid-exit.
+            coord.processes.wait(timeout=30)
     finally:
         sampler.stop()
         if coord.processes is not None:
-            coord.processes.kill_all()
+            coord.processes.close()
     if gpu is not None:
         from prism import swap
 

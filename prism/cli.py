@@ -46,10 +46,22 @@ def _build_demo(p: argparse.ArgumentParser) -> None:
     capture_cli.add_demo_arguments(p)
 
 
+def _build_netprofile(p: argparse.ArgumentParser) -> None:
+    from prism import netprofile_cli
+
+    netprofile_cli.add_arguments(p)
+
+
 def _build_predict(p: argparse.ArgumentParser) -> None:
     from prism import predict_cli
 
     predict_cli.add_arguments(p)
+
+
+def _build_report(p: argparse.ArgumentParser) -> None:
+    from prism import report_cli
+
+    report_cli.add_arguments(p)
 
 
 _COMMANDS: tuple[_Command, ...] = (
@@ -58,8 +70,8 @@ _COMMANDS: tuple[_Command, ...] = (
     _Command("coordinator", "run a standalone coordinator for one capture", build=_build_coordinator),
     _Command("trace", "inspect a PrismTrace run: summary, validate", build=_build_trace),
     _Command("predict", "predict iteration time and breakdown from a captured run", build=_build_predict),
-    _Command("report", "write timelines (Perfetto, Gantt plot, Chakra ET) for a run", pending_issue=5),
-    _Command("netprofile", "measure the local backend and fit a communication cost profile", pending_issue=5),
+    _Command("report", "write timelines (Perfetto, Gantt plot, Chakra ET) for a run", build=_build_report),
+    _Command("netprofile", "measure the local backend (gloo) and fit a communication cost profile", build=_build_netprofile),
     _Command("emulate", "hybrid emulation with sandbox and virtual ranks (phase 2)", pending_issue=None),
 )
 

@@ -2,7 +2,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers_graph import Program
+from tests.helpers_graph import Program
 
 from prism.core.graph import (
     COLL,

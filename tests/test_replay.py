@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from helpers_graph import Program
+from tests.helpers_graph import Program
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

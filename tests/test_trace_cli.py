@@ -6,7 +6,7 @@ import dataclasses
 import subprocess
 import sys
 
-from test_trace import FIRST_COLL, W, rank_events, write_sample_run
+from tests.test_trace import FIRST_COLL, W, rank_events, write_sample_run
 
 from prism import cli
 from prism.core import trace as T

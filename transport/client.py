@@ -1,11 +1,20 @@
 """The rank process's end of the transport: a blocking client, no trio.
 
 A rank process runs the user's training script on its main thread, so the
-client cannot own an event loop. A background I/O thread owns the ZeroMQ
-DEALER socket (ZeroMQ sockets are not thread-safe): callers hand it encoded
-frames through a queue and wake it through a pipe, and it resolves
-``concurrent.futures.Future`` objects as replies arrive. So an asynchronous
+client cannot own an event loop. A background I/O thread resolves
+``concurrent.futures.Future`` objects as replies arrive, so an asynchronous
 collective completes while the main thread computes.
+
+ZeroMQ sockets are not thread-safe, but one may pass between threads under a
+lock (a full memory barrier). Handing every message to the I/O thread would
+cost two thread wake-ups per round trip, so the socket goes to whichever
+thread holds the I/O lock (leader/followers): ``send`` sends directly when the
+lock is free and otherwise queues the frames and wakes the I/O thread through
+a pipe; a thread waiting in ``result()`` receives and dispatches replies
+itself while nobody else needs the socket. Every holder re-reads
+``zmq.EVENTS`` before letting go (the socket's descriptor is edge-triggered,
+and any operation may swallow its edge) and wakes the I/O thread if work is
+left.
 
 Replies are matched to waiters by ``protocol.routing_key``. An ``Error`` or
 ``Shutdown`` from the coordinator, or the loss of the coordinator, fails every
@@ -19,6 +28,7 @@ import concurrent.futures
 import logging
 import os
 import threading
+import time
 import types
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -29,7 +39,6 @@ from zmq.utils.monitor import parse_monitor_message
 from prism.core import protocol
 from prism.core.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
-    PROTOCOL_VERSION,
     Error,
     Hello,
     Message,
@@ -38,6 +47,11 @@ from prism.core.protocol import (
     VersionMismatch,
     Welcome,
 )
+
+from ._frames import EVENTS as _EVENTS
+from ._frames import POLLIN as _POLLIN
+from ._frames import POLLOUT as _POLLOUT
+from ._frames import recv_frames, send_frames
 
 __all__ = [
     "BlockingClient",
@@ -55,6 +69,9 @@ DEFAULT_HEARTBEAT_S = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 
 _WELCOME_KEY = ("welcome",)
+#: What ``send`` returns when ZeroMQ copied the payloads at once.
+_SENT: concurrent.futures.Future[None] = concurrent.futures.Future()
+_SENT.set_result(None)
 
 
 class CoordinatorError(Exception):
@@ -99,14 +116,42 @@ def _set_exception(fut: concurrent.futures.Future, exc: BaseException) -> None:
         pass
 
 
+#: How long a thread waiting in ``result()`` polls the socket itself before
+#: it looks again whether the I/O thread needs the socket.
+_LEAD_POLL_MS = 20
+#: How long the I/O thread looks away from the socket while another thread
+#: receives on it (the most a reply can wait when nobody waits for it).
+_ASIDE_MS = 1
+
+
+class _Reply(concurrent.futures.Future):
+    """A future whose waiter receives replies itself while the socket is free."""
+
+    def __init__(self, client: BlockingClient) -> None:
+        super().__init__()
+        self._client = client
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            timeout = self._client._wait_here(self, timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            timeout = self._client._wait_here(self, timeout)
+        return super().exception(timeout)
+
+
 class BlockingClient:
     """A rank's connection to the coordinator, usable from any thread.
 
     Open it with ``BlockingClient.connect`` (which does the handshake). Then
     ``send`` messages and wait on ``future(key)`` for the replies.
-    ``on_error(msg)`` is called once, from the I/O thread, with the ``Error``
-    or ``Shutdown`` that failed the client (for a lost coordinator an ``Error``
-    with code "lost" made by the client); it must not block.
+    ``on_error(msg)`` is called once with the ``Error`` or ``Shutdown`` that
+    failed the client (for a lost coordinator an ``Error`` with code "lost"
+    made by the client). It and the futures' done-callbacks run in the thread
+    that received the reply (the I/O thread, or one waiting in ``result()``)
+    and must not block.
     """
 
     def __init__(
@@ -132,7 +177,19 @@ class BlockingClient:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(endpoint)
         self._sock = sock
+        self._fd: int = sock.getsockopt(zmq.FD)
         self._copy_threshold: int = sock.copy_threshold
+        # Whoever holds _io_lock may use _sock, _blocked and _trackers.
+        self._io_lock = threading.Lock()
+        self._io_waiting = False
+        self._io_done = False
+        #: Frames ZeroMQ could not take yet (its send queue was full).
+        self._blocked: collections.deque[tuple[list[Any], concurrent.futures.Future | None]] = (
+            collections.deque()
+        )
+        self._trackers: list[tuple[zmq.MessageTracker, concurrent.futures.Future]] = []
+        self._lead_poller = zmq.Poller()
+        self._lead_poller.register(sock, zmq.POLLIN)
 
         self._lock = threading.Lock()
         self._waiting: dict[Hashable, concurrent.futures.Future] = {}
@@ -146,6 +203,7 @@ class BlockingClient:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._lead_poller.register(self._wake_r, zmq.POLLIN)
         self._thread = threading.Thread(
             target=self._run, name=f"prism-io {endpoint}", daemon=True
         )
@@ -209,7 +267,10 @@ class BlockingClient:
     # --- API for any thread --------------------------------------------------
 
     def send(self, msg: Message) -> concurrent.futures.Future[None]:
-        """Queue ``msg`` for the coordinator; thread-safe, never blocks.
+        """Send ``msg`` to the coordinator; thread-safe, never blocks. It
+        sends on the calling thread when the socket is free (and then also
+        dispatches replies that arrived meanwhile), else queues for the I/O
+        thread.
 
         Payloads of ``copy_threshold`` bytes or more (64 KiB) are sent without
         copying: the returned future completes once ZeroMQ no longer reads
@@ -219,14 +280,23 @@ class BlockingClient:
         if self._closing:
             raise RuntimeError(f"send({type(msg).__name__}) on a closed BlockingClient ({self.endpoint})")
         frames = protocol.encode(msg, max_bytes=self.max_message_bytes)
-        sent: concurrent.futures.Future[None] = concurrent.futures.Future()
-        if any(memoryview(f).nbytes >= self._copy_threshold for f in frames[1:]):
+        tracked = any(memoryview(f).nbytes >= self._copy_threshold for f in frames[1:])
+        if tracked:
+            sent: concurrent.futures.Future[None] = concurrent.futures.Future()
             self._outbox.append((frames, sent))
         else:
-            frames = [bytes(f) if not isinstance(f, bytes) else f for f in frames]
-            sent.set_result(None)
-            self._outbox.append((frames, None))
-        self._wake()
+            sent = _SENT
+            self._outbox.append(([f if isinstance(f, bytes) else bytes(f) for f in frames], None))
+        if self._io_lock.acquire(blocking=False):
+            try:
+                if not self._io_done:
+                    self._send_queued()
+            finally:
+                self._release_io()
+            if tracked:
+                self._wake()  # the I/O thread watches the tracker
+        else:
+            self._wake()
         return sent
 
     def future(self, key: Hashable) -> concurrent.futures.Future[Message]:
@@ -234,7 +304,7 @@ class BlockingClient:
         (a reply that already arrived is delivered at once). It fails with
         ``CoordinatorError`` once the client has failed; ``close`` cancels it.
         """
-        fut: concurrent.futures.Future[Message] = concurrent.futures.Future()
+        fut = _Reply(self)
         with self._lock:
             early = self._early.get(key)
             if early:
@@ -336,12 +406,32 @@ class BlockingClient:
                 return
         _set_result(fut, msg)
 
-    def _recv_all(self) -> None:
-        while True:
+    # --- whoever holds _io_lock ---------------------------------------------
+
+    def _send_queued(self) -> None:
+        sock = self._sock
+        while self._outbox:
+            self._blocked.append(self._outbox.popleft())
+        while self._blocked:
+            frames, sent = self._blocked[0]
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                tracker = send_frames(sock, frames, copy=False, track=sent is not None)
             except zmq.Again:
                 return
+            self._blocked.popleft()
+            if sent is not None:
+                self._trackers.append((tracker, sent))
+
+    def _recv_all(self) -> int:
+        """Receive and dispatch what is queued; returns ``zmq.EVENTS`` as last
+        read, which no socket operation has made stale."""
+        sock = self._sock
+        # Ask EVENTS rather than end on zmq.Again, which costs more in pyzmq.
+        while True:
+            events: int = sock.getsockopt(_EVENTS)
+            if not events & _POLLIN:
+                return events
+            frames = recv_frames(sock)
             try:
                 msg = protocol.decode(frames, max_bytes=self.max_message_bytes)
             except VersionMismatch as e:
@@ -359,6 +449,52 @@ class BlockingClient:
                 )
                 continue
             self._dispatch(msg)
+
+    def _release_io(self, events: int | None = None) -> None:
+        """Let go of the socket, first taking what arrived (waking the I/O
+        thread for it would cost more than dispatching it here); wake the I/O
+        thread if sends are left that no descriptor edge will announce.
+        ``events``: a fresh ``_recv_all`` result, if the caller has one."""
+        pending = False
+        if not self._io_done:
+            if events is None:
+                events = self._recv_all()
+            pending = bool((self._blocked and events & _POLLOUT) or self._outbox)
+        self._io_lock.release()
+        if pending:
+            self._wake()
+
+    def _wait_here(self, fut: concurrent.futures.Future, timeout: float | None) -> float | None:
+        """Receive on the calling thread until ``fut`` is done, while no other
+        thread needs the socket; returns the timeout left for the caller."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not fut.done() and not self._io_waiting and not self._closing:
+            wait_ms = _LEAD_POLL_MS
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                wait_ms = min(wait_ms, max(1, int(left * 1000)))
+            if not self._io_lock.acquire(blocking=False):
+                break
+            events = None
+            try:
+                if self._io_done:
+                    break
+                self._send_queued()
+                if fut.done() or self._blocked or self._outbox:
+                    break
+                # zmq_poll looks at EVENTS first, so a reply that is already
+                # queued returns at once.
+                ready = dict(self._lead_poller.poll(wait_ms))
+                events = self._recv_all()
+                if self._wake_r in ready:
+                    break  # a wake-up for the I/O thread: let it take over
+            finally:
+                self._release_io(events)
+        if deadline is None:
+            return None
+        return max(0.0, deadline - time.monotonic())
 
     def _check_monitor(self, handshaken: bool) -> bool:
         while True:
@@ -404,63 +540,71 @@ class BlockingClient:
                 self._waiting.clear()
             for fut in waiting:
                 fut.cancel()
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._sock.close(linger=self._linger_ms)
+            with self._io_lock:
+                self._io_done = True
+                for _frames, sent in self._blocked:
+                    if sent is not None:
+                        sent.cancel()
+                for _tracker, sent in self._trackers:
+                    sent.cancel()
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+                self._sock.close(linger=self._linger_ms)
 
     def _loop(self) -> None:
-        sock = self._sock
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        # The raw descriptor, not the socket: another thread may be using
+        # the socket meanwhile, and watching a descriptor touches nothing.
+        poller.register(self._fd, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
-        blocked: collections.deque[tuple[list[Any], concurrent.futures.Future | None]] = (
-            collections.deque()
-        )
-        trackers: list[tuple[zmq.MessageTracker, concurrent.futures.Future]] = []
+        # While a thread waiting in result() holds the socket, watch only the
+        # pipe and the monitor: that thread takes the replies, and waking for
+        # each of them would make the two threads fight over the GIL.
+        aside = zmq.Poller()
+        aside.register(self._wake_r, zmq.POLLIN)
+        aside.register(self._monitor, zmq.POLLIN)
         handshaken = False
+        again = False
         while True:
             # Trackers complete in ZeroMQ's threads with no wake-up for us:
-            # poll them every millisecond while any is pending.
-            timeout = 1 if trackers else None
-            poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
+            # look at them every millisecond while any is pending.
+            timeout = 0 if again else (1 if self._trackers else None)
             ready = dict(poller.poll(timeout))
-            if self._wake_r in ready:
+            woken = self._wake_r in ready
+            if woken:
                 try:
                     os.read(self._wake_r, 65536)
                 except BlockingIOError:
                     pass
-            closing = self._closing
-            while self._outbox:
-                blocked.append(self._outbox.popleft())
-            while blocked:
-                frames, sent = blocked[0]
-                try:
-                    tracker = sock.send_multipart(
-                        frames, zmq.NOBLOCK, copy=False, track=sent is not None
-                    )
-                except zmq.Again:
-                    break
-                blocked.popleft()
-                if sent is not None:
-                    trackers.append((tracker, sent))
-            if trackers:
-                still = []
-                for tracker, sent in trackers:
-                    if tracker.done:
-                        _set_result(sent, None)
-                    else:
-                        still.append((tracker, sent))
-                trackers = still
-            self._recv_all()
             if self._monitor in ready:
                 handshaken = self._check_monitor(handshaken)
-            if closing:
-                # What could not be queued in ZeroMQ now is dropped with the
-                # socket; tracked sends complete when ZeroMQ frees them.
-                for _frames, sent in blocked:
-                    if sent is not None:
-                        sent.cancel()
-                for _tracker, sent in trackers:
-                    sent.cancel()
-                return
+            closing = self._closing
+            if not self._io_lock.acquire(blocking=False):
+                if not (woken or closing or self._trackers):
+                    # The waiting thread wakes us (the pipe) when it leaves
+                    # work behind; a reply that comes after it left is seen
+                    # within _ASIDE_MS.
+                    aside.poll(_ASIDE_MS)
+                    again = False
+                    continue
+                self._io_waiting = True
+                self._io_lock.acquire()
+                self._io_waiting = False
+            try:
+                self._send_queued()
+                self._recv_all()
+                if self._trackers:
+                    still = []
+                    for tracker, sent in self._trackers:
+                        if tracker.done:
+                            _set_result(sent, None)
+                        else:
+                            still.append((tracker, sent))
+                    self._trackers = still
+                if closing:
+                    return
+                events = self._recv_all()
+                again = bool(self._blocked and events & _POLLOUT)
+            finally:
+                self._io_lock.release()

@@ -65,9 +65,12 @@ class MemorySocket:
         return float(self._delay)
 
     async def _put(self, item: _Item, msg: Message | None) -> None:
+        await trio.lowlevel.checkpoint()
+        self._put_nowait(item, msg)
+
+    def _put_nowait(self, item: _Item, msg: Message | None) -> None:
         if self._closed:
             raise trio.ClosedResourceError("this MemorySocket was closed")
-        await trio.lowlevel.checkpoint()
         if msg is not None and self._drop is not None and self._drop(msg):
             return
         deliver_at = trio.current_time() + (0.0 if msg is None else self._transit_delay(msg))
@@ -79,13 +82,17 @@ class MemorySocket:
 
     async def send_message(self, msg: Message, identity: bytes | None = None) -> None:
         """Send ``msg``; on the ROUTER end ``identity`` must name the peer."""
+        await self._put(self._item_for(msg, identity), msg)
+
+    def send_message_nowait(self, msg: Message, identity: bytes | None = None) -> None:
+        """``send_message`` without yielding (the queue is unbounded)."""
+        self._put_nowait(self._item_for(msg, identity), msg)
+
+    def _item_for(self, msg: Message, identity: bytes | None) -> _Item:
         self._check_identity(identity, type(msg).__name__)
         if self._codec:
-            frames = protocol.encode(msg, max_bytes=self.max_message_bytes)
-            item: _Item = [bytes(f) for f in frames]
-        else:
-            item = msg
-        await self._put(item, msg)
+            return [bytes(f) for f in protocol.encode(msg, max_bytes=self.max_message_bytes)]
+        return msg
 
     async def send_multipart(self, frames: Sequence[object], copy: bool = False) -> None:
         """Send raw frames (on the ROUTER end the first frame is the peer's

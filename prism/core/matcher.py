@@ -16,14 +16,18 @@ of outcomes for the shell to deliver:
 ``CollectiveDone``
     send ``protocol.CollectiveResult(gid, seq, payloads=outputs[r])`` to every
     rank ``r`` in ``outputs`` (all members; an empty tuple means "leave your
-    tensors as they are", see ``collectives``).
+    tensors as they are", see ``collectives``; skip members that have died
+    or finished since they arrived).
 ``P2PDone``
     send ``protocol.P2PData(src, dst, tag, pseq, payloads)`` to ``dst``.
 ``Failure`` (``CollectiveMismatch``, ``P2PMismatch``, ``GroupMismatch``,
 ``InvalidCall``, ``PeerFailed``, ``NeverCompletes``)
     send ``protocol.Error(code, message, rank=r, gid, seq)`` to each ``r`` in
     ``ranks``. A failed collective instance stays failed: members arriving
-    later get the same failure at once.
+    later get the same failure at once. Codes: "mismatch" (the script calls
+    different things on different ranks), "invalid" (a call torch would
+    refuse, or a backend bug the message names), "peer_failed" (a rank it
+    needs died), "deadlock" (a rank it needs finished without taking part).
 
 Public API
 ----------
@@ -35,15 +39,20 @@ Public API
     ``wait(msg, now) -> list[Outcome]``          (``protocol.Wait``)
     ``rank_finished(rank, now) -> list[Outcome]``
     ``rank_failed(rank, reason, now) -> list[Outcome]``
-    ``deadlock_report(live_ranks, now) -> DeadlockReport | None``
+    ``deadlock_report(live_ranks, now, blocked=()) -> DeadlockReport | None``
     ``waiting_for(rank) -> str | None``, ``groups``, ``last_progress_ns``
 ``wait_key_coll(gid, seq)``, ``wait_key_p2p(src, dst, tag, pseq)``: the
-``Wait.what`` strings.
+``Wait.what`` strings. ``DEFAULT_DEADLOCK_QUIET_NS`` (30 s).
 
 What a rank waits for: a blocking collective (``async_op=False``) from its
 arrival; anything else (async collectives, receives, blocking ``recv``
-included) from the ``protocol.Wait`` whose ``what`` is ``wait_key_coll`` /
-``wait_key_p2p`` of it, until it completes. Sends are eager (the payload
+included) from the ``protocol.Wait`` that names it, until it completes.
+``Wait.what`` may be ``wait_key_coll``/``wait_key_p2p`` or the rank backend's
+descriptions ("all_reduce on group G (seq 3)", "recv from rank 4 tag 0 (pseq
+1)"); other texts are ignored. Ranks the shell knows are blocked without such
+a Wait (the backend's stall monitor releasing the slot) are passed to
+``deadlock_report`` as ``blocked``, e.g. the ranks whose
+``scheduler.Scheduler.state`` is ``RankState.BLOCKED``. Sends are eager (the payload
 travels with the send), so a sender never waits. ``deadlock_report`` returns
 a report when every live rank waits; the shell calls it after a quiet period
 (``now - last_progress_ns``, default 30 s, is the shell's choice).
@@ -51,7 +60,8 @@ a report when every live rank waits; the shell calls it after a quiet period
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -59,6 +69,10 @@ import numpy as np
 
 from . import collectives as C
 from .protocol import Buffer
+
+#: How long nothing may happen, while every live rank waits, before the shell
+#: reports a deadlock (the capture issue's default).
+DEFAULT_DEADLOCK_QUIET_NS = 30 * 10**9
 
 # --- outcomes ------------------------------------------------------------------
 
@@ -199,7 +213,14 @@ def wait_key_p2p(src: int, dst: int, tag: int, pseq: int) -> str:
     return f"p2p:{src}:{dst}:{tag}:{pseq}"
 
 
-def _parse_wait(what: str) -> tuple | None:
+_COLL_TEXT = re.compile(r"^\w+ on group (\S+) \(seq (\d+)\)$")
+_RECV_TEXT = re.compile(r"^recv from rank (\d+) tag (-?\d+) \(pseq (\d+)\)$")
+
+
+def _parse_wait(rank: int, what: str) -> tuple | None:
+    """The operation a ``Wait.what`` names: ``wait_key_*`` strings, or the
+    rank backend's descriptions ("all_reduce on group G (seq 3)", "recv from
+    rank 4 tag 0 (pseq 1)"); None for anything else."""
     kind, _, rest = what.partition(":")
     try:
         if kind == "coll":
@@ -210,6 +231,10 @@ def _parse_wait(what: str) -> tuple | None:
             return ("p2p", src, dst, tag, pseq)
     except ValueError:
         return None
+    if m := _COLL_TEXT.match(what):
+        return ("coll", m[1], int(m[2]))
+    if m := _RECV_TEXT.match(what):
+        return ("p2p", int(m[1]), rank, int(m[2]), int(m[3]))
     return None
 
 
@@ -352,8 +377,12 @@ class Matcher:
                     f"rank {ranks[first_i]} called {C.describe(first)} but rank {rank} called "
                     f"{C.describe(msg)}; the script calls different collectives on different ranks",
                     (), gid, seq), extra=(rank,))]
+        if msg.op != "barrier" and msg.dtype not in C.DTYPES:
+            return [self._fail(inst, InvalidCall(
+                f"rank {rank} called {C.describe(msg)} on group {gid} at sequence {seq}; Prism's "
+                f"collectives support {sorted(C.DTYPES)}, not {msg.dtype}", (), gid, seq), extra=(rank,))]
         try:
-            arrays = self._arrays(msg, me, inst)
+            arrays = self._arrays(msg, me)
         except ValueError as e:
             return [self._fail(inst, InvalidCall(
                 f"rank {rank} sent a malformed {C.describe(msg)} on group {gid} at sequence {seq} "
@@ -367,10 +396,8 @@ class Matcher:
             return []
         return [self._complete(inst)]
 
-    def _arrays(self, msg: C.CallLike, me: int, inst: _Instance) -> list[np.ndarray]:
-        shapes = msg.in_shapes
-        if msg.op == "broadcast" and me != msg.root:
-            shapes = ()
+    def _arrays(self, msg: C.CallLike, me: int) -> list[np.ndarray]:
+        shapes = C.payload_shapes(msg, me)
         payloads = tuple(getattr(msg, "payloads", ()))
         if len(payloads) != len(shapes):
             raise ValueError(f"{len(payloads)} payloads for {len(shapes)} input tensors")
@@ -385,7 +412,15 @@ class Matcher:
             return self._fail(inst, InvalidCall(f"{e}; the script's call is at fault", (), inst.gid, inst.seq))
         del self._instances[(inst.gid, inst.seq)]
         self._clear_waits(("coll", inst.gid, inst.seq))
-        outputs = {r: tuple(C.from_array(a) for a in outs[i]) for i, r in enumerate(inst.ranks)}
+        # Members often get the same array (all_reduce, all_gather): encode each once.
+        encoded: dict[int, bytes] = {}
+
+        def enc(a: np.ndarray) -> bytes:
+            if id(a) not in encoded:
+                encoded[id(a)] = C.from_array(a)
+            return encoded[id(a)]
+
+        outputs = {r: tuple(enc(a) for a in outs[i]) for i, r in enumerate(inst.ranks)}
         return CollectiveDone(inst.gid, inst.seq, calls[0].op, inst.ranks, outputs)
 
     def _fail(self, inst: _Instance, failure: Failure, extra: tuple[int, ...] = ()) -> Failure:
@@ -501,12 +536,13 @@ class Matcher:
     # -- waiting and rank lifetimes -------------------------------------------
 
     def wait(self, msg: _WaitLike, now: int) -> list[Outcome]:
-        """Rank ``msg.rank`` started to wait for ``msg.what`` (``wait_key_*``)."""
+        """Rank ``msg.rank`` started to wait for ``msg.what`` (see ``_parse_wait``)."""
         self.last_progress_ns = now
-        key = _parse_wait(msg.what)
+        key = _parse_wait(msg.rank, msg.what)
         if key is None:
-            return [InvalidCall(f"rank {msg.rank} waits for {msg.what!r}, which names no operation; "
-                                "this is a Prism bug, please report it", (msg.rank,))]
+            # Waits on sends (eager, already complete) and on things Prism does
+            # not stage; deadlock_report's ``blocked`` covers the latter.
+            return []
         if key[0] == "coll":
             inst = self._instances.get(key[1:])
             if inst is None:
@@ -578,19 +614,45 @@ class Matcher:
             return None
         return RankWait(rank, "recv", recv.gid, "recv", src=src, tag=tag, pseq=pseq)
 
-    def deadlock_report(self, live_ranks: Iterable[int], now: int) -> DeadlockReport | None:
+    def _pending_of(self, rank: int) -> list[RankWait]:
+        """Every incomplete operation ``rank`` has started, oldest first."""
+        out = []
+        for inst in self._instances.values():  # dicts keep arrival order
+            me = self._index[inst.gid].get(rank)
+            if inst.failure is None and me is not None and me in inst.calls:
+                arrived = {inst.ranks[i] for i in inst.calls}
+                out.append(RankWait(rank, "coll", inst.gid, inst.calls[me].op, inst.seq, inst.ranks,
+                                    tuple(r for r in inst.ranks if r not in arrived)))
+        for (src, dst, tag, pseq), recv in self._recvs.items():
+            if dst == rank:
+                out.append(RankWait(rank, "recv", recv.gid, "recv", src=src, tag=tag, pseq=pseq))
+        return out
+
+    def deadlock_report(
+        self, live_ranks: Iterable[int], now: int, blocked: Iterable[int] = ()
+    ) -> DeadlockReport | None:
         """The report when every rank in ``live_ranks`` (started, not finished)
         waits for a communication operation, else None. The shell calls this
-        once ``now - last_progress_ns`` exceeds its quiet period."""
+        once ``now - last_progress_ns`` exceeds its quiet period.
+
+        A rank waits if it waits for a known operation (a blocking collective,
+        or a ``Wait`` naming one), or if it is in ``blocked`` (the shell knows
+        it blocked, e.g. it released its slot, without a ``Wait`` Prism could
+        read) and has incomplete operations: then all of them are listed."""
         live = sorted(set(live_ranks) - self._finished - set(self._failed))
         if not live:
             return None
-        waits = []
+        blocked = set(blocked)
+        waits: list[RankWait] = []
         for r in live:
             w = self._rank_wait(r)
-            if w is None:
+            if w is not None:
+                waits.append(w)
+                continue
+            pending = self._pending_of(r) if r in blocked else []
+            if not pending:
                 return None
-            waits.append(w)
+            waits += pending
         unmatched = tuple(sorted(self._sends))
         quiet = now - self.last_progress_ns
         lines = [f"deadlock: all {len(live)} running ranks wait and none can proceed "

@@ -294,6 +294,43 @@ def _field_specs(cls: type) -> tuple[tuple[str, Any, bool], ...]:
 
 
 _SPECS: dict[type, tuple[tuple[str, Any, bool], ...]] = {m: _field_specs(m) for m in MESSAGE_TYPES}
+#: Header keys each type may carry, and per field a quick converter for
+#: well-formed values. It only skips work: anything else still meets
+#: _convert and its error message.
+_ALLOWED_KEYS = {m: frozenset({"t", "v", *(n for n, _, _ in _SPECS[m])}) for m in MESSAGE_TYPES}
+#: Per type: the header fields, and those that may hold a float.
+_ENCODE_SPECS = {
+    m: (
+        tuple(n for n, _, _ in _SPECS[m]),
+        tuple(n for n, h, _ in _SPECS[m] if h is float or float in typing.get_args(h)),
+    )
+    for m in MESSAGE_TYPES
+}
+_SLOW = object()
+
+
+def _fast_converter(hint: Any) -> Any:
+    """A quick converter for the common well-formed value of ``hint`` that
+    returns ``_SLOW`` for anything else (None: no quick path)."""
+    if hint in (int, str, bool):
+        return lambda v: v if type(v) is hint else _SLOW
+    if hint == tuple[int, ...]:
+        return lambda v: (
+            tuple(v) if type(v) is list and all(type(x) is int for x in v) else _SLOW
+        )
+    if hint == tuple[tuple[int, ...], ...]:
+        return lambda v: (
+            tuple(tuple(x) for x in v)
+            if type(v) is list
+            and all(type(x) is list and all(type(y) is int for y in x) for x in v)
+            else _SLOW
+        )
+    return None
+
+
+_DECODE_SPECS = {
+    m: tuple((n, h, r, _fast_converter(h)) for n, h, r in _SPECS[m]) for m in MESSAGE_TYPES
+}
 _HAS_PAYLOADS = {m for m in MESSAGE_TYPES if "payloads" in {f.name for f in dataclasses.fields(m)}}
 
 
@@ -356,14 +393,16 @@ def encode(msg: Message, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     cls = type(msg)
     if cls not in _SPECS:
         raise TypeError(f"{cls.__name__} is not a Prism protocol message")
+    names, float_names = _ENCODE_SPECS[cls]
     header: dict[str, Any] = {"t": cls.TYPE, "v": PROTOCOL_VERSION}
-    for name, _hint, _req in _SPECS[cls]:
-        value = getattr(msg, name)
+    for name in names:
+        header[name] = getattr(msg, name)
+    for name in float_names:
+        value = header[name]
         # orjson writes NaN and infinities as null, which would decode as
         # None (or fail): refuse them here, where the sender can be named.
         if type(value) is float and not math.isfinite(value):
             raise ValueError(f"{cls.__name__}.{name} must be a finite number, got {value!r}")
-        header[name] = value
     try:
         head = orjson.dumps(header, default=_json_default)
     except orjson.JSONEncodeError as e:
@@ -371,8 +410,16 @@ def encode(msg: Message, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
             f"cannot encode {cls.__name__} ({e}): fields must be ints within 64 bits, "
             f"finite floats, valid UTF-8 strings, or tuples of those; got {msg!r}"
         ) from None
-    payloads = tuple(getattr(msg, "payloads", ()))
-    total = len(head) + sum(memoryview(p).nbytes for p in payloads)
+    if cls not in _HAS_PAYLOADS:
+        if len(head) > max_bytes:
+            raise ProtocolError(
+                f"{cls.TYPE} message of {len(head)} bytes exceeds the maximum of {max_bytes} bytes"
+            )
+        return [head]
+    payloads = msg.payloads  # type: ignore[union-attr]
+    total = len(head)
+    for p in payloads:
+        total += memoryview(p).nbytes
     if total > max_bytes:
         raise ProtocolError(
             f"{cls.TYPE} message of {total} bytes exceeds the maximum of {max_bytes} bytes; "
@@ -390,7 +437,9 @@ def decode(frames: Sequence[Buffer], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYT
     head_len = head.nbytes
     if head_len > MAX_HEADER_BYTES:
         raise ProtocolError(f"header frame of {head_len} bytes exceeds {MAX_HEADER_BYTES} bytes")
-    total = head_len + sum(memoryview(f).nbytes for f in frames[1:])
+    total = head_len
+    for f in frames[1:]:
+        total += memoryview(f).nbytes
     if total > max_bytes:
         raise ProtocolError(f"message of {total} bytes exceeds the maximum of {max_bytes} bytes")
     try:
@@ -411,13 +460,15 @@ def decode(frames: Sequence[Buffer], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYT
             f"{PROTOCOL_VERSION}: run the same Prism version on every side"
         )
     kwargs: dict[str, Any] = {}
-    for name, hint, required in _SPECS[cls]:
+    for name, hint, required, fast in _DECODE_SPECS[cls]:
         if name not in header:
             if required:
                 raise ProtocolError(f"{mtype} message lacks field {name!r}")
             continue
-        kwargs[name] = _convert(header[name], hint, f"{mtype}.{name}")
-    extra = set(header) - {"t", "v"} - {n for n, _, _ in _SPECS[cls]}
+        value = header[name]
+        out = _SLOW if fast is None else fast(value)
+        kwargs[name] = _convert(value, hint, f"{mtype}.{name}") if out is _SLOW else out
+    extra = header.keys() - _ALLOWED_KEYS[cls]
     if extra:
         raise ProtocolError(f"{mtype} message has unknown fields {sorted(extra)}")
     if cls in _HAS_PAYLOADS:

@@ -188,6 +188,7 @@ class _Op:
         self.torch_future: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
         #: Builds the trace events once the op completed: f(op) -> events.
         self.finish_events: Callable[[_Op], list[Any]] = lambda op: []
+        _rt.current().track(self)
 
     def wait(self) -> None:
         if not self.done.is_set():
@@ -206,6 +207,7 @@ class _Op:
 
     def complete(self, payloads: Sequence[Any] | None, error: BaseException | None) -> None:
         """Copy results in, record, and wake waiters (completion thread)."""
+        _rt.current().before_complete(self)
         if error is None and payloads is not None:
             try:
                 self._copy_out(payloads)
@@ -591,6 +593,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             ))
             if h.numel() * h.element_size() <= rt.recorder.small_tensor_limit:
                 rt.recorder.emit(_value(f"p2p:{rt.rank}:{peer}:{tag}:{pseq}", h))
+            rt.untrack(pending)
             pending.done.set()
             pending.torch_future.set_result([t])
             return PrismWork(pending)

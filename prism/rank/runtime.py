@@ -9,6 +9,16 @@ Slots: the rank holds a slot whenever user code runs. ``start()`` sends
 communication call that is not done) releases the slot first and requests it
 again before returning to user code.
 
+Waits the rank cannot see: DDP's reducer (and other C++ callers) wait on a
+Work's torch Future inside C++, where no Python code of Prism runs, so such a
+rank would sit on its slot while the member it waits for queues for one. A
+*stall monitor* thread watches the main thread's CPU clock: when the rank holds
+its slot, has communication in flight and its main thread has used (almost)
+no CPU for ``STALL_NS``, the rank is taken to be blocked: it tells the
+coordinator what it waits for (``Wait``) and releases its slot. The completion
+thread then takes a slot again *before* it completes the operation, so the
+main thread resumes only with a slot, as after an explicit wait.
+
 Completion: replies resolve ``concurrent.futures.Future`` objects in the
 transport's I/O thread. That thread must never block or run user callbacks,
 so a done future only queues its operation; the rank's completion thread
@@ -41,6 +51,12 @@ from prism.rank.recorder import RankRecorder
 #: Before blocking, a trace batch older than this goes out, so the coordinator
 #: knows what a rank did before a hang.
 FLUSH_BEFORE_BLOCK_NS = 100_000_000
+#: The stall monitor's sampling period and how long the main thread must stay
+#: (nearly) idle with communication in flight before it counts as blocked.
+STALL_PERIOD_S = 0.005
+STALL_NS = 10_000_000
+#: "Nearly idle": under this share of one CPU over a sampling period.
+STALL_BUSY_SHARE = 0.2
 
 
 class Client(Protocol):
@@ -87,9 +103,14 @@ class RankRuntime:
         self.local_rank = hello.local_rank
         self.device = hello.device
         recv = welcome_recv_ns if welcome_recv_ns is not None else hello.t_ns
-        # Same host clock in practice; the midpoint estimate also covers a
-        # coordinator whose clock differs.
-        self.clock_offset_ns = welcome.t_ns - (hello.t_ns + recv) // 2
+        endpoint = str(getattr(client, "endpoint", ""))
+        if endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://localhost", "tcp://[::1]")):
+            # One host: CLOCK_MONOTONIC is system-wide on Linux, so the clocks
+            # are the same one; a midpoint estimate would only add the
+            # handshake's jitter (tenths of a second while ranks start).
+            self.clock_offset_ns = 0
+        else:
+            self.clock_offset_ns = welcome.t_ns - (hello.t_ns + recv) // 2
         self.recorder = RankRecorder(self.rank, client.send, small_tensor_limit=welcome.small_tensor_limit)
         self._slot_lock = threading.Lock()
         self._holds_slot = False
@@ -100,6 +121,12 @@ class RankRuntime:
         self._pseq_lock = threading.Lock()
         self.groups_created = 0
         self._finished = False
+        #: Operations in flight (id -> op), oldest first, for the stall monitor.
+        self._pending: dict[int, Any] = {}
+        #: The stall monitor released the slot on the main thread's behalf.
+        self._implicit = False
+        self._main_ident = threading.main_thread().ident
+        self._monitor = threading.Thread(target=self._stall_loop, name="prism-stall-monitor", daemon=True)
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -108,6 +135,7 @@ class RankRuntime:
         global _current
         _current = self
         self._completer.start()
+        self._monitor.start()
         t = time.monotonic_ns()
         self.recorder.emit(
             trace.RankStart(
@@ -167,6 +195,67 @@ class RankRuntime:
                 self._blocked -= 1
                 if not self._holds_slot:
                     self._acquire_locked()
+
+    # --- waits inside C++ (see the module docstring) --------------------------
+
+    def track(self, op: Any) -> None:
+        """``op`` (with ``wait_key``, ``wait_ns``, ``lock``) is in flight."""
+        with self._slot_lock:
+            self._pending[id(op)] = op
+
+    def untrack(self, op: Any) -> None:
+        with self._slot_lock:
+            self._pending.pop(id(op), None)
+
+    def before_complete(self, op: Any) -> None:
+        """Called by the completion thread before it completes ``op``: if the
+        monitor released the slot, take one again first."""
+        with self._slot_lock:
+            self._pending.pop(id(op), None)
+            implicit, self._implicit = self._implicit, False
+            if implicit and not self._holds_slot:
+                self._acquire_locked()
+        if implicit:
+            self.recorder.comm_exit(time.monotonic_ns())
+
+    def _stall_loop(self) -> None:
+        try:
+            clock = time.pthread_getcpuclockid(self._main_ident)
+        except (OSError, AttributeError):  # no per-thread CPU clocks here
+            return
+        period_ns = int(STALL_PERIOD_S * 1e9)
+        last = time.clock_gettime_ns(clock)
+        idle_since: int | None = None
+        while not self._finished:
+            time.sleep(STALL_PERIOD_S)
+            try:
+                cpu = time.clock_gettime_ns(clock)
+            except OSError:  # the main thread is gone
+                return
+            busy, last = cpu - last, cpu
+            now = time.monotonic_ns()
+            with self._slot_lock:
+                eligible = self._holds_slot and self._blocked == 0 and bool(self._pending) and not self._implicit
+            if not eligible or busy > STALL_BUSY_SHARE * period_ns:
+                idle_since = None
+                continue
+            if idle_since is None:
+                idle_since = now - period_ns
+            if now - idle_since < STALL_NS:
+                continue
+            with self._slot_lock:
+                if not (self._holds_slot and self._blocked == 0 and self._pending and not self._implicit):
+                    continue
+                op = next(iter(self._pending.values()))
+                self._implicit = True
+                self._holds_slot = False
+                self.recorder.comm_enter(idle_since)
+                with op.lock:
+                    if op.wait_ns is None:
+                        op.wait_ns = idle_since
+                self.client.send(protocol.Wait(rank=self.rank, what=op.wait_key, t_ns=idle_since))
+                self.client.send(protocol.SlotRelease(rank=self.rank))
+            idle_since = None
 
     # --- p2p sequence numbers ------------------------------------------------
 

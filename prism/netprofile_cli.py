@@ -1,0 +1,379 @@
+"""``python -m prism netprofile``: measure the local gloo backend and fit a cost profile.
+
+Runs one real process per rank (``OMP_NUM_THREADS=1``, at most one rank per
+core, so ranks do not steal each other's time), times each op at each
+message size on groups of each size (the slowest rank's time per call, the
+median over trials), fits the alpha-beta parameters of
+``prism.core.costmodel`` (base latency, per-step latency, bandwidth) by
+non-negative least squares on the *relative* error (sizes span four orders
+of magnitude; plain least squares would fit only the largest messages), and
+writes a TOML profile that ``parse_profile`` reads, with every measured point
+in its comments. It prints each point's measured and fitted time and the
+fit's relative error (median and max).
+
+Where profiles live: ``--out`` if given, else ``fitted_profile_path("gloo",
+HOST)``: ``$PRISM_PROFILE_DIR/gloo-HOST.toml`` when that variable is set,
+otherwise ``~/.cache/prism/profiles/gloo-HOST.toml``. ``prism predict`` looks
+there first (backend from the run's device kind, HOST from its manifest), so
+a run is predicted with the profile of the machine it was captured on.
+
+The worker side (``python -m prism.netprofile_cli --worker ...``) is an
+ordinary ``torch.distributed`` program started by
+``prism.workloads.harness.run_world``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prism.core.costmodel import CostModel, Link, parse_profile
+
+#: Ops measured by default (torch.distributed names; "send" is a ping-pong, half a round trip).
+DEFAULT_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+               "all_to_all_single", "send")
+#: Bytes each rank contributes (float32 tensors).
+DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
+TRIALS = 5
+#: Each trial runs back-to-back calls for about this long, so barrier skew amortises.
+TRIAL_SECONDS = 0.02
+
+
+def backend_of(device_kind: str) -> str:
+    """The torch.distributed backend a run on ``device_kind`` uses for its ground truth."""
+    return "nccl" if device_kind == "cuda" else "gloo"
+
+
+def fitted_profile_path(backend: str, host: str) -> pathlib.Path:
+    """Where ``netprofile`` writes (and ``predict`` looks for) the profile of ``backend`` on ``host``."""
+    base = os.environ.get("PRISM_PROFILE_DIR")
+    root = pathlib.Path(base) if base else pathlib.Path.home() / ".cache" / "prism" / "profiles"
+    return root / f"{backend}-{host}.toml"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One measurement: ``op`` on ``n`` ranks, ``nbytes`` per rank, ``seconds`` per call."""
+
+    op: str
+    n: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """Fitted alpha-beta parameters (seconds, seconds per step, bytes per second)."""
+
+    base_latency: float
+    latency: float
+    bandwidth: float
+
+    def model(self, name: str = "fit", ranks_per_node: int = 1 << 20) -> CostModel:
+        link = Link(self.bandwidth, self.latency)
+        return CostModel(name, ranks_per_node, link, link, self.base_latency, source="fit")
+
+
+def _features(points: Sequence[Point]) -> np.ndarray:
+    """Columns (1, alpha steps, bytes over the link) of each point under the cost model's formulas."""
+    big = 1 << 40  # every rank on one node: the intra link
+    steps_m = CostModel("steps", big, Link(math.inf, 1.0), Link(math.inf, 1.0))
+    bytes_m = CostModel("bytes", big, Link(1e9, 0.0), Link(1e9, 0.0))
+    rows = []
+    for p in points:
+        ranks = list(range(p.n))
+        if p.op == "send":
+            steps, moved = steps_m.p2p_ns(p.nbytes, 0, 1) / 1e9, bytes_m.p2p_ns(p.nbytes, 0, 1)
+        else:
+            steps, moved = steps_m.collective_ns(p.op, p.nbytes, ranks) / 1e9, bytes_m.collective_ns(p.op, p.nbytes, ranks)
+        rows.append((1.0, steps, float(moved)))
+    return np.array(rows, dtype=np.float64)
+
+
+def fit_points(points: Sequence[Point]) -> Fit:
+    """Non-negative least squares on relative error over (base, latency, 1/bandwidth).
+
+    Three unknowns, so every subset of them being zero is tried and the best
+    feasible solution kept (an exact NNLS for this size).
+    """
+    if len(points) < 3:
+        raise ValueError(f"need at least 3 measured points to fit 3 parameters, got {len(points)}")
+    X = _features(points)
+    y = np.array([p.seconds for p in points], dtype=np.float64)
+    if np.any(y <= 0):
+        raise ValueError("measured times must be positive")
+    A = X / y[:, None]
+    b = np.ones(len(y))
+    best: tuple[float, np.ndarray] | None = None
+    for mask in range(1, 8):
+        cols = [i for i in range(3) if mask >> i & 1]
+        sol, *_ = np.linalg.lstsq(A[:, cols], b, rcond=None)
+        if np.any(sol < 0):
+            continue
+        x = np.zeros(3)
+        x[cols] = sol
+        err = float(np.sum((A @ x - b) ** 2))
+        if best is None or err < best[0]:
+            best = (err, x)
+    assert best is not None  # a single non-negative column always fits: y > 0 and features >= 0
+    base, lat, inv_bw = best[1]
+    # A bandwidth the data cannot resolve (no byte term) is written as very large, not infinite.
+    return Fit(float(base), float(lat), 1.0 / inv_bw if inv_bw > 1e-15 else 1e15)
+
+
+def predict_seconds(fit: Fit, points: Sequence[Point]) -> np.ndarray:
+    X = _features(points)
+    return X @ np.array([fit.base_latency, fit.latency, 1.0 / fit.bandwidth])
+
+
+def relative_errors(fit: Fit, points: Sequence[Point]) -> np.ndarray:
+    y = np.array([p.seconds for p in points])
+    return np.abs(predict_seconds(fit, points) - y) / y
+
+
+def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, ranks_per_node: int,
+                 command: str) -> str:
+    """The fitted profile as TOML (``parse_profile`` format), measured points in comments."""
+    err = relative_errors(fit, points)
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    pred = predict_seconds(fit, points)
+    lines = [
+        f"# Cost profile fitted by `prism netprofile` on {host}, {date}.",
+        f"# Command: {command}",
+        f"# {backend}, one process per rank (OMP_NUM_THREADS=1), all ranks on this host: the",
+        "# inter-node link was NOT measured; it is set equal to the intra-node one.",
+        f"# Fit: non-negative least squares on relative error over {len(points)} points;",
+        f"# relative error median {np.median(err):.1%}, max {np.max(err):.1%}.",
+        "# Measured points (op, ranks, bytes per rank, measured us, fitted us):",
+    ]
+    for p, t in zip(points, pred):
+        lines.append(f"#   {p.op:<24} {p.n:>3} {p.nbytes:>10} {p.seconds * 1e6:>12.1f} {t * 1e6:>12.1f}")
+    desc = (f"{backend} on {host}, measured {date[:10]} by prism netprofile; fit error median "
+            f"{np.median(err):.0%}, max {np.max(err):.0%}")
+    bw = fit.bandwidth / 1e9
+    lines += [
+        "",
+        f'name = "{backend}-{host}"',
+        f'description = "{desc}"',
+        f"ranks_per_node = {ranks_per_node}",
+        f"base_latency_us = {fit.base_latency * 1e6:.6g}",
+        "",
+        "[intra]",
+        f"bandwidth_GBps = {bw:.6g}",
+        f"latency_us = {fit.latency * 1e6:.6g}",
+        "",
+        "[inter]",
+        "# not measured (one host); equal to [intra]",
+        f"bandwidth_GBps = {bw:.6g}",
+        f"latency_us = {fit.latency * 1e6:.6g}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ worker
+def _worker(argv: Sequence[str]) -> None:
+    """One rank of the measurement world (run under ``run_world``)."""
+    import torch
+    import torch.distributed as dist
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", required=True)
+    ap.add_argument("--group-sizes", required=True)
+    ap.add_argument("--ops", required=True)
+    a = ap.parse_args(argv)
+    sizes = [int(x) for x in a.sizes.split(",")]
+    gsizes = [int(x) for x in a.group_sizes.split(",")]
+    ops = a.ops.split(",")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    groups = {n: dist.new_group(list(range(n))) for n in gsizes}
+    for n in gsizes:
+        g = groups[n]
+        if rank >= n:
+            continue
+        for op in ops:
+            if op == "send" and n != 2:
+                continue
+            for nbytes in sizes:
+                fn = _op_call(torch, dist, op, n, nbytes, g, rank)
+                secs = _time_op(torch, dist, fn, g)
+                if rank == 0:
+                    print(json.dumps({"op": op, "n": n, "nbytes": nbytes, "seconds": secs}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _op_call(torch, dist, op: str, n: int, nbytes: int, g, rank: int):
+    elems = max(1, nbytes // 4)
+    if op in ("all_gather_into_tensor",):
+        x = torch.ones(elems)
+        out = torch.empty(elems * n)
+        return lambda: dist.all_gather_into_tensor(out, x, group=g)
+    if op in ("reduce_scatter_tensor", "all_to_all_single"):
+        elems = max(n, elems - elems % n)
+        x = torch.ones(elems)
+        if op == "all_to_all_single":
+            out = torch.empty(elems)
+            return lambda: dist.all_to_all_single(out, x, group=g)
+        out = torch.empty(elems // n)
+        return lambda: dist.reduce_scatter_tensor(out, x, group=g)
+    x = torch.ones(elems)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x, group=g)
+    if op == "broadcast":
+        return lambda: dist.broadcast(x, group_src=0, group=g)
+    if op == "send":
+        peer = 1 - rank
+
+        def pingpong():
+            if rank == 0:
+                dist.send(x, peer, group=g)
+                dist.recv(x, peer, group=g)
+            else:
+                dist.recv(x, peer, group=g)
+                dist.send(x, peer, group=g)
+        return pingpong
+    raise ValueError(f"netprofile: unknown op {op!r}; known: {', '.join(DEFAULT_OPS)}")
+
+
+def _time_op(torch, dist, fn, g) -> float:
+    fn()
+    fn()
+    dist.barrier(group=g)
+    t = time.perf_counter()
+    fn()
+    one = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    dist.all_reduce(one, op=dist.ReduceOp.MAX, group=g)  # every rank must agree on the call count
+    k = int(min(50, max(1, TRIAL_SECONDS / max(one.item(), 1e-7))))
+    per_call = []
+    for _ in range(TRIALS):
+        dist.barrier(group=g)
+        t = time.perf_counter()
+        for _ in range(k):
+            fn()
+        dt = torch.tensor([(time.perf_counter() - t) / k], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=g)
+        per_call.append(dt.item())
+    secs = statistics.median(per_call)
+    return secs  # a ping-pong's half is taken by the caller
+
+
+# ------------------------------------------------------------------------ shell
+def measure(sizes: Sequence[int], group_sizes: Sequence[int], ops: Sequence[str], *,
+            timeout: float = 600.0) -> list[Point]:
+    """Run the measurement world (``max(group_sizes)`` processes) and return its points."""
+    from prism.workloads.harness import run_world
+
+    world = max(group_sizes)
+    argv = ["-m", "prism.netprofile_cli", "--worker", "--sizes", ",".join(map(str, sizes)),
+            "--group-sizes", ",".join(map(str, group_sizes)), "--ops", ",".join(ops)]
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env = {"OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    results = run_world(argv, world, timeout=timeout, env=env)
+    points = []
+    for line in results[0].stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            secs = d["seconds"] / 2 if d["op"] == "send" else d["seconds"]
+            points.append(Point(d["op"], d["n"], d["nbytes"], secs))
+    return points
+
+
+def _size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in ("K", "M", "G") else t
+    if not num.isdigit() or int(num) < 1:
+        raise argparse.ArgumentTypeError(f"--sizes takes byte counts like 1K,64K,4M; got {text!r}")
+    return int(num) * mult
+
+
+def _list(parse):
+    def run(text: str) -> list:
+        return [parse(x) for x in text.split(",") if x.strip()]
+    return run
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    cores = usable_cores()
+    p.add_argument("--out", default=None, metavar="FILE.toml",
+                   help="where to write the profile (default: ~/.cache/prism/profiles/gloo-HOST.toml, "
+                        "or $PRISM_PROFILE_DIR/gloo-HOST.toml; `prism predict` looks there)")
+    p.add_argument("--sizes", type=_list(_size), default=list(DEFAULT_SIZES),
+                   help="bytes per rank, e.g. 1K,16K,1M (default: 1K,16K,128K,1M,4M,16M)")
+    p.add_argument("--group-sizes", type=_list(int), default=None,
+                   help=f"group sizes to measure, each at most the core count ({cores}) (default: powers of 2 up to it)")
+    p.add_argument("--ops", type=_list(str), default=list(DEFAULT_OPS),
+                   help=f"ops to measure (default: {','.join(DEFAULT_OPS)}; send is a ping-pong between 2 ranks)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the points and fit as JSON")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    cores = usable_cores()
+    gsizes = args.group_sizes or [n for n in (2, 4, 8, 16, 32, 64, 128) if n <= cores] or [2]
+    bad = [n for n in gsizes if n < 2 or n > max(cores, 2)]
+    if bad:
+        print(f"prism netprofile: group size {bad[0]} must be in 2..{max(cores, 2)} (the core count: more ranks "
+              "than cores would time the scheduler, not the backend)", file=sys.stderr)
+        return 2
+    unknown = [o for o in args.ops if o not in DEFAULT_OPS]
+    if unknown:
+        print(f"prism netprofile: unknown op {unknown[0]!r}; known: {', '.join(DEFAULT_OPS)}", file=sys.stderr)
+        return 2
+    host = socket.gethostname()
+    out = pathlib.Path(args.out) if args.out else fitted_profile_path("gloo", host)
+    t0 = time.monotonic()
+    print(f"prism netprofile: gloo, {max(gsizes)} processes, group sizes {gsizes}, ops {','.join(args.ops)}, "
+          f"sizes {','.join(map(str, args.sizes))} bytes", file=sys.stderr)
+    points = measure(args.sizes, gsizes, args.ops)
+    fit = fit_points(points)
+    err = relative_errors(fit, points)
+    pred = predict_seconds(fit, points)
+    print(f"{'op':<24} {'ranks':>5} {'bytes':>10} {'measured us':>12} {'fitted us':>12} {'rel err':>8}")
+    for p, t, e in zip(points, pred, err):
+        print(f"{p.op:<24} {p.n:>5} {p.nbytes:>10} {p.seconds * 1e6:>12.1f} {t * 1e6:>12.1f} {e:>8.1%}")
+    print(f"fit: base latency {fit.base_latency * 1e6:.2f} us, per-step latency {fit.latency * 1e6:.2f} us, "
+          f"bandwidth {fit.bandwidth / 1e9:.3f} GB/s; relative error median {np.median(err):.1%}, "
+          f"max {np.max(err):.1%} over {len(points)} points ({time.monotonic() - t0:.0f} s)")
+    command = (f"python -m prism netprofile --sizes {','.join(map(str, args.sizes))} "
+               f"--group-sizes {','.join(map(str, gsizes))} --ops {','.join(args.ops)}")
+    text = profile_toml(fit, points, host=host, backend="gloo", ranks_per_node=cores, command=command)
+    parse_profile(text, str(out))  # never write what predict cannot read
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({
+            "host": host, "backend": "gloo", "command": command, "points": [dataclasses.asdict(p) for p in points],
+            "fit": {"base_latency_s": fit.base_latency, "latency_s": fit.latency, "bandwidth_Bps": fit.bandwidth},
+            "relative_error": {"median": float(np.median(err)), "max": float(np.max(err))}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[2:])
+    else:
+        sys.exit("run `python -m prism netprofile` (this module's main is the measurement worker)")

@@ -1,0 +1,105 @@
+import numpy as np
+import pytest
+
+from prism import cli, predict_cli
+from prism.core.costmodel import parse_profile
+from prism.core.trace import Manifest
+from prism.netprofile_cli import (
+    Fit,
+    Point,
+    fit_points,
+    fitted_profile_path,
+    measure,
+    predict_seconds,
+    profile_toml,
+    relative_errors,
+)
+
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single", "send")
+
+
+def _points(fit: Fit, noise: float = 0.0, seed: int = 0) -> list[Point]:
+    grid = [Point(op, n, b, 1.0) for op in OPS for n in (2, 4) for b in (1 << 10, 1 << 16, 1 << 20, 1 << 24)
+            if not (op == "send" and n != 2)]
+    t = predict_seconds(fit, grid)
+    rng = np.random.default_rng(seed)
+    t = t * (1 + noise * rng.uniform(-1, 1, len(t)))
+    return [Point(p.op, p.n, p.nbytes, float(x)) for p, x in zip(grid, t)]
+
+
+def test_fit_recovers_alpha_beta_exactly_from_exact_points():
+    truth = Fit(base_latency=30e-6, latency=12e-6, bandwidth=2.5e9)
+    got = fit_points(_points(truth))
+    assert got.base_latency == pytest.approx(truth.base_latency, rel=1e-6)
+    assert got.latency == pytest.approx(truth.latency, rel=1e-6)
+    assert got.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+    assert relative_errors(got, _points(truth)).max() < 1e-9
+
+
+def test_fit_with_noise_stays_close_and_reports_the_error():
+    truth = Fit(30e-6, 12e-6, 2.5e9)
+    pts = _points(truth, noise=0.05)
+    got = fit_points(pts)
+    assert got.bandwidth == pytest.approx(truth.bandwidth, rel=0.1)
+    assert got.base_latency + got.latency == pytest.approx(truth.base_latency + truth.latency, rel=0.2)
+    err = relative_errors(got, pts)
+    assert 0 < np.median(err) < 0.05 and err.max() < 0.12
+
+
+def test_fit_never_returns_negative_parameters():
+    truth = Fit(0.0, 20e-6, 1e9)  # no base latency at all
+    pts = _points(truth, noise=0.05, seed=3)
+    got = fit_points(pts)
+    assert got.base_latency >= 0 and got.latency >= 0 and got.bandwidth > 0
+
+
+def test_fit_needs_three_points():
+    with pytest.raises(ValueError, match="at least 3 measured points"):
+        fit_points([Point("all_reduce", 2, 1024, 1e-4)])
+
+
+def test_profile_toml_parses_and_predicts_what_the_fit_predicts():
+    fit = Fit(30e-6, 12e-6, 2.5e9)
+    pts = _points(fit)
+    text = profile_toml(fit, pts, host="h", backend="gloo", ranks_per_node=2, command="x")
+    model = parse_profile(text, "p.toml")
+    assert model.name == "gloo-h" and "fit error median" in model.description
+    for p, t in zip(pts, predict_seconds(fit, pts)):
+        ns = model.p2p_ns(p.nbytes, 0, 1) if p.op == "send" else model.collective_ns(p.op, p.nbytes, list(range(p.n)))
+        assert ns == pytest.approx(t * 1e9, abs=2)
+
+
+def test_fitted_profile_path_honours_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("PRISM_PROFILE_DIR", str(tmp_path))
+    assert fitted_profile_path("gloo", "box") == tmp_path / "gloo-box.toml"
+    monkeypatch.delenv("PRISM_PROFILE_DIR")
+    assert fitted_profile_path("gloo", "box").parts[-3:] == ("prism", "profiles", "gloo-box.toml")
+
+
+def test_predict_uses_the_fitted_profile_of_the_runs_host(monkeypatch, tmp_path):
+    monkeypatch.setenv("PRISM_PROFILE_DIR", str(tmp_path))
+    m = Manifest(1, "r", 4, 0, ("x",), "cpu", "0", "0", "box")
+    model, why = predict_cli.resolve_profile(None, m)
+    assert model.name == "h200_nvlink_ib400" and "no fitted profile at" in why and "gloo-box.toml" in why
+    fit = Fit(30e-6, 12e-6, 2.5e9)
+    (tmp_path / "gloo-box.toml").write_text(profile_toml(fit, _points(fit), host="box", backend="gloo",
+                                                         ranks_per_node=2, command="x"))
+    model, why = predict_cli.resolve_profile(None, m)
+    assert model.name == "gloo-box" and "fitted by `prism netprofile`" in why
+    model, why = predict_cli.resolve_profile("zero", m)
+    assert model.name == "zero" and why == "given with --net"
+
+
+def test_netprofile_refuses_more_ranks_than_cores(capsys):
+    assert cli.main(["netprofile", "--group-sizes", "100000"]) == 2
+    assert "must be in 2.." in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tiny_real_measurement_and_fit():
+    pts = measure([1 << 10, 1 << 16, 1 << 20], [2], ["all_reduce", "send"], timeout=120)
+    assert [(p.op, p.nbytes) for p in pts] == [(op, b) for op in ("all_reduce", "send")
+                                               for b in (1 << 10, 1 << 16, 1 << 20)]
+    assert all(0 < p.seconds < 1 for p in pts)
+    fit = fit_points(pts)
+    assert fit.bandwidth > 0 and np.isfinite(relative_errors(fit, pts)).all()
