@@ -1,11 +1,13 @@
-"""The swap executor (prism/swap.py) and swapping in a real capture on CPU,
-with a stand-in driver that stops a "checkpointed" rank process outright
-(SIGSTOP), which is stricter than the CUDA driver (that blocks only CUDA calls)."""
+"""The swap executor (prism/swap.py) and swapping in a real capture on CPU
+with a stand-in driver. The CUDA driver blocks only a checkpointed process's
+CUDA calls and its host threads run on; on CPU there are no CUDA calls to
+block, so the stand-in checks the coordinator's side instead: no rank is
+checkpointed while it computes, none is granted while checkpointed, and
+every rank's data survives (the losses)."""
 
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +22,8 @@ from prism.workloads.harness import parse_losses
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class StopDriver:
-    """Checkpoint = SIGSTOP, restore = SIGCONT; records the calls."""
+class FakeDriver:
+    """Tracks each pid's checkpoint state; records the calls."""
 
     def __init__(self, fail_on: str = ""):
         self.states: dict[int, str] = {}
@@ -42,12 +44,10 @@ class StopDriver:
 
     def checkpoint(self, pid):
         self._call("checkpoint", pid)
-        os.kill(pid, signal.SIGSTOP)
         self.states[pid] = "checkpointed"
 
     def restore(self, pid):
         self._call("restore", pid)
-        os.kill(pid, signal.SIGCONT)
         self.states[pid] = "locked"
 
     def unlock(self, pid):
@@ -55,14 +55,38 @@ class StopDriver:
         self.states[pid] = "running"
 
 
-class FakeDriver(StopDriver):
-    def checkpoint(self, pid):
-        self._call("checkpoint", pid)
-        self.states[pid] = "checkpointed"
+class CheckingDriver(FakeDriver):
+    """Also checks, at each call, what the coordinator's scheduler says."""
 
-    def restore(self, pid):
-        self._call("restore", pid)
-        self.states[pid] = "locked"
+    def __init__(self):
+        super().__init__()
+        self.coord = None
+        self.violations: list[str] = []
+        self.granted_while_out: list[int] = []
+
+    def _rank(self, pid):
+        return next(r for r, info in self.coord.ranks.items() if info.hello.pid == pid)
+
+    def lock(self, pid):
+        from prism.core.scheduler import RankState
+
+        rank = self._rank(pid)
+        if self.coord.scheduler.state(rank) == RankState.RUNNING:
+            self.violations.append(f"rank {rank} checkpointed while running")
+        super().lock(pid)
+
+    def attach(self, coord):
+        self.coord = coord
+        send = coord._send
+
+        async def checked_send(rank, msg):
+            from prism.core import protocol as P
+
+            if isinstance(msg, P.SlotGrant) and self.state(coord.ranks[rank].hello.pid) != "running":
+                self.violations.append(f"rank {rank} granted while checkpointed")
+            return await send(rank, msg)
+
+        coord._send = checked_send
 
 
 def test_executor_runs_the_driver_calls_in_order_and_summarizes():
@@ -100,21 +124,31 @@ def test_driver_absent_says_what_is_needed():
 GPT = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--steps", "2", "--layers", "2"]
 
 
-def _plan(driver):
-    plan = plan_gpus(4, {"tp": 2, "pp": 2}, uses_cuda=False, gpus="0", resident=2, gang="tp", slots=1)
+def _plan(driver, gang="tp"):
+    plan = plan_gpus(4, {"tp": 2, "pp": 2}, uses_cuda=False, gpus="0", resident=2, gang=gang, slots=1)
     plan.driver = driver
+    if isinstance(driver, CheckingDriver):
+        setup = plan.setup
+
+        def attach_then_setup(coord):
+            driver.attach(coord)
+            setup(coord)
+
+        plan.setup = attach_then_setup
     return plan
 
 
 @pytest.mark.slow
-def test_capture_with_swaps_keeps_every_rank_data(tmp_path, monkeypatch, launched):
+@pytest.mark.parametrize("gang", ["tp", "1"])
+def test_capture_with_swaps_keeps_every_rank_data(tmp_path, monkeypatch, launched, gang):
     monkeypatch.chdir(ROOT)
-    drv = StopDriver()
-    code = capture(tmp_path / "run", 4, GPT, slots=1, progress="off", show_ranks=(), quiet_s=15, gpu=_plan(drv))
+    drv = CheckingDriver()
+    code = capture(tmp_path / "run", 4, GPT, slots=1, progress="off", show_ranks=(), quiet_s=15, gpu=_plan(drv, gang))
     assert code == 0
+    assert drv.violations == []
     doc = json.loads((tmp_path / "run" / "telemetry" / "swaps.json").read_text())
     assert doc["summary"]["swaps_out"] > 0 and doc["summary"]["swaps_in"] > 0
-    assert doc["settings"]["gang"] == "tp" and doc["settings"]["resident_per_gpu"] == 2
+    assert doc["settings"]["gang"] == gang and doc["settings"]["resident_per_gpu"] == 2
     # Every rank alternates out, in, out, ... (never swapped twice the same way).
     for rank in range(4):
         dirs = [r["direction"] for r in doc["records"] if r["rank"] == rank and r["status"] == "ok"]
