@@ -44,6 +44,9 @@ log = logging.getLogger("prism.coordinator")
 DEFAULT_GRACE_S = 3.0
 #: DESIGN.md: deadlocks are reported after a configurable quiet period.
 DEFAULT_QUIET_S = 30.0
+#: With ranks checkpointed, this long without progress (nor a swap) restores
+#: them (``Coordinator._rescue``): well above one swap (about 1 s per GB out).
+RESCUE_QUIET_NS = 5_000_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +158,7 @@ class Coordinator:
         self.scheduler = S.Scheduler(slots, range(world_size), policy)
         #: Carries out SwapOut/SwapIn (``prism.swap.SwapExecutor``); None on CPU.
         self.swapper = swapper
+        self._last_swap_ns = 0
         self.ranks: dict[int, _RankInfo] = {}
         self.by_identity: dict[bytes, int] = {}
         self.colls_done = 0
@@ -244,6 +248,7 @@ class Coordinator:
             await self._on_exit(a, b, now)
         elif kind == "tick":
             self._on_tick(now)
+            await self._rescue(now)
 
     async def _send(self, rank_or_identity: int | bytes, msg: P.Message) -> None:
         if isinstance(rank_or_identity, int):
@@ -411,6 +416,8 @@ class Coordinator:
         except Exception as e:  # SwapError, or the driver vanished
             self._fail("swap_failed", str(e), 1)
             return False
+        finally:
+            self._last_swap_ns = self.clock()
         return True
 
     async def _wake(self, ranks: Any) -> None:
@@ -421,6 +428,22 @@ class Coordinator:
             return
         for rank in ranks:
             if (actions := wake(rank, self.scheduler)):
+                await self._actions(actions)
+
+    async def _rescue(self, now: int) -> None:
+        """Nothing progressed for ``RESCUE_QUIET_NS`` although ranks are
+        checkpointed: bring them back as if data had reached them. A rank can
+        be released without being blocked in communication (the stall monitor
+        judges by CPU use; a GPU wait looks the same), and a checkpointed rank
+        that still had work to do would otherwise hang the capture."""
+        wake = getattr(self.scheduler.policy, "wake", None)
+        quiet = now - max(self.matcher.last_progress_ns, self._last_swap_ns)
+        if wake is None or self._result is not None or quiet < RESCUE_QUIET_NS:
+            return
+        self._last_swap_ns = now
+        for rank in range(self.world_size):
+            if (actions := wake(rank, self.scheduler)):
+                log.info("rescue: restoring rank %d after %.1f s without progress", rank, quiet / 1e9)
                 await self._actions(actions)
 
     def _fail(self, status: str, message: str, code: int) -> None:

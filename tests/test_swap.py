@@ -8,6 +8,7 @@ every rank's data survives (the losses)."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -161,6 +162,19 @@ def test_capture_with_swaps_keeps_every_rank_data(tmp_path, monkeypatch, launche
     assert len(got) == 2 and got == pytest.approx(want, rel=1e-5)
 
 
+class StopDriver(FakeDriver):
+    """Stricter than the CUDA driver: a checkpointed process stops outright
+    (SIGSTOP), host threads included, until it is restored (SIGCONT)."""
+
+    def checkpoint(self, pid):
+        super().checkpoint(pid)
+        os.kill(pid, signal.SIGSTOP)
+
+    def restore(self, pid):
+        super().restore(pid)
+        os.kill(pid, signal.SIGCONT)
+
+
 @pytest.fixture
 def launched(monkeypatch):
     """The rank processes each capture launched, reaped afterwards (a capture
@@ -179,6 +193,19 @@ def launched(monkeypatch):
     for p in procs:
         p.close()
         p._server.stdout.close()
+
+
+@pytest.mark.slow
+def test_capture_survives_ranks_stopped_outright(tmp_path, monkeypatch, launched):
+    # Data reaching a stopped rank wakes it; a rank stopped while it still had
+    # work (released by the stall monitor, not blocked) is restored by the
+    # coordinator's rescue after a quiet spell.
+    monkeypatch.chdir(ROOT)
+    code = capture(tmp_path / "run", 4, GPT, slots=1, progress="off", show_ranks=(), quiet_s=60,
+                   gpu=_plan(StopDriver()))
+    assert code == 0
+    got = parse_losses((tmp_path / "run" / "logs" / "rank-000002.log").read_text())
+    assert len(got) == 2
 
 
 @pytest.mark.slow
