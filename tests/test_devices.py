@@ -68,6 +68,8 @@ def test_mode_rewrites_explicit_device_arguments_on_cpu():
         torch.empty(2, device=1)
         t.to("cpu")
         t.add(True)  # a bool is no device index
+        logical = (torch.device("cuda:5"), torch.device("cuda", 6))
+    assert logical == (torch.device("cuda", 5), torch.device("cuda", 6))
     got = [(name, args, kw.get("device")) for name, args, kw in rec.calls]
     assert got == [
         ("to", (0,), None),

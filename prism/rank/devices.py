@@ -156,6 +156,10 @@ class LogicalDeviceMode(TorchFunctionMode):
     ``Tensor.to``/``Tensor.cuda``) to in-process device 0."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.device:
+            # torch.device(...) reaches modes too; a device object keeps its
+            # logical index until it is used.
+            return func(*args, **(kwargs or {}))
         if kwargs:
             dev = kwargs.get("device")
             if dev is not None:
