@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -62,6 +61,7 @@ class RankProcesses:
                 elif ev["ev"] == "exit":
                     self.returncodes[ev["rank"]] = ev["status"]
                 self._cond.notify_all()
+        self._server.stdout.close()
         self._server.wait()
         with self._cond:
             # A fork server that died leaves its ranks dead too (PDEATHSIG).

@@ -304,7 +304,12 @@ class FakeCoordinator:
                 arrived = self._colls.setdefault(key, {})
                 arrived[rank] = msg
                 members = self.groups[msg.gid]
-                if len(arrived) == len(members):
+                ops = {m.op for m in arrived.values()}
+                if len(ops) > 1:
+                    for r in arrived:
+                        self._reply(r, Error(code="mismatch", rank=r, gid=msg.gid, seq=msg.seq,
+                                             message=f"ranks called different collectives: {sorted(ops)}"))
+                elif len(arrived) == len(members):
                     del self._colls[key]
                     ordered = [arrived[r] for r in members]
                     for r, payloads in zip(members, reference(ordered)):

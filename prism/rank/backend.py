@@ -14,30 +14,18 @@ Wire contract with the coordinator
 
 A collective is one ``CollectiveArrive`` per member, keyed ``(gid, seq)`` with
 ``seq`` the group's own call counter, answered by one ``CollectiveResult``
-(routing key ``("coll", gid, seq)``). ``in_shapes``/``out_shapes`` are *this
-rank's* tensors: there is exactly one request payload per ``in_shapes`` entry
-and the reply must carry exactly one payload per ``out_shapes`` entry. Each
-payload holds a tensor's raw bytes, C-contiguous, native (little-endian) byte
-order, dtype ``dtype`` (torch's name without ``torch.``). ``n`` is the group
-size; chunks are in group-rank order.
-
-=======================  ===============================  ==============================
-op                       in (payloads sent)               out (payloads received)
-=======================  ===============================  ==============================
-all_reduce               [t]                              [result]
-all_reduce_coalesced     [t1..tk]                         [r1..rk]
-broadcast                root: [t]; others: []            root: []; others: [t]
-reduce                   [t]                              root: [result]; others: []
-all_gather               [t1..tk]                         n per input: t_i of rank 0..n-1
-all_gather_into_tensor   [t1..tk]                         [cat_j t_i of rank j] per input
-gather                   [t]                              root: n tensors; others: []
-scatter                  root: n tensors; others: []      [chunk for this rank]
-reduce_scatter           n tensors (chunk j for rank j)   [result chunk]
-reduce_scatter_tensor    [T1..Tk] (n chunks on dim 0)     [result chunk of each]
-all_to_all               n tensors (chunk j for rank j)   n tensors (chunk from rank j)
-all_to_all_single        [T] split by in_splits rows      [T'] split by out_splits rows
-barrier                  []                               []
-=======================  ===============================  ==============================
+(routing key ``("coll", gid, seq)``). The per-op shapes and payloads are
+``prism.core.collectives``' contract (its module docstring has the table);
+this rank declares its own tensors in ``in_shapes``/``out_shapes`` and sends
+one payload per input, except that a broadcast's non-root members declare the
+tensor without sending it. A reply carries one payload per declared output,
+or none, which means "leave your tensors as they are" (the broadcast root, a
+reduce's non-root members). Each payload holds a tensor's raw bytes,
+C-contiguous, native (little-endian) byte order, dtype ``dtype`` (torch's name
+without ``torch.``). Calls that carry several tensors where the contract takes
+one (coalesced all_gather_into_tensor and reduce_scatter_tensor, the old
+multi-input all_gather) become one collective instance per tensor, issued
+back to back; their Work completes with the last.
 
 ``reduce_op`` is the ReduceOp's name; for ``PREMUL_SUM`` the inputs are sent
 unscaled and ``premul`` carries the factor (result = sum of factor * t).
@@ -54,7 +42,6 @@ counts as complete.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import threading
 import time
@@ -75,14 +62,8 @@ from prism.rank.runtime import PrismRankError
 BACKEND_NAME = "prism"
 
 
-def _fallback_group_id(index: int, ranks: Sequence[int]) -> str:
-    if index == 0:
-        return "world"
-    return f"g{index}-" + hashlib.blake2b(",".join(map(str, ranks)).encode()).hexdigest()[:8]
-
-
-#: One swap point: ``prism.core.trace.group_id`` once it lands.
-_group_id: Callable[[int, Sequence[int]], str] = getattr(trace, "group_id", _fallback_group_id)
+#: A group's Prism id from its creation index and members (WORLD: "world").
+_group_id: Callable[[int, Sequence[int]], str] = trace.group_id
 
 
 def _unsupported(call: str) -> NotImplementedError:
@@ -182,15 +163,27 @@ class _Op:
         self.end_ns = 0
         self.step = step
         self.done = threading.Event()
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
+        #: Calls issued before this one as parts of the same user call (a
+        #: coalesced call split into instances); they complete first.
+        self.deps: list[_Op] = []
         self.lock = threading.Lock()
         devices = sorted({t.device for t in result if t.device.type == "cuda"}, key=str)
-        self.torch_future: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        self.torch_future = _PrismFuture(self, devices=devices)
         #: Builds the trace events once the op completed: f(op) -> events.
         self.finish_events: Callable[[_Op], list[Any]] = lambda op: []
         _rt.current().track(self)
 
+    @property
+    def error(self) -> BaseException | None:
+        for dep in self.deps:
+            if dep.error is not None:
+                return dep.error
+        return self._error
+
     def wait(self) -> None:
+        for dep in self.deps:
+            dep.wait()
         if not self.done.is_set():
             rt = _rt.current()
             t = time.monotonic_ns()
@@ -207,28 +200,38 @@ class _Op:
 
     def complete(self, payloads: Sequence[Any] | None, error: BaseException | None) -> None:
         """Copy results in, record, and wake waiters (completion thread)."""
-        _rt.current().before_complete(self)
+        arrived = time.monotonic_ns()
+        rt = _rt.current()
+        try:
+            rt.before_complete(self)
+        except BaseException as e:  # no slot to be had: the coordinator failed
+            error = error or e
         if error is None and payloads is not None:
             try:
                 self._copy_out(payloads)
             except BaseException as e:
                 error = e
         with self.lock:
-            self.end_ns = time.monotonic_ns()
-            if self.wait_ns is None:
-                self.wait_ns = self.end_ns
-        self.error = error
-        rt = _rt.current()
-        if error is None:
-            for ev in self.finish_events(self):
-                rt.recorder.emit(ev)
-        self.done.set()
-        if error is None:
-            self.torch_future.set_result(self.result)
-        else:
-            self.torch_future.set_exception(error)
+            self.end_ns = arrived
+            # A wait that began after the reply arrived (while this thread took
+            # the slot back) waited for nothing.
+            if self.wait_ns is None or self.wait_ns > arrived:
+                self.wait_ns = arrived
+        try:
+            if error is None:
+                for ev in self.finish_events(self):
+                    rt.recorder.emit(ev)
+        finally:
+            self._error = error
+            self.done.set()
+            if self._error is None:
+                self.torch_future.set_result(self.result)
+            else:
+                self.torch_future.set_exception(self._error)
 
     def _copy_out(self, payloads: Sequence[Any]) -> None:
+        if not payloads:
+            return  # the coordinator's "leave your tensors as they are"
         if len(payloads) != len(self.outputs):
             raise PrismRankError(
                 f"{self.what}: the coordinator sent {len(payloads)} tensors, expected "
@@ -243,6 +246,23 @@ class _Op:
                     cuda.add(out.device)
         for dev in cuda:
             torch.cuda.synchronize(dev)
+
+
+class _PrismFuture(torch.futures.Future):
+    """The torch Future of a Prism call: a wait from Python releases the slot
+    like ``Work.wait`` (C++ waits are the stall monitor's business)."""
+
+    def __init__(self, op: _Op, devices: list[torch.device]) -> None:
+        super().__init__(devices=devices or None)
+        self._op = op
+
+    def wait(self) -> Any:
+        if not self.done():
+            try:
+                self._op.wait()
+            except BaseException:
+                pass  # the future's own wait raises it below
+        return super().wait()
 
 
 class PrismWork(dist._Work):
@@ -344,6 +364,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         root: int = -1,
         in_splits: Sequence[int] = (),
         out_splits: Sequence[int] = (),
+        deps: Sequence[_Op] = (),
     ) -> PrismWork:
         rt = _rt.current()
         t0 = time.monotonic_ns()
@@ -380,6 +401,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             pending = _Op(what, list(outputs), list(result if result is not None else outputs), t0,
                           not async_op, rt.recorder.step)
             pending.wait_key = wait_key_coll(self.gid, seq)
+            pending.deps = list(deps)
             ref = f"coll:{self.gid}:{seq}"
             limit = rt.recorder.small_tensor_limit
             in_values = _value_events(ref, "in", hosts, limit)
@@ -405,6 +427,19 @@ class PrismProcessGroup(dist.ProcessGroup):
             return PrismWork(pending)
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
+
+    def _each(self, op: str, parts: Sequence[tuple[list[torch.Tensor], list[torch.Tensor]]], opts: Any,
+              **kwargs: Any) -> PrismWork:
+        """A coalesced call as one collective instance per part (the
+        coordinator's ops take one input each); the returned Work completes
+        with the last part, whose Future holds every output."""
+        if not parts:
+            raise ValueError(f"{op} on group {self.gid} got no tensors (your script's fault)")
+        everything = [t for _, outs in parts for t in outs]
+        works = [self._collective(op, ins, outs, opts, **kwargs) for ins, outs in parts[:-1]]
+        ins, outs = parts[-1]
+        last = self._collective(op, ins, outs, opts, result=everything, deps=[w._op for w in works], **kwargs)
+        return last
 
     def _check_len(self, call: str, what: str, items: Sequence[Any], n: int) -> None:
         if len(items) != n:
@@ -447,11 +482,9 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
         opts = opts or dist.AllgatherOptions()
-        outputs = []
         for lst in output_lists:
             self._check_len("all_gather", "the output list", lst, self._size)
-            outputs.extend(lst)
-        return self._collective("all_gather", inputs, outputs, opts)
+        return self._each("all_gather", [([i], list(o)) for i, o in zip(inputs, output_lists, strict=True)], opts)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
         return self.allgather(output_lists, inputs, opts)
@@ -473,7 +506,7 @@ class PrismProcessGroup(dist.ProcessGroup):
                     f"all_gather_into_tensor on group {self.gid}: output has {o.numel()} elements, "
                     f"expected input's {i.numel()} x {self._size} ranks (your script's fault)"
                 )
-        return self._collective("all_gather_into_tensor", inputs, outputs, opts)
+        return self._each("all_gather_into_tensor", [([i], [o]) for i, o in zip(inputs, outputs)], opts)
 
     # --- gather / scatter --------------------------------------------------------
 
@@ -521,7 +554,8 @@ class PrismProcessGroup(dist.ProcessGroup):
                     f"reduce_scatter_tensor on group {self.gid}: input has {i.numel()} elements, "
                     f"expected output's {o.numel()} x {self._size} ranks (your script's fault)"
                 )
-        return self._collective("reduce_scatter_tensor", inputs, outputs, opts, reduce=opts.reduceOp)
+        return self._each("reduce_scatter_tensor", [([i], [o]) for i, o in zip(inputs, outputs)], opts,
+                          reduce=opts.reduceOp)
 
     # --- all_to_all ----------------------------------------------------------------
 

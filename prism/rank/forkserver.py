@@ -30,9 +30,10 @@ import sys
 from typing import Any
 
 import orjson
-import torch  # noqa: F401  (imported once here so each child starts warm)
+# Imported once here, before any fork, so every child starts warm.
+import torch
 
-import prism.rank.bootstrap  # noqa: F401  (likewise)
+import prism.rank.bootstrap
 import prism.rank.devices
 
 #: Lines of a hidden rank's output replayed on the console when it fails.
@@ -89,6 +90,10 @@ def _child(spec: dict[str, Any], rank: int, out_w: int) -> None:
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         os.environ.clear()
         os.environ.update(child_env(spec, rank))
+        # A forked child keeps the server's sys.path; give it the PYTHONPATH
+        # entries a fresh interpreter would have put in front.
+        entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:0] = [p for p in entries if p not in sys.path]
         if spec.get("cwd"):
             os.chdir(spec["cwd"])
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
@@ -113,7 +118,10 @@ def _child(spec: dict[str, Any], rank: int, out_w: int) -> None:
 
 
 def _report(obj: dict[str, Any]) -> None:
-    os.write(1, orjson.dumps(obj) + b"\n")
+    try:
+        os.write(1, orjson.dumps(obj) + b"\n")
+    except BrokenPipeError:
+        pass  # the launcher is gone; EOF on stdin makes the loop kill the ranks
 
 
 def serve(spec: dict[str, Any]) -> None:
@@ -122,10 +130,12 @@ def serve(spec: dict[str, Any]) -> None:
     os.makedirs(logs, exist_ok=True)
     show = spec.get("show_ranks", [0])
     shown = set(range(world)) if show == "all" else set(show)
+    # One pipe per rank stays open here: raise the soft limit for large worlds.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 2 * world + 64
-    if soft < need and (hard == resource.RLIM_INFINITY or hard >= soft):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard) if hard != resource.RLIM_INFINITY else need, hard))
+    want = 2 * world + 64
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
     sel = selectors.DefaultSelector()
     pids: dict[int, int] = {}

@@ -16,14 +16,10 @@ ends so each carries one step.
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
-
-import orjson
 
 from prism.core import trace
 from prism.core.protocol import TraceRecords
@@ -34,21 +30,6 @@ from prism.core.protocol import TraceRecords
 MAX_BATCH_EVENTS = 512
 MAX_BATCH_BYTES = 1 << 20
 MAX_BATCH_AGE_NS = 500_000_000
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode("ascii")
-    raise TypeError(f"cannot encode {type(value).__name__} in a trace record")
-
-
-def _fallback_encode_event(ev: Any) -> bytes:
-    # The trace codec's layout: "k" then the fields, bytes as base64.
-    return orjson.dumps({"k": ev.KIND, **dataclasses.asdict(ev)}, default=_json_default)
-
-
-#: One swap point for the codec: ``prism.core.trace.encode_event`` once it lands.
-encode_event: Callable[[Any], bytes] = getattr(trace, "encode_event", _fallback_encode_event)
 
 
 class RankRecorder:
@@ -76,7 +57,7 @@ class RankRecorder:
 
     def emit(self, ev: Any) -> None:
         """Queue one event; sends the batch when it is full or old."""
-        line = encode_event(ev)
+        line = trace.encode_event(ev)
         with self._lock:
             if self.closed:
                 return

@@ -39,8 +39,10 @@ import concurrent.futures
 import os
 import queue
 import socket
+import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -126,6 +128,7 @@ class RankRuntime:
         #: The stall monitor released the slot on the main thread's behalf.
         self._implicit = False
         self._main_ident = threading.main_thread().ident
+        self._pending_cond = threading.Condition(self._slot_lock)
         self._monitor = threading.Thread(target=self._stall_loop, name="prism-stall-monitor", daemon=True)
 
     # --- lifecycle ---------------------------------------------------------
@@ -158,7 +161,9 @@ class RankRuntime:
         """Flush the trace (RankEnd) and say Goodbye; idempotent."""
         if self._finished:
             return
-        self._finished = True
+        with self._slot_lock:
+            self._finished = True
+            self._pending_cond.notify()
         step_tracker = _step_tracker
         if step_tracker is not None:
             step_tracker.flush_pending()
@@ -199,9 +204,10 @@ class RankRuntime:
     # --- waits inside C++ (see the module docstring) --------------------------
 
     def track(self, op: Any) -> None:
-        """``op`` (with ``wait_key``, ``wait_ns``, ``lock``) is in flight."""
+        """``op`` (with ``wait_key``, ``issue_ns``, ``wait_ns``, ``lock``) is in flight."""
         with self._slot_lock:
             self._pending[id(op)] = op
+            self._pending_cond.notify()
 
     def untrack(self, op: Any) -> None:
         with self._slot_lock:
@@ -227,6 +233,16 @@ class RankRuntime:
         last = time.clock_gettime_ns(clock)
         idle_since: int | None = None
         while not self._finished:
+            with self._slot_lock:
+                if not self._pending:
+                    # Nothing in flight: sleep until something is, rather than
+                    # waking every period in every rank of a large world.
+                    self._pending_cond.wait_for(lambda: self._pending or self._finished)
+                    try:
+                        last = time.clock_gettime_ns(clock)
+                    except OSError:  # the main thread is gone
+                        return
+                    idle_since = None
             time.sleep(STALL_PERIOD_S)
             try:
                 cpu = time.clock_gettime_ns(clock)
@@ -252,7 +268,8 @@ class RankRuntime:
                 self.recorder.comm_enter(idle_since)
                 with op.lock:
                     if op.wait_ns is None:
-                        op.wait_ns = idle_since
+                        # The main thread may have gone idle before this op was issued.
+                        op.wait_ns = max(idle_since, op.issue_ns)
                 self.client.send(protocol.Wait(rank=self.rank, what=op.wait_key, t_ns=idle_since))
                 self.client.send(protocol.SlotRelease(rank=self.rank))
             idle_since = None
@@ -276,7 +293,13 @@ class RankRuntime:
     def _complete_loop(self) -> None:
         while True:
             handler, fut = self._completions.get()
-            handler(fut)
+            try:
+                handler(fut)
+            except BaseException:
+                # The thread must survive, or every later call would hang.
+                print(f"Prism (rank {self.rank}): completing a call failed; this is a Prism bug, "
+                      "please report it with this traceback:", file=sys.stderr)
+                traceback.print_exc()
 
 
 def make_hello(rank: int, world_size: int, local_rank: int, device: str) -> protocol.Hello:
@@ -299,8 +322,9 @@ def make_hello(rank: int, world_size: int, local_rank: int, device: str) -> prot
 class _StepTracker:
     """Marks iteration ends from optimizer steps (rule in the module docstring)."""
 
-    def __init__(self, runtime: RankRuntime) -> None:
+    def __init__(self, runtime: RankRuntime, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.runtime = runtime
+        self.clock = clock
         self.live: weakref.WeakSet = weakref.WeakSet()
         self._stepped: set[int] = set()
         self._pending_end: int | None = None
@@ -310,7 +334,7 @@ class _StepTracker:
         self.live.add(optimizer)
 
     def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        t = time.monotonic_ns()
+        t = self.clock()
         with self._lock:
             self.live.add(optimizer)
             if id(optimizer) in self._stepped and self._pending_end is not None:

@@ -1,8 +1,9 @@
 """Prism's patch for Python processes a rank spawns (see prism.rank.bootstrap).
 
 Put on ``PYTHONPATH`` by the fork server. Does nothing unless
-``PRISM_COORDINATOR`` is set, and imports torch only once the process itself
-imports ``torch.distributed``, so plain helper processes stay cheap.
+``PRISM_COORDINATOR`` is set, and patches only once the process itself has
+imported torch (fully: patching halfway through torch's own import fails), so
+helper processes that never import torch stay cheap.
 """
 
 import os
@@ -13,7 +14,7 @@ if os.environ.get("PRISM_COORDINATOR"):
 
     class _PatchWhenLoaded(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path, target=None):
-            if fullname != "torch.distributed.device_mesh":
+            if fullname != "torch":
                 return None
             sys.meta_path.remove(self)
             try:

@@ -1,0 +1,148 @@
+"""RankRuntime, RankRecorder and the iteration rule, in process with a
+client that grants every slot at once."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import orjson
+import pytest
+
+from prism.core import protocol
+from prism.rank import recorder as rec_mod
+from prism.rank.runtime import RankRuntime, _StepTracker
+
+
+class GrantingClient:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    def future(self, key):
+        fut = concurrent.futures.Future()
+        assert key == ("slot",)
+        fut.set_result(protocol.SlotGrant(rank=0))
+        return fut
+
+    def close(self) -> None:
+        pass
+
+    def events(self) -> list[dict]:
+        return [orjson.loads(p) for m in self.sent if isinstance(m, protocol.TraceRecords) for p in m.payloads]
+
+
+@pytest.fixture
+def rt():
+    client = GrantingClient()
+    hello = protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, rank=0, world_size=1, local_rank=0,
+                           pid=1, hostname="h", device="cpu", t_ns=100)
+    welcome = protocol.Welcome(protocol_version=protocol.PROTOCOL_VERSION, run_id="r", t_ns=1_100,
+                               small_tensor_limit=64)
+    runtime = RankRuntime(client, welcome, hello, welcome_recv_ns=300)
+    runtime.start()
+    yield runtime
+    runtime.finish("ok")  # stops its stall monitor
+
+
+def test_start_takes_a_slot_and_estimates_the_clock_offset(rt):
+    assert [type(m) for m in rt.client.sent] == [protocol.SlotRequest]
+    assert rt.clock_offset_ns == 1_100 - 200
+    rt.finish("ok")
+    evs = rt.client.events()
+    assert evs[0]["k"] == "rank_start" and evs[0]["clock_offset_ns"] == 900
+    assert evs[-1] == {**evs[-1], "k": "rank_end", "status": "ok"}
+    assert isinstance(rt.client.sent[-1], protocol.Goodbye)
+
+
+def test_block_releases_then_requests_the_slot(rt):
+    done = threading.Event()
+    threading.Timer(0.05, done.set).start()
+    rt.block_on(done, "coll:world:0", 5)
+    kinds = [type(m) for m in rt.client.sent]
+    assert kinds[-3:] == [protocol.Wait, protocol.SlotRelease, protocol.SlotRequest]
+    assert rt.client.sent[-3].what == "coll:world:0"
+
+
+def test_compute_segments_exclude_communication(rt):
+    r = rt.recorder
+    r.start_segment(1_000)
+    r.comm_enter(2_000)
+    r.comm_enter(2_500)  # a second thread's call nests
+    r.comm_exit(3_000)
+    r.comm_exit(4_000)
+    r.end_step(6_000)
+    r.comm_enter(7_000)
+    r.comm_exit(9_000)
+    r.finish(10_000, "ok")
+    comp = [(e["start_ns"], e["end_ns"], e["step"]) for e in rt.client.events() if e["k"] == "compute"]
+    assert comp[-4:] == [(1_000, 2_000, 0), (4_000, 6_000, 0), (6_000, 7_000, 1), (9_000, 10_000, 1)]
+    assert [e["step"] for e in rt.client.events() if e["k"] == "iter"] == [0]
+
+
+def test_batches_go_out_when_full(rt, monkeypatch):
+    monkeypatch.setattr(rec_mod, "MAX_BATCH_EVENTS", 3)
+    before = sum(isinstance(m, protocol.TraceRecords) for m in rt.client.sent)
+    for i in range(7):
+        rt.recorder.emit(rt_iteration(i))
+    batches = [m for m in rt.client.sent if isinstance(m, protocol.TraceRecords)][before:]
+    assert [len(b.payloads) for b in batches] == [3, 3]
+
+
+def rt_iteration(i: int):
+    from prism.core.trace import Iteration
+
+    return Iteration(step=i, end_ns=i)
+
+
+def test_events_after_finish_are_dropped(rt):
+    rt.finish("ok")
+    n = len(rt.client.sent)
+    rt.recorder.emit(rt_iteration(5))
+    rt.recorder.flush()
+    assert len(rt.client.sent) == n
+
+
+class Opt:
+    pass
+
+
+def _iters(rt) -> list[tuple[int, int]]:
+    rt.recorder.flush()
+    return [(e["step"], e["end_ns"]) for e in rt.client.events() if e["k"] == "iter"]
+
+
+def test_one_optimizer_ends_an_iteration_per_step(rt):
+    clock = iter(range(10, 1000, 10))
+    tracker = _StepTracker(rt, lambda: next(clock))
+    a = Opt()
+    tracker.on_init(a)
+    for _ in range(3):
+        tracker.on_step(a, (), {})
+    assert [s for s, _ in _iters(rt)] == [0, 1, 2]
+
+
+def test_chained_optimizers_end_the_iteration_at_the_last(rt):
+    times = iter([100, 200, 300, 400])
+    tracker = _StepTracker(rt, lambda: next(times))
+    a, b = Opt(), Opt()
+    tracker.on_init(a)
+    tracker.on_init(b)
+    for opt in (a, b, a, b):
+        tracker.on_step(opt, (), {})
+    assert _iters(rt) == [(0, 200), (1, 400)]
+
+
+def test_an_optimizer_that_never_steps_falls_back_to_the_repeat_rule(rt):
+    times = iter([100, 200, 300])
+    tracker = _StepTracker(rt, lambda: next(times))
+    a, idle = Opt(), Opt()
+    tracker.on_init(a)
+    tracker.on_init(idle)
+    for _ in range(3):
+        tracker.on_step(a, (), {})
+    assert _iters(rt) == [(0, 100), (1, 200)]
+    tracker.flush_pending()
+    assert _iters(rt) == [(0, 100), (1, 200), (2, 300)]
