@@ -64,6 +64,16 @@ def add_capture_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default=None, metavar="ENDPOINT",
                    help="join a coordinator started with `prism coordinator` instead of an embedded one")
     _add_common(p)
+    g = p.add_argument_group("GPUs", "ranks share physical GPUs; logical devices 0..nproc-per-node-1 map onto them")
+    g.add_argument("--gpus", default=None, metavar="LIST",
+                   help="physical GPUs to use, e.g. 0 or 0,1 (default: all, when the command uses cuda)")
+    g.add_argument("--resident", type=_positive("--resident"), default=None, metavar="K",
+                   help="ranks resident per GPU; the others are checkpointed to host memory (default: all that "
+                        "fit in free GPU memory at --rank-memory each)")
+    g.add_argument("--gang", choices=("1", "tp", "tpxpp"), default=None,
+                   help="ranks swapped together: 1, the TP group, or TP x PP (a pipeline); default tp")
+    g.add_argument("--rank-memory", type=float, default=2.0, metavar="GIB",
+                   help="estimated GPU memory per rank for the default --resident (default 2)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- SCRIPT ARGS, or -- -m MODULE ARGS")
     p.set_defaults(func=run_capture)
@@ -140,15 +150,25 @@ def run_capture(args: argparse.Namespace, parser_error=None) -> int:
     run_dir = Path(args.out) if args.out else _default_out("capture")
     if (run_dir / T.RANKS_DIR).exists() and any((run_dir / T.RANKS_DIR).iterdir()):
         parser_error(f"run directory {run_dir} already holds a capture; choose another --out")
-    slots = args.slots or os.cpu_count() or 1
+    from prism.gpu_plan import GpuPlanError, plan_gpus
+
+    try:
+        gpu = plan_gpus(args.world_size, dict(_layout(cmd)), uses_cuda=_device_kind(cmd) == "cuda",
+                        gpus=args.gpus, resident=args.resident, gang=args.gang, slots=args.slots,
+                        rank_memory_gib=args.rank_memory)
+    except (GpuPlanError, ValueError) as e:
+        parser_error(str(e))
+    slots = gpu.slots if gpu is not None else (args.slots or os.cpu_count() or 1)
     return capture(run_dir, args.world_size, cmd, slots=slots, coordinator=args.coordinator,
                    nproc_per_node=args.nproc_per_node, show_ranks=args.show_ranks,
-                   quiet_s=args.quiet_period, progress=args.progress)
+                   quiet_s=args.quiet_period, progress=args.progress, gpu=gpu)
 
 
 def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coordinator: str | None = None,
-            nproc_per_node: int = 8, show_ranks=(0,), quiet_s: float = 30.0, progress: str = "auto") -> int:
-    """Capture ``cmd`` as ``world_size`` ranks into ``run_dir``; the exit status."""
+            nproc_per_node: int = 8, show_ranks=(0,), quiet_s: float = 30.0, progress: str = "auto",
+            gpu=None) -> int:
+    """Capture ``cmd`` as ``world_size`` ranks into ``run_dir``; the exit status.
+    ``gpu`` is a ``prism.gpu_plan.GpuPlan`` (None: CPU)."""
     if show_ranks == "none":
         show_ranks = ()
     import trio
@@ -160,9 +180,10 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
     T.make_run_dir(run_dir)
     T.write_manifest(run_dir, _manifest(run_dir, world_size, cmd, slots, _device_kind(cmd)))
 
+    env = gpu.env() if gpu is not None else {}
     if coordinator is not None:
         procs = launch_ranks(world_size, coordinator, run_dir, cmd, nproc_per_node=nproc_per_node,
-                             show_ranks=show_ranks)
+                             show_ranks=show_ranks, env=env)
         codes = procs.wait()
         bad = {r: c for r, c in enumerate(codes) if c != 0}
         if bad:
@@ -174,6 +195,18 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
 
     coord = Coordinator(run_dir, world_size, slots=slots, endpoint=default_endpoint(run_dir),
                         quiet_s=quiet_s, progress=Progress(world_size, mode=progress))
+    if gpu is not None:
+        from prism.swap import SwapError
+
+        try:
+            gpu.setup(coord)
+        except SwapError as e:
+            print(f"prism capture: cannot swap ranks on the GPU: {e}", file=sys.stderr)
+            return 2
+    from prism.telemetry import GpuSampler
+
+    sampler = GpuSampler(run_dir, gpu.gpus if gpu is not None else None)
+    sampler.start()
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -181,7 +214,7 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
             try:
                 coord.processes = await trio.to_thread.run_sync(
                     lambda: launch_ranks(world_size, endpoint, run_dir, cmd, nproc_per_node=nproc_per_node,
-                                         show_ranks=show_ranks))
+                                         show_ranks=show_ranks, env=env))
             except BaseException:
                 nursery.cancel_scope.cancel()
                 raise
@@ -194,8 +227,16 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
             # flushing, interpreter exit) rather than killing them mid-exit.
             coord.processes.wait(timeout=30)
     finally:
+        sampler.stop()
         if coord.processes is not None:
             coord.processes.close()
+    if gpu is not None:
+        from prism import swap
+
+        summary = swap.write_report(run_dir, gpu.executor.records if gpu.executor else [], result.steps_done,
+                                    gpu.settings)
+        print(swap.format_summary(summary) + f" [resident {gpu.resident}/GPU on GPUs {gpu.gpus}, gang {gpu.gang}]",
+              file=sys.stderr)
     return _report(result, run_dir)
 
 

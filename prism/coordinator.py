@@ -44,12 +44,15 @@ log = logging.getLogger("prism.coordinator")
 DEFAULT_GRACE_S = 3.0
 #: DESIGN.md: deadlocks are reported after a configurable quiet period.
 DEFAULT_QUIET_S = 30.0
+#: With ranks checkpointed, this long without progress (nor a swap) restores
+#: them (``Coordinator._rescue``): well above one swap (about 1 s per GB out).
+RESCUE_QUIET_NS = 5_000_000_000
 
 
 @dataclass(frozen=True, slots=True)
 class CaptureResult:
     """How a capture ended. ``status`` is "ok", "mismatch", "deadlock",
-    "rank_failed", "invalid" or "internal"; ``exit_code`` is non-zero unless ok."""
+    "rank_failed", "swap_failed", "invalid" or "internal"; ``exit_code`` is non-zero unless ok."""
 
     status: str
     message: str
@@ -133,6 +136,8 @@ class Coordinator:
         progress: Progress | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
         authenticated: bool = False,
+        policy: S.SwapPolicy | None = None,
+        swapper: Any = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
@@ -150,7 +155,10 @@ class Coordinator:
         self.clock = clock
         self.authenticated = authenticated
         self.matcher = M.Matcher(world_size)
-        self.scheduler = S.Scheduler(slots, range(world_size))
+        self.scheduler = S.Scheduler(slots, range(world_size), policy)
+        #: Carries out SwapOut/SwapIn (``prism.swap.SwapExecutor``); None on CPU.
+        self.swapper = swapper
+        self._last_swap_ns = 0
         self.ranks: dict[int, _RankInfo] = {}
         self.by_identity: dict[bytes, int] = {}
         self.colls_done = 0
@@ -240,6 +248,7 @@ class Coordinator:
             await self._on_exit(a, b, now)
         elif kind == "tick":
             self._on_tick(now)
+            await self._rescue(now)
 
     async def _send(self, rank_or_identity: int | bytes, msg: P.Message) -> None:
         if isinstance(rank_or_identity, int):
@@ -373,8 +382,10 @@ class Coordinator:
                 self.colls_done += 1
                 for rank, payloads in out.outputs.items():
                     await self._send(rank, P.CollectiveResult(out.gid, out.seq, payloads=payloads))
+                await self._wake(out.outputs)
             elif isinstance(out, M.P2PDone):
                 await self._send(out.dst, P.P2PData(out.src, out.dst, out.tag, out.pseq, payloads=out.payloads))
+                await self._wake((out.dst,))
             else:
                 for rank in out.ranks:
                     await self._send(rank, P.Error(out.code, out.message, rank=rank, gid=out.gid, seq=out.seq))
@@ -386,10 +397,54 @@ class Coordinator:
         for act in actions:
             if isinstance(act, S.Grant):
                 await self._send(act.rank, P.SlotGrant(act.rank))
-            else:
-                # Swap actions come with the GPU issue's swap policy; the CPU
-                # scheduler never asks for them.
+            elif self.swapper is None:
+                # Only a GPU swap policy asks for swaps, and it comes with an executor.
                 raise S.SchedulerError(f"{act!r}: no swap executor is configured; please report this")
+            elif not await self._swap(act):
+                return
+        retry = getattr(self.scheduler.policy, "retry", None)
+        if retry is not None and self._result is None and (more := retry(self.scheduler)):
+            await self._actions(more)
+
+    async def _swap(self, act: S.SwapOut | S.SwapIn) -> bool:
+        """Run one swap in a worker thread (it blocks for up to seconds); a
+        failure stops the capture. Whether it succeeded."""
+        step = min((r.step for r in self.ranks.values()), default=-1)
+        fn = self.swapper.swap_out if isinstance(act, S.SwapOut) else self.swapper.swap_in
+        try:
+            await trio.to_thread.run_sync(fn, act.rank, step)
+        except Exception as e:  # SwapError, or the driver vanished
+            self._fail("swap_failed", str(e), 1)
+            return False
+        finally:
+            self._last_swap_ns = self.clock()
+        return True
+
+    async def _wake(self, ranks: Any) -> None:
+        """Data went to ``ranks``: a checkpointed one must come back to copy
+        it onto its GPU (see ``prism.core.residency``)."""
+        wake = getattr(self.scheduler.policy, "wake", None)
+        if wake is None or self._result is not None:
+            return
+        for rank in ranks:
+            if (actions := wake(rank, self.scheduler)):
+                await self._actions(actions)
+
+    async def _rescue(self, now: int) -> None:
+        """Nothing progressed for ``RESCUE_QUIET_NS`` although ranks are
+        checkpointed: bring them back as if data had reached them. A rank can
+        be released without being blocked in communication (the stall monitor
+        judges by CPU use; a GPU wait looks the same), and a checkpointed rank
+        that still had work to do would otherwise hang the capture."""
+        wake = getattr(self.scheduler.policy, "wake", None)
+        quiet = now - max(self.matcher.last_progress_ns, self._last_swap_ns)
+        if wake is None or self._result is not None or quiet < RESCUE_QUIET_NS:
+            return
+        self._last_swap_ns = now
+        for rank in range(self.world_size):
+            if (actions := wake(rank, self.scheduler)):
+                log.info("rescue: restoring rank %d after %.1f s without progress", rank, quiet / 1e9)
+                await self._actions(actions)
 
     def _fail(self, status: str, message: str, code: int) -> None:
         if self._result is None:

@@ -227,7 +227,11 @@ class Scheduler:
     def _fill(self) -> list[Action]:
         actions: list[Action] = []
         while self._queue and len(self.running) < self.slots:
-            rank = self._queue.popleft()
+            # A policy may grant out of FIFO order (GangResidency: resident ranks first, bounded).
+            pick = getattr(self.policy, "pick", None)
+            i = pick(self._queue, self) if pick is not None else 0
+            rank = self._queue[i]
+            del self._queue[i]
             actions += self.policy.before_grant(rank, self)
             self._state[rank] = RankState.RUNNING
             self.running.append(rank)

@@ -43,6 +43,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from prism.core import protocol
 from prism.rank import backend as _backend
+from prism.rank import devices as _devices
 from prism.rank import runtime as _rt
 
 #: ``module:function`` replacing ``transport.client.BlockingClient.connect``
@@ -76,7 +77,7 @@ def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) ->
     client, welcome = connect(endpoint, hello)
     rt = _rt.RankRuntime(client, welcome, hello, welcome_recv_ns=time.monotonic_ns())
     _backend.register()
-    rt.start(physical_device=device)
+    rt.start(physical_device=_devices.physical_name(device))
     _rt.install_step_hooks(rt)
     return rt
 

@@ -34,6 +34,7 @@ import orjson
 import torch
 
 import prism.rank.bootstrap
+import prism.rank.devices
 
 #: Lines of a hidden rank's output replayed on the console when it fails.
 FAILURE_TAIL_LINES = 40
@@ -96,6 +97,7 @@ def _child(spec: dict[str, Any], rank: int, out_w: int) -> None:
         if spec.get("cwd"):
             os.chdir(spec["cwd"])
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+        prism.rank.devices.install_if_requested(rank, spec["world_size"], spec["nproc_per_node"])
         code = prism.rank.bootstrap.child_main(
             spec["command"],
             rank=rank,

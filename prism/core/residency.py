@@ -1,0 +1,232 @@
+"""Gang-aware GPU residency: the swap policy of a capture on GPUs (sans-IO).
+
+Each physical GPU holds at most ``max_resident`` ranks' state at once; the
+others are checkpointed to host memory (``prism.swap``). Ranks are grouped in
+*gangs* (vocabulary in ``prism/__init__.py``): ranks that communicate densely,
+such as a TP group or a whole pipeline, enter and leave the GPU together, so
+their collectives complete without a swap in between.
+
+The policy plugs into ``prism.core.scheduler.Scheduler`` as its
+``SwapPolicy``. Besides the scheduler's hooks it has one event of its own,
+``wake(rank)``: the coordinator calls it when it delivers data (a collective
+result, a point-to-point message) to a rank. A checkpointed process's CUDA
+calls block until it is restored, and a rank copies delivered data onto its
+GPU before it asks for a slot again, so a checkpointed rank that receives
+data must be restored without waiting for its request, or it never makes
+one. A woken rank (resident or brought back) is *pinned* (evicted only when nothing else can go) until
+it is granted or blocks again; if room cannot be made at once the wake waits
+in a queue that ``retry(sched)`` serves after every scheduler event.
+
+Choosing what to evict: the least recently granted gang on that GPU whose
+resident members are neither running nor pinned; failing that, one with a
+pinned member, for a grant only (that member's wake is queued again, so it
+comes back); a gang with a running member is never evicted. A rank granted for the first time has
+no saved state and needs no ``SwapIn``.
+
+Granting order (``pick``, which the scheduler consults): a waiting rank that
+is already resident goes before the first in line, so a gang finishes its
+work between two collectives before the GPU changes hands; the first in line
+is passed over at most ``max_bypass`` times in a row.
+
+Public API: ``GangResidency(max_resident, gang_of=None, gpu_of=None)`` with
+the ``SwapPolicy`` hooks, ``wake(rank, sched)``, ``retry(sched)``,
+``resident(gpu=None)``; ``megatron_gangs(world_size, tp, dp, pp, kind)``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+
+from prism.core.scheduler import Action, RankState, Scheduler, SchedulerError, SwapIn, SwapOut
+
+GANG_KINDS = ("1", "tp", "tpxpp")
+
+
+def megatron_gangs(world_size: int, tp: int, dp: int, pp: int, kind: str) -> dict[int, int]:
+    """``rank -> gang id`` for the Megatron layout ``rank = tp_rank + TP *
+    (dp_rank + DP * pp_rank)`` (DESIGN.md): ``"1"`` one rank per gang, ``"tp"``
+    the TP groups, ``"tpxpp"`` the TP groups of one pipeline (all ranks with
+    the same dp_rank)."""
+    if tp * dp * pp != world_size:
+        raise ValueError(f"layout tp {tp} x dp {dp} x pp {pp} = {tp * dp * pp} ranks, but the world has "
+                         f"{world_size}; give --tp/--dp/--pp that multiply to the world size")
+    if kind == "1":
+        return {r: r for r in range(world_size)}
+    if kind == "tp":
+        return {r: r // tp for r in range(world_size)}
+    if kind == "tpxpp":
+        return {r: (r // tp) % dp for r in range(world_size)}
+    raise ValueError(f"gang kind {kind!r}: expected one of {', '.join(GANG_KINDS)}")
+
+
+class GangResidency:
+    """At most ``max_resident`` ranks resident per GPU, gangs kept together.
+
+    ``gang_of`` maps rank -> gang id (default: every rank its own gang);
+    ``gpu_of`` rank -> physical GPU (default: all on GPU 0). A gang must lie
+    on one GPU and fit in ``max_resident``.
+    """
+
+    def __init__(self, max_resident: int, gang_of: Mapping[int, int] | None = None,
+                 gpu_of: Mapping[int, int] | None = None, max_bypass: int = 8) -> None:
+        if max_resident < 1:
+            raise ValueError(f"--resident must be at least 1, got {max_resident}")
+        self.max_resident = max_resident
+        self.gang_of: Mapping[int, int] = gang_of if gang_of is not None else {}
+        self.gpu_of: Mapping[int, int] = gpu_of if gpu_of is not None else {}
+        self.members: dict[int, list[int]] = {}
+        for rank, gang in self.gang_of.items():
+            self.members.setdefault(gang, []).append(rank)
+        for gang, ranks in self.members.items():
+            gpus = {self._gpu(r) for r in ranks}
+            if len(gpus) > 1:
+                raise ValueError(f"gang {gang} (ranks {sorted(ranks)}) spans GPUs {sorted(gpus)}: a gang must "
+                                 "share one GPU; choose a smaller gang or fewer GPUs")
+            if len(ranks) > max_resident:
+                raise ValueError(f"gang {gang} has {len(ranks)} ranks but --resident is {max_resident}: "
+                                 "raise --resident to at least the gang size or choose a smaller gang")
+        #: Per GPU: resident ranks, least recently granted gang first.
+        self._resident: dict[int, OrderedDict[int, None]] = {}
+        self.pinned: set[int] = set()
+        self._wakes: deque[int] = deque()
+        self.max_bypass = max_bypass
+        self._bypassed: dict[int, int] = {}
+
+    # --- queries -------------------------------------------------------------
+
+    def _gpu(self, rank: int) -> int:
+        return self.gpu_of.get(rank, 0)
+
+    def _gang(self, rank: int) -> list[int]:
+        gang = self.gang_of.get(rank)
+        return self.members[gang] if gang is not None else [rank]
+
+    def resident(self, gpu: int | None = None) -> list[int]:
+        """Resident ranks (of one GPU, or of all), least recently granted first."""
+        if gpu is not None:
+            return list(self._resident.get(gpu, ()))
+        return [r for res in self._resident.values() for r in res]
+
+    def is_resident(self, rank: int) -> bool:
+        return rank in self._resident.get(self._gpu(rank), ())
+
+    # --- SwapPolicy ----------------------------------------------------------
+
+    def before_grant(self, rank: int, sched: Scheduler) -> list[Action]:
+        self.pinned.discard(rank)
+        actions = self._bring_in(rank, sched, for_grant=True)
+        if actions is None:
+            raise SchedulerError(
+                f"rank {rank}: no room on GPU {self._gpu(rank)} (--resident {self.max_resident}, resident "
+                f"{self.resident(self._gpu(rank))}, running {sched.running}); --resident must be at least the "
+                "gang size times the ranks that may run at once on a GPU")
+        res = self._resident[self._gpu(rank)]
+        for m in self._gang(rank):
+            if m in res:
+                res.move_to_end(m)
+        return actions
+
+    def on_release(self, rank: int, sched: Scheduler) -> list[Action]:
+        self.pinned.discard(rank)
+        return []
+
+    def on_finish(self, rank: int, sched: Scheduler) -> list[Action]:
+        # A finished rank's memory is freed when its process exits: no swap.
+        self._resident.get(self._gpu(rank), OrderedDict()).pop(rank, None)
+        self.pinned.discard(rank)
+        if rank in self._wakes:
+            self._wakes.remove(rank)
+        return []
+
+    def pick(self, queue, sched: Scheduler) -> int:
+        """Which waiting rank to grant: the first one that is resident (no swap
+        needed), unless the first in line has been passed over ``max_bypass``
+        times already (so every rank is granted in the end)."""
+        head = queue[0]
+        if self.is_resident(head) or self._bypassed.get(head, 0) >= self.max_bypass:
+            self._bypassed.pop(head, None)
+            return 0
+        for i, rank in enumerate(queue):
+            if self.is_resident(rank):
+                self._bypassed[head] = self._bypassed.get(head, 0) + 1
+                return i
+        self._bypassed.pop(head, None)
+        return 0
+
+    # --- wakes -------------------------------------------------------------
+
+    def wake(self, rank: int, sched: Scheduler) -> list[Action]:
+        """Data was delivered to ``rank``: bring it back if it is checkpointed."""
+        if sched.state(rank) != RankState.BLOCKED or rank not in sched.started:
+            return []
+        if self.is_resident(rank):
+            # It needs its GPU to take the data in: not the next one to go.
+            self.pinned.add(rank)
+            return []
+        actions = self._bring_in(rank, sched, for_grant=False)
+        if actions is None:
+            if rank not in self._wakes:
+                self._wakes.append(rank)
+            return []
+        self.pinned.add(rank)
+        return actions
+
+    def retry(self, sched: Scheduler) -> list[Action]:
+        """Serve the queued wakes that fit now."""
+        actions: list[Action] = []
+        for _ in range(len(self._wakes)):
+            rank = self._wakes.popleft()
+            actions += self.wake(rank, sched)
+        return actions
+
+    # --- making room ---------------------------------------------------------
+
+    def _bring_in(self, rank: int, sched: Scheduler, *, for_grant: bool) -> list[Action] | None:
+        gpu = self._gpu(rank)
+        res = self._resident.setdefault(gpu, OrderedDict())
+        mates = [m for m in self._gang(rank) if m != rank and m not in res and m in sched.started
+                 and sched.state(m) != RankState.FINISHED]
+        want = ([] if rank in res else [rank]) + mates
+        actions: list[Action] = []
+        while want and len(res) + len(want) > self.max_resident:
+            victims = self._victims(gpu, rank, sched, allow_pinned=for_grant)
+            if victims is None:
+                if len(want) > 1:
+                    # Room for the rank itself is what matters; mates follow later.
+                    want = want[:1] if want[0] == rank else []
+                    continue
+                return None if want else actions
+            for v in victims:
+                del res[v]
+                actions.append(SwapOut(v))
+                if v in self.pinned:
+                    self.pinned.discard(v)
+                    if v not in self._wakes:
+                        self._wakes.append(v)
+        for m in want:
+            res[m] = None
+            if m in sched.started:
+                actions.append(SwapIn(m))
+        return actions
+
+    def _victims(self, gpu: int, rank: int, sched: Scheduler, *, allow_pinned: bool) -> list[int] | None:
+        """The resident members of the gang to evict, or None. Only a grant may
+        evict a pinned rank: two wakes evicting each other would never end."""
+        res = self._resident[gpu]
+        own = self.gang_of.get(rank, ("rank", rank))
+        fallback = None
+        seen: set = set()
+        for r in res:
+            gang = self.gang_of.get(r, ("rank", r))
+            if gang in seen or gang == own:
+                continue
+            seen.add(gang)
+            members = [m for m in res if self.gang_of.get(m, ("rank", m)) == gang]
+            if any(sched.state(m) == RankState.RUNNING for m in members):
+                continue
+            if any(m in self.pinned for m in members):
+                fallback = fallback or members
+                continue
+            return members
+        return fallback if allow_pinned else None

@@ -1,0 +1,307 @@
+"""Logical CUDA devices: a script written for an 8-GPU node runs unchanged
+when its rank is given one physical GPU (or shares one with other ranks).
+
+A rank with ``LOCAL_RANK`` 5 calls ``torch.cuda.set_device(5)``, builds
+tensors on ``cuda:5`` and asks ``torch.cuda.device_count()``; under Prism its
+process sees exactly one GPU, the physical one it was given, as in-process
+device 0 (``CUDA_VISIBLE_DEVICES`` is set to it before CUDA initialises), and
+every logical index ``0 .. nproc_per_node-1`` names that device.
+
+How (Python-level interception, chosen over a preloaded ``libcudart`` shim):
+
+- ``torch.cuda.set_device``, ``device``, ``current_device``,
+  ``device_count`` and the index resolver ``_get_device_index`` (which
+  ``get_device_properties``, ``mem_get_info``, ``max_memory_allocated`` and the
+  other memory statistics use) are replaced in ``torch.cuda`` and
+  ``torch.cuda.memory``. The script sees logical values (``device_count()`` is
+  ``nproc_per_node``; ``current_device()`` is the last logical index it
+  selected); callers inside torch (other than ``torch.distributed``, whose
+  ``DeviceMesh`` sizes hosts by ``device_count``) keep getting in-process
+  values, because they feed them straight to C++.
+- Explicit device arguments (``tensor.to(5)``, ``.to("cuda:5")``,
+  ``.cuda(5)``, ``torch.zeros(..., device=torch.device("cuda", 5))``) are
+  rewritten to ``cuda:0`` by a ``TorchFunctionMode`` pushed on the script's
+  thread. ``bench/gpu_capture.py`` measures its cost per call.
+
+A libcudart shim would also relabel tensors (``t.device`` would print
+``cuda:5``), but torch sizes per-device tables by the count and reaches
+devices through the driver API, NVML and the caching allocator too, so every
+path would need shimming; the Python route touches only what scripts call.
+
+Limits (documented, not hidden): ``tensor.device`` and ``tensor.get_device()``
+show ``cuda:0``; the rewrite mode is thread-local, so device arguments given
+in threads the script starts are not rewritten (``set_device`` and friends
+work everywhere); ``torch.Generator(device="cuda:5")`` and other
+non-``torch``-function constructors are not rewritten; a logical index
+``>= nproc_per_node`` raises as an invalid ordinal would.
+
+Public API: ``install(rank, world_size, nproc_per_node, gpus=None)``,
+``install_if_requested(rank, world_size, nproc_per_node)`` (the fork server's hook),
+``choose_gpu(rank, world_size, gpus)``, ``physical_name(device)``, ``LogicalDeviceMode``,
+``rewrite_device(obj)``, ``installed()``, ``PHYSICAL_ENV``, ``GPUS_ENV``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+#: One physical GPU for this rank ("3" or "cuda:3"); wins over ``GPUS_ENV``.
+PHYSICAL_ENV = "PRISM_PHYSICAL_DEVICE"
+#: Comma-separated physical GPUs shared by the run (``prism capture --gpus``);
+#: ranks are assigned to them in contiguous blocks.
+GPUS_ENV = "PRISM_GPUS"
+
+_CUDA_INDEX = re.compile(r"cuda:(\d+)")
+_state: _Logical | None = None
+
+
+class _Logical:
+    __slots__ = ("count", "current", "physical", "mode")
+
+    def __init__(self, count: int, current: int, physical: int) -> None:
+        self.count = count
+        self.current = current
+        self.physical = physical
+        self.mode: LogicalDeviceMode | None = None
+
+
+def installed() -> bool:
+    """Whether logical devices are installed in this process."""
+    return _state is not None
+
+
+def physical_name(device: str) -> str:
+    """The physical GPU behind a logical ``cuda:i`` (as NVML numbers GPUs);
+    ``device`` itself when logical devices are not installed or it is not CUDA."""
+    if _state is None or not device.startswith("cuda"):
+        return device
+    return f"cuda:{_state.physical}"
+
+
+def choose_gpu(rank: int, world_size: int, gpus: Sequence[int]) -> int:
+    """The physical GPU of ``rank``: contiguous blocks of ranks per GPU, so
+    neighbours (a TP group, a pipeline) share a GPU and swap as a gang."""
+    if not gpus:
+        raise ValueError("no physical GPU to place ranks on: give --gpus or set " + GPUS_ENV)
+    return gpus[rank * len(gpus) // world_size]
+
+
+def parse_gpus(text: str) -> list[int]:
+    """``"0,1,3"`` -> ``[0, 1, 3]``; ``"cuda:2"`` -> ``[2]``."""
+    out = []
+    for word in text.replace("cuda:", "").split(","):
+        word = word.strip()
+        if not word:
+            continue
+        if not word.isdigit():
+            raise ValueError(f"GPU list {text!r}: {word!r} is not a GPU index (expected e.g. 0,1 or cuda:0)")
+        out.append(int(word))
+    return out
+
+
+def _logical_index(device: Any) -> int | None:
+    """The index the script named, or None for "the current device"."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+        return device.index
+    if isinstance(device, torch.cuda.device):
+        return _state.current if _state is not None else None
+    raise ValueError(f"cannot read a CUDA device index from {device!r}")
+
+
+def _check(index: int | None, what: str) -> None:
+    if index is not None and _state is not None and not (-1 <= index < _state.count):
+        raise RuntimeError(
+            f"{what}: CUDA device {index} does not exist on this emulated node, which has "
+            f"{_state.count} (nproc_per_node); logical devices are 0..{_state.count - 1} "
+            "(your script's or launch options' fault: check LOCAL_RANK use and --nproc-per-node)")
+
+
+def rewrite_device(obj: Any) -> Any:
+    """``obj`` with any CUDA index replaced by in-process device 0 (the rank's
+    physical GPU); anything else is returned unchanged."""
+    if isinstance(obj, torch.device):
+        if obj.type == "cuda" and obj.index not in (None, 0):
+            _check(obj.index, "device")
+            return torch.device("cuda", 0)
+        return obj
+    if isinstance(obj, str) and obj.startswith("cuda:"):
+        m = _CUDA_INDEX.fullmatch(obj)
+        if m and m.group(1) != "0":
+            _check(int(m.group(1)), "device")
+            return "cuda:0"
+    return obj
+
+
+_INT_DEVICE_FIRST = {torch.Tensor.to, torch.Tensor.cuda}
+
+
+class LogicalDeviceMode(TorchFunctionMode):
+    """Rewrites explicit CUDA device arguments (``device=`` anywhere,
+    ``torch.device``/``"cuda:N"`` positional, an int first argument of
+    ``Tensor.to``/``Tensor.cuda``) to in-process device 0."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.device:
+            # torch.device(...) reaches modes too; a device object keeps its
+            # logical index until it is used.
+            return func(*args, **(kwargs or {}))
+        if kwargs:
+            dev = kwargs.get("device")
+            if dev is not None:
+                if isinstance(dev, int) and dev > 0:
+                    _check(dev, getattr(func, "__name__", "device"))
+                    kwargs = {**kwargs, "device": 0}
+                else:
+                    new = rewrite_device(dev)
+                    if new is not dev:
+                        kwargs = {**kwargs, "device": new}
+        else:
+            kwargs = {}
+        if len(args) > 1:
+            first = args[1]
+            if isinstance(first, int) and not isinstance(first, bool) and first > 0 and func in _INT_DEVICE_FIRST:
+                _check(first, getattr(func, "__name__", "device"))
+                args = (args[0], 0, *args[2:])
+            elif isinstance(first, (torch.device, str)):
+                new = rewrite_device(first)
+                if new is not first:
+                    args = (args[0], new, *args[2:])
+        elif args and isinstance(args[0], (torch.device, str)):
+            new = rewrite_device(args[0])
+            if new is not args[0]:
+                args = (new,)
+        return func(*args, **kwargs)
+
+
+def _from_torch_internals() -> bool:
+    """Whether the caller of the patched function is torch itself (and not
+    torch.distributed, which reasons in per-host device counts)."""
+    name = sys._getframe(2).f_globals.get("__name__", "")
+    return name.startswith("torch.") and not name.startswith("torch.distributed")
+
+
+def install(rank: int, world_size: int, nproc_per_node: int, gpus: Sequence[int] | None = None) -> int | None:
+    """Give this rank process its physical GPU and logical devices
+    ``0..nproc_per_node-1``; returns the physical GPU, or None (nothing done)
+    when the machine has no CUDA device. Must run before CUDA initialises
+    (in the fork server's child, before the script)."""
+    global _state
+    if _state is not None:
+        return _state.physical
+    if torch.cuda.is_initialized():
+        raise RuntimeError("prism.rank.devices.install: CUDA is already initialised in this process; "
+                           "this is a Prism bug (install runs before the script), please report it")
+    # NVML's count: initialising CUDA here would fix CUDA_VISIBLE_DEVICES too early.
+    if torch.cuda.device_count() == 0:
+        return None
+    env = os.environ
+    if env.get(PHYSICAL_ENV):
+        physical = parse_gpus(env[PHYSICAL_ENV])[0]
+    else:
+        if gpus is None:
+            gpus = parse_gpus(env[GPUS_ENV]) if env.get(GPUS_ENV) else list(range(torch.cuda.device_count()))
+        physical = choose_gpu(rank, world_size, gpus)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        entries = [v for v in visible.split(",") if v.strip()]
+        if physical >= len(entries):
+            raise ValueError(f"rank {rank}: physical GPU {physical} is not among CUDA_VISIBLE_DEVICES={visible}")
+        env["CUDA_VISIBLE_DEVICES"] = entries[physical]
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = str(physical)
+    env[PHYSICAL_ENV] = str(physical)
+    # torchrun gives no default device: it stays 0 until the script selects one.
+    _state = _Logical(nproc_per_node, 0, physical)
+    _patch_torch_cuda()
+    _state.mode = LogicalDeviceMode()
+    _state.mode.__enter__()
+    return physical
+
+
+def install_if_requested(rank: int, world_size: int, nproc_per_node: int) -> int | None:
+    """``install`` when the launch asked for GPUs (``PRISM_GPUS`` or
+    ``PRISM_PHYSICAL_DEVICE`` set, as ``prism capture`` does for a CUDA
+    command or ``--gpus``); CPU captures and ground-truth runs stay untouched."""
+    if not (os.environ.get(GPUS_ENV) or os.environ.get(PHYSICAL_ENV)):
+        return None
+    return install(rank, world_size, nproc_per_node)
+
+
+def _patch_torch_cuda() -> None:
+    import torch.cuda.memory as cmem
+
+    cuda = torch.cuda
+    orig_index = cuda._get_device_index
+    orig_set = cuda.set_device
+    orig_current = cuda.current_device
+    orig_count = cuda.device_count
+    orig_device = cuda.device
+
+    def _get_device_index(device: Any, optional: bool = False, allow_cpu: bool = False) -> int:
+        if isinstance(device, (int, str, torch.device)):
+            index = device if isinstance(device, int) else torch.device(device).index
+            if isinstance(device, int) or (torch.device(device).type == "cuda"):
+                _check(index, "device")
+                if index is not None and index >= 0:
+                    return 0
+        result = orig_index(device, optional, allow_cpu)
+        return 0 if result > 0 else result
+
+    def set_device(device: Any) -> None:
+        index = _logical_index(device)
+        _check(index, "torch.cuda.set_device")
+        if index is not None and index >= 0:
+            _state.current = index
+            orig_set(0)
+
+    def current_device() -> int:
+        if _from_torch_internals():
+            return orig_current()
+        orig_current()  # initialises CUDA as the original would
+        return _state.current
+
+    def device_count() -> int:
+        if _from_torch_internals():
+            return orig_count()
+        return _state.count if orig_count() > 0 else 0
+
+    class device(orig_device):  # noqa: N801 (torch's name)
+        __doc__ = orig_device.__doc__
+
+        def __init__(self, dev: Any) -> None:
+            self.logical = _logical_index(dev)
+            _check(self.logical, "torch.cuda.device")
+            super().__init__(dev)
+            self.prev_logical = None
+
+        def __enter__(self):
+            self.prev_logical = _state.current
+            if self.logical is not None and self.logical >= 0:
+                _state.current = self.logical
+            return super().__enter__()
+
+        def __exit__(self, *exc: Any):
+            _state.current = self.prev_logical
+            return super().__exit__(*exc)
+
+    cuda._get_device_index = _get_device_index
+    cmem._get_device_index = _get_device_index
+    cuda.set_device = set_device
+    cuda.current_device = current_device
+    cuda.device_count = device_count
+    cuda.device = device

@@ -1,0 +1,123 @@
+"""Logical devices (prism/rank/devices.py): the rewriting on CPU, every call
+a script makes on a GPU (in a fresh process, since install patches torch)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from prism.rank import devices
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_choose_gpu_gives_contiguous_blocks():
+    assert [devices.choose_gpu(r, 8, [0]) for r in range(8)] == [0] * 8
+    assert [devices.choose_gpu(r, 8, [0, 1]) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [devices.choose_gpu(r, 6, [2, 5, 7]) for r in range(6)] == [2, 2, 5, 5, 7, 7]
+    with pytest.raises(ValueError, match="no physical GPU"):
+        devices.choose_gpu(0, 8, [])
+
+
+def test_parse_gpus():
+    assert devices.parse_gpus("0,1, 3") == [0, 1, 3]
+    assert devices.parse_gpus("cuda:2") == [2]
+    with pytest.raises(ValueError, match="'x' is not a GPU index"):
+        devices.parse_gpus("0,x")
+
+
+def test_rewrite_device_maps_every_cuda_index_to_device_0():
+    assert devices.rewrite_device(torch.device("cuda", 5)) == torch.device("cuda", 0)
+    assert devices.rewrite_device("cuda:7") == "cuda:0"
+    assert devices.rewrite_device(torch.device("cuda")) == torch.device("cuda")
+    assert devices.rewrite_device("cpu") == "cpu"
+    assert devices.rewrite_device(torch.device("cpu")) == torch.device("cpu")
+    assert devices.rewrite_device("cuda:x") == "cuda:x"  # not a device string: left alone
+
+
+class _Record(TorchFunctionMode):
+    """Below the logical mode: records what reaches torch, returns a CPU stand-in."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.device:  # torch.device(...) reaches modes too
+            return func(*args, **(kwargs or {}))
+        self.calls.append((getattr(func, "__name__", str(func)), args[1:], dict(kwargs or {})))
+        return torch.zeros(1)
+
+
+def test_mode_rewrites_explicit_device_arguments_on_cpu():
+    t = torch.arange(3.0)
+    rec = _Record()
+    with rec, devices.LogicalDeviceMode():
+        t.to(5)
+        t.to("cuda:6")
+        t.cuda(7)
+        t.to(torch.device("cuda", 3), torch.float16)
+        torch.zeros(2, device=torch.device("cuda", 4))
+        torch.ones(2, device="cuda:2")
+        torch.empty(2, device=1)
+        t.to("cpu")
+        t.add(True)  # a bool is no device index
+        logical = (torch.device("cuda:5"), torch.device("cuda", 6))
+    assert logical == (torch.device("cuda", 5), torch.device("cuda", 6))
+    got = [(name, args, kw.get("device")) for name, args, kw in rec.calls]
+    assert got == [
+        ("to", (0,), None),
+        ("to", ("cuda:0",), None),
+        ("cuda", (0,), None),
+        ("to", (torch.device("cuda", 0), torch.float16), None),
+        ("zeros", (), torch.device("cuda", 0)),
+        ("ones", (), "cuda:0"),
+        ("empty", (), 0),
+        ("to", ("cpu",), None),
+        ("add", (True,), None),
+    ]
+
+
+def test_install_without_cuda_does_nothing():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only path; this machine has a CUDA device")
+    assert devices.install(5, 8, 8) is None
+    assert not devices.installed()
+    assert devices.physical_name("cuda:5") == "cuda:5"
+    assert torch.cuda.device_count() == 0
+
+
+def _probe(rank: int, world: int, nproc: int, **env: str) -> dict:
+    e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), NPROC=str(nproc), **env)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH", "")) if p)
+    e.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "devices_probe.py")], env=e,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rank", [0, 5, 7])
+def test_every_call_with_logical_devices(rank):
+    out = _probe(rank, 8, 8, PRISM_PHYSICAL_DEVICE="0", PROBE_MESH="1")
+    assert out["physical"] == 0 and out["visible"] == "0"
+    assert out["device_count"] == 8 and out["physical_name"] == "cuda:0"
+    assert out["current_after_set"] == rank
+    assert out["current_in_ctx"] == (rank + 1) % 8
+    assert out["current_after_ctx"] == rank
+    for key in ("to_int", "to_str", "cuda_int", "factory_device", "factory_str", "module_to"):
+        assert out[key] == "cuda:0", key
+    assert out["props_name"] == torch.cuda.get_device_properties(0).name
+    assert out["mem_get_info_ok"]
+    assert out["max_allocated"] >= 4 << 20
+    assert out["sum"] == 12.0
+    assert "device 8 does not exist on this emulated node, which has 8" in out["bad_index"]
+    assert out["mesh"] == "cuda" and out["current_after_mesh"] == rank

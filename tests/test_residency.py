@@ -1,0 +1,139 @@
+"""Gang-aware residency (prism/core/residency.py) through the scheduler."""
+
+import pytest
+
+from prism.core.residency import GangResidency, megatron_gangs
+from prism.core.scheduler import Grant, RankState, Scheduler, SchedulerError, SwapIn, SwapOut
+
+
+def test_megatron_gangs_from_the_layout():
+    # tp2 dp2 pp2: rank = tp + 2 * (dp + 2 * pp)
+    assert megatron_gangs(8, 2, 2, 2, "tp") == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2, 6: 3, 7: 3}
+    pipe = megatron_gangs(8, 2, 2, 2, "tpxpp")
+    assert sorted(r for r, g in pipe.items() if g == pipe[0]) == [0, 1, 4, 5]
+    assert sorted(r for r, g in pipe.items() if g == pipe[2]) == [2, 3, 6, 7]
+    assert megatron_gangs(4, 1, 4, 1, "1") == {0: 0, 1: 1, 2: 2, 3: 3}
+    with pytest.raises(ValueError, match="multiply to the world size"):
+        megatron_gangs(8, 2, 2, 1, "tp")
+
+
+def test_gang_must_fit_and_share_a_gpu():
+    with pytest.raises(ValueError, match="raise --resident to at least the gang size"):
+        GangResidency(1, {0: 0, 1: 0})
+    with pytest.raises(ValueError, match="spans GPUs"):
+        GangResidency(2, {0: 0, 1: 0}, {0: 0, 1: 1})
+
+
+def _sched(world, resident, gangs=None, slots=1):
+    policy = GangResidency(resident, gangs)
+    return Scheduler(slots, range(world), policy), policy
+
+
+def test_first_grants_need_no_swap_in_and_lru_is_evicted():
+    s, p = _sched(3, 2)
+    assert s.request(0) == [Grant(0)]
+    assert s.request(1) == []
+    assert s.release(0) == [Grant(1)]
+    assert s.request(2) == []
+    # Rank 0 blocked longest ago: it goes out for rank 2.
+    assert s.release(1) == [SwapOut(0), Grant(2)]
+    assert p.resident() == [1, 2]
+    assert s.request(0) == []
+    assert s.release(2) == [SwapOut(1), SwapIn(0), Grant(0)]
+
+
+def test_gang_enters_and_leaves_together():
+    gangs = {0: 0, 1: 0, 2: 1, 3: 1}
+    s, p = _sched(4, 2, gangs)
+    s.request(0), s.request(1), s.request(2), s.request(3)
+    assert s.release(0) == [Grant(1)]
+    assert s.release(1) == [SwapOut(0), SwapOut(1), Grant(2)]
+    assert s.release(2) == [Grant(3)]
+    s.request(0)
+    # Rank 1 is started and in 0's gang: it comes back too.
+    assert s.release(3) == [SwapOut(2), SwapOut(3), SwapIn(0), SwapIn(1), Grant(0)]
+    assert sorted(p.resident()) == [0, 1]
+
+
+def test_wake_restores_a_checkpointed_blocked_rank_and_pins_it():
+    s, p = _sched(3, 2)
+    s.request(0)
+    s.request(1), s.request(2)
+    s.release(0)  # grant 1
+    s.release(1)  # 0 out, grant 2
+    assert not p.is_resident(0) and s.state(0) == RankState.BLOCKED
+    # Data for 0 arrives: it must come back; 1 (blocked, not pinned) goes.
+    assert p.wake(0, s) == [SwapOut(1), SwapIn(0)]
+    assert 0 in p.pinned
+    # A wake for a resident or running rank does nothing.
+    assert p.wake(0, s) == [] and p.wake(2, s) == []
+    # 1 wants to run: 2 (blocked, not pinned) goes rather than the pinned 0.
+    s.request(1)
+    assert s.release(2) == [SwapOut(2), SwapIn(1), Grant(1)]
+    assert p.retry(s) == []
+
+
+def test_pinned_rank_is_evicted_last_and_its_wake_requeued():
+    s, p = _sched(2, 1)
+    s.request(0), s.request(1)
+    assert s.release(0) == [SwapOut(0), Grant(1)]
+    s.release(1)
+    assert p.wake(0, s) == [SwapOut(1), SwapIn(0)]
+    # Only the pinned rank can make room for 1's grant.
+    assert s.request(1) == [SwapOut(0), SwapIn(1), Grant(1)]
+    assert p.retry(s) == []  # 1 runs
+    s.release(1)
+    assert p.retry(s) == [SwapOut(1), SwapIn(0)]
+
+
+def test_wake_waits_when_nothing_can_go():
+    s, p = _sched(3, 1)
+    s.request(0), s.request(1)
+    s.release(0)  # 0 out, grant 1
+    assert s.running == [1]
+    assert p.wake(0, s) == []  # only the running rank is resident
+    s.request(2)
+    assert s.release(1) == [SwapOut(1), Grant(2)]
+    assert p.retry(s) == []  # 2 runs now
+    s.release(2)
+    assert p.retry(s) == [SwapOut(2), SwapIn(0)]
+
+
+def test_no_room_for_a_grant_is_reported():
+    s, p = _sched(2, 1, slots=2)
+    s.request(0)
+    with pytest.raises(SchedulerError, match="no room on GPU 0"):
+        s.request(1)
+
+
+def test_finished_rank_leaves_without_a_swap():
+    s, p = _sched(2, 1)
+    s.request(0), s.request(1)
+    assert s.finish(0) == [Grant(1)]
+    assert p.resident() == [1]
+
+
+def test_resident_ranks_are_granted_first_with_bounded_bypass():
+    s, p = _sched(3, 2)
+    p.max_bypass = 2
+    s.request(0), s.request(1)
+    s.release(0)  # 1 runs; 0 and 1 resident
+    s.request(2), s.request(0)  # queue: 2 (not resident), 0 (resident)
+    assert s.release(1) == [Grant(0)]  # 0 passes 2 (once)
+    s.request(1)
+    assert s.release(0) == [Grant(1)]  # twice
+    s.request(0)
+    # 2 has been passed over max_bypass times: it goes now, the LRU rank 0 makes room.
+    assert s.release(1) == [SwapOut(0), Grant(2)]
+
+
+def test_data_to_a_resident_blocked_rank_pins_it():
+    # Data reached 0 and 1 while resident; 2's grant must not evict them
+    # silently: they go only as a last resort, and come back by themselves.
+    s, p = _sched(3, 2)
+    s.request(0), s.request(1)
+    s.release(0)
+    s.request(2)
+    assert p.wake(0, s) == [] and 0 in p.pinned
+    assert s.release(1) == [SwapOut(1), Grant(2)]  # 1 (not pinned) goes, 0 stays
+    assert p.retry(s) == []
