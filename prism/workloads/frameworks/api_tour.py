@@ -5,7 +5,8 @@
 Not a training loop: a tour whose every result is printed, so that two runs
 (gloo and Prism) can be compared line by line. Covers the tensor collectives
 under the ReduceOps gloo implements, the point-to-point calls
-(``send``/``recv``, ``isend``/``irecv``, ``batch_isend_irecv``), the object
+(``send``/``recv``, ``isend``/``irecv``, ``batch_isend_irecv``), all_reduces
+coalesced by ``_coalescing_manager()``, the object
 collectives (``all_gather_object``, ``broadcast_object_list``,
 ``gather_object``, ``scatter_object_list``, ``send_object_list`` /
 ``recv_object_list``), subgroups (``new_group``, ``new_subgroups``), the
@@ -52,6 +53,11 @@ def main():
         t = mine(scale=0.5)
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
         show(f"all_reduce_{op}", t)
+    a, b = mine(), mine(3, scale=2.0)
+    with dist._coalescing_manager():  # one all_reduce_coalesced on the group
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    show("coalesced_all_reduce", torch.cat([a, b]))
     t = mine()
     dist.broadcast(t, src=1)
     show("broadcast", t)
