@@ -278,7 +278,7 @@ class TensorValue:
     """A small tensor's value (the small-tensor store).
 
     ``ref`` names what it belongs to: ``"coll:{gid}:{seq}:{role}"`` or
-    ``"p2p:{src}:{dst}:{tag}:{pseq}"``; role is "in", "out" or "out{i}".
+    ``"p2p:{src}:{dst}:{tag}:{pseq}"``; role is "in", "out", "in{i}" or "out{i}".
     ``data`` holds the raw little-endian bytes.
     """
 
@@ -1074,7 +1074,7 @@ class Problem:
         return f"{self.file}:{self.line} rank {who} {self.field or '-'}: {self.message}"
 
 
-_COLL_REF = re.compile(r"coll:([^:]+):(\d+):(in|out\d*)")
+_COLL_REF = re.compile(r"coll:([^:]+):(\d+):((?:in|out)\d*)")
 _P2P_REF = re.compile(r"p2p:(\d+):(\d+):(-?\d+):(\d+)")
 
 
