@@ -215,8 +215,9 @@ def test_dcp_save_and_load_match_gloo(runs, tmp_path):
 
 
 def test_api_tour_prints_what_gloo_prints_on_every_rank(runs):
-    _, _, logs, _ = runs.prism("api_tour.py")
+    _, run_dir, logs, _ = runs.prism("api_tour.py")
     gloo = runs.gloo("api_tour.py")
+    assert T.validate_run(T.read_run(run_dir)) == []
     for rank in range(WORLD):
         want = [line for line in gloo[rank].splitlines() if line.startswith(f"rank {rank} ")]
         got = [line for line in logs[rank].splitlines() if line.startswith(f"rank {rank} ")]

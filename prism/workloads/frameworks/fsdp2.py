@@ -12,12 +12,12 @@ Flags that change the collectives FSDP2 issues:
 
 ``--mixed``            ``MixedPrecisionPolicy(param_dtype=bfloat16,
                        reduce_dtype=float32)``: bfloat16 all-gathers.
-``--divide-factor F``  ``set_gradient_divide_factor(F)``: a reduce-scatter
-                       under ``PREMUL_SUM(1/F)`` instead of ``AVG`` (F other
-                       than the world size).
-``--sum``              ``set_force_sum_reduction_for_comms(True)``: SUM
-                       reduce-scatters, the division done locally (what
-                       backends without AVG need).
+``--divide-factor F``  ``set_gradient_divide_factor(F)`` on every FSDP
+                       module: reduce-scatters under ``PREMUL_SUM(1/F)``
+                       instead of ``AVG`` (F other than the world size).
+``--sum``              ``set_force_sum_reduction_for_comms(True)`` on every
+                       FSDP module: SUM reduce-scatters, the division done
+                       locally (what backends without AVG or PREMUL_SUM need).
 ``--no-reshard``       ``reshard_after_forward=False``.
 
 Output: rank 0 prints ``step K loss X`` (X: ``repr`` of the global-batch mean
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 class Block(nn.Module):
@@ -90,10 +90,13 @@ def main():
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    if args.divide_factor is not None:
-        model.set_gradient_divide_factor(args.divide_factor)
-    if args.sum:
-        model.set_force_sum_reduction_for_comms(True)
+    # Both settings are per FSDP module (the root's does not reach the blocks).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            if args.divide_factor is not None:
+                module.set_gradient_divide_factor(args.divide_factor)
+            if args.sum:
+                module.set_force_sum_reduction_for_comms(True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     for step in range(args.steps):
