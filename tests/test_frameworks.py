@@ -9,6 +9,10 @@ mathematically equal gloo-supported setting, as the test says. The traces are
 checked for the collectives each framework is known to issue, so a test
 cannot pass by the work silently not reaching the backend.
 
+Both sides run on CPU even where CUDA is present (``CUDA_VISIBLE_DEVICES``
+empty): the scripts would pick NCCL and one GPU per rank otherwise, and a
+world of 4 on a one-GPU machine cannot run NCCL.
+
 Every run costs ~10-60 s on the shared 2-core box: all are ``slow``, and
 each run is made once per session and shared by the tests that need it.
 """
@@ -32,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FW = ROOT / "prism" / "workloads" / "frameworks"
 WORLD = 4
 REL = 1e-5
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 #: The scripts' closing lines: ``param checksum X``, ``checkpoint files N`` ...
 SUMMARY = re.compile(r"^(param checksum|reloaded checksum|checkpoint files|shard sizes) (.*)$", re.MULTILINE)
 
@@ -63,14 +68,14 @@ class Runs:
         if key not in self.cache:
             argv = [_script(script), *args]
             try:
-                results = run_world(argv, WORLD, cwd=str(ROOT), timeout=300)
+                results = run_world(argv, WORLD, cwd=str(ROOT), timeout=300, env=CPU_ONLY)
             except WorldError as e:
                 # gloo itself sometimes aborts at teardown on this box ("terminate
                 # called without an active exception", exit -6, after the script's
                 # last line); the ground truth gets one more try, Prism never does.
                 if "exit -6" not in str(e):
                     raise
-                results = run_world(argv, WORLD, cwd=str(ROOT), timeout=300)
+                results = run_world(argv, WORLD, cwd=str(ROOT), timeout=300, env=CPU_ONLY)
             self.cache[key] = {r.rank: r.stdout for r in results}
         return self.cache[key]
 
@@ -78,7 +83,7 @@ class Runs:
         key = ("prism", script, args)
         if key not in self.cache:
             run_dir = self.base / f"{Path(script).stem}-{len(self.cache)}"
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            env = {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
             proc = subprocess.run(
                 [sys.executable, "-m", "prism", "capture", "-n", str(WORLD), "--out", str(run_dir),
                  "--progress", "off", "--show-ranks", "none", "--quiet-period", "120", "--",
