@@ -13,12 +13,14 @@ Both sides run on CPU even where CUDA is present (``CUDA_VISIBLE_DEVICES``
 empty): the scripts would pick NCCL and one GPU per rank otherwise, and a
 world of 4 on a one-GPU machine cannot run NCCL.
 
-Every run costs ~10-60 s on the shared 2-core box: all are ``slow``, and
-each run is made once per session and shared by the tests that need it.
+Every run costs ~10-60 s on the shared 2-core box: those tests are
+``slow``, and each run is made once per session and shared by the tests that
+need it.
 """
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import re
@@ -39,9 +41,6 @@ REL = 1e-5
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 #: The scripts' closing lines: ``param checksum X``, ``checkpoint files N`` ...
 SUMMARY = re.compile(r"^(param checksum|reloaded checksum|checkpoint files|shard sizes) (.*)$", re.MULTILINE)
-
-pytestmark = pytest.mark.slow
-
 
 def _script(name: str) -> str:
     return name if os.path.isabs(name) else str(FW / name)
@@ -133,6 +132,7 @@ def ops(run_dir: Path) -> Counter:
 # --- FSDP2 -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fsdp2_nested_avg_matches_gloo(runs):
     _, run_dir, logs, _ = runs.prism("fsdp2.py")
     assert_same_outputs(logs, runs.gloo("fsdp2.py"))
@@ -143,6 +143,7 @@ def test_fsdp2_nested_avg_matches_gloo(runs):
     assert seen[("all_gather_into_tensor", "", "float32")] >= 3 * 3 * WORLD
 
 
+@pytest.mark.slow
 def test_fsdp2_mixed_precision_matches_gloo(runs):
     _, run_dir, logs, _ = runs.prism("fsdp2.py", "--mixed")
     assert_same_outputs(logs, runs.gloo("fsdp2.py", "--mixed"))
@@ -152,6 +153,7 @@ def test_fsdp2_mixed_precision_matches_gloo(runs):
     assert seen[("reduce_scatter_tensor", "AVG", "float32")] == 3 * 3 * WORLD
 
 
+@pytest.mark.slow
 def test_fsdp2_premul_sum_matches_the_gloo_sum_equivalent(runs):
     # set_gradient_divide_factor(2) at world 4 reduce-scatters under
     # PREMUL_SUM(1/2), which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with
@@ -167,6 +169,7 @@ def test_fsdp2_premul_sum_matches_the_gloo_sum_equivalent(runs):
 # --- DTensor tensor parallelism, 2-D ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dtensor_tp_with_sequence_parallel_matches_gloo(runs):
     _, run_dir, logs, _ = runs.prism("dtensor_tp.py")
     assert_same_outputs(logs, runs.gloo("dtensor_tp.py"))
@@ -176,6 +179,7 @@ def test_dtensor_tp_with_sequence_parallel_matches_gloo(runs):
     assert seen["all_gather_into_tensor"] > 0 and seen["reduce_scatter_tensor"] > 0
 
 
+@pytest.mark.slow
 def test_fsdp2_over_tp_on_a_2d_mesh_matches_gloo(runs):
     _, run_dir, logs, _ = runs.prism("fsdp2_tp.py", "--tp", "2")
     assert_same_outputs(logs, runs.gloo("fsdp2_tp.py", "--tp", "2"))
@@ -191,6 +195,7 @@ def test_fsdp2_over_tp_on_a_2d_mesh_matches_gloo(runs):
 # --- pipelining ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_schedules_match_gloo(runs, schedule):
     _, run_dir, logs, _ = runs.prism("pipeline_1f1b.py", "--schedule", schedule)
@@ -207,6 +212,7 @@ def test_pipeline_schedules_match_gloo(runs, schedule):
 # --- checkpoint, object collectives, the API tour -----------------------------------------
 
 
+@pytest.mark.slow
 def test_dcp_save_and_load_match_gloo(runs, tmp_path):
     prism_dir, gloo_dir = tmp_path / "prism-ckpt", tmp_path / "gloo-ckpt"
     _, run_dir, logs, _ = runs.prism("dcp_save.py", "--checkpoint-dir", str(prism_dir))
@@ -219,6 +225,7 @@ def test_dcp_save_and_load_match_gloo(runs, tmp_path):
     assert {"gather", "scatter", "broadcast", "all_gather"} <= names
 
 
+@pytest.mark.slow
 def test_api_tour_prints_what_gloo_prints_on_every_rank(runs):
     _, run_dir, logs, _ = runs.prism("api_tour.py")
     gloo = runs.gloo("api_tour.py")
@@ -251,6 +258,7 @@ dist.barrier()
 '''
 
 
+@pytest.mark.slow
 def test_unsupported_calls_fail_with_a_message_not_a_hang(runs):
     script = runs.base / "unsupported.py"
     script.write_text(UNSUPPORTED)
@@ -261,3 +269,13 @@ def test_unsupported_calls_fail_with_a_message_not_a_hang(runs):
     assert "rank 0 refused: Prism does not support _start_coalescing (device-level coalescing) yet" in logs[0]
     assert "rank 1 failed" in stderr
     assert "Prism does not support recv from any source (dist.recv/irecv without src) yet" in stderr
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in FW.glob("*.py") if p.name != "__init__.py"))
+def test_framework_scripts_never_import_prism(name):
+    tree = ast.parse((FW / name).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            assert not any(a.name.split(".")[0] == "prism" for a in node.names), name
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and (node.module or "").split(".")[0] != "prism", name
