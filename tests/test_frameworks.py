@@ -166,6 +166,19 @@ def test_fsdp2_premul_sum_matches_the_gloo_sum_equivalent(runs):
     assert {(c.reduce_op, c.premul) for c in premul} == {("PREMUL_SUM", 0.5)}
 
 
+@pytest.mark.slow
+def test_fsdp2_hybrid_sharding_without_reshard_matches_gloo(runs):
+    _, run_dir, logs, _ = runs.prism("fsdp2.py", "--replicate", "2", "--no-reshard")
+    assert_same_outputs(logs, runs.gloo("fsdp2.py", "--replicate", "2", "--no-reshard"))
+    run = T.read_run(run_dir)
+    sizes = {ev.gid: ev.ranks for evs in run.ranks.values() for ev in evs if isinstance(ev, T.GroupCreated)}
+    seen = Counter((c.op, c.reduce_op, sizes[c.gid]) for c in collectives(run_dir))
+    # mesh (replicate=2, shard=2): reduce-scatter inside (0,1) and (2,3), then
+    # all-reduce the shards across (0,2) and (1,3); 3 FSDP modules x 3 steps per rank.
+    assert seen[("reduce_scatter_tensor", "AVG", (0, 1))] == seen[("reduce_scatter_tensor", "AVG", (2, 3))] == 9 * 2
+    assert seen[("all_reduce", "AVG", (0, 2))] == seen[("all_reduce", "AVG", (1, 3))] == 9 * 2
+
+
 # --- DTensor tensor parallelism, 2-D ---------------------------------------------------
 
 

@@ -19,6 +19,10 @@ Flags that change the collectives FSDP2 issues:
                        FSDP module: SUM reduce-scatters, the division done
                        locally (what backends without AVG or PREMUL_SUM need).
 ``--no-reshard``       ``reshard_after_forward=False``.
+``--replicate R``      HSDP: ``fully_shard(mesh=...)`` over a 2-D
+                       ``init_device_mesh`` mesh ``(R, WORLD_SIZE / R)``
+                       (replicate, shard): reduce-scatters inside each shard
+                       group, then all-reduces across the replicas.
 
 Output: rank 0 prints ``step K loss X`` (X: ``repr`` of the global-batch mean
 loss, all-reduced) and ``param checksum X`` at the end.
@@ -31,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
@@ -72,6 +77,7 @@ def main():
     parser.add_argument("--divide-factor", type=float, default=None)
     parser.add_argument("--sum", action="store_true", help="force SUM reductions (divide locally)")
     parser.add_argument("--no-reshard", action="store_true")
+    parser.add_argument("--replicate", type=int, default=1, help="HSDP replicas (1: plain FSDP)")
     args = parser.parse_args()
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -85,6 +91,11 @@ def main():
     torch.manual_seed(args.seed)
     model = Net(args.dim, args.hidden, args.layers).to(device)
     kwargs = {"reshard_after_forward": not args.no_reshard}
+    if args.replicate > 1:
+        if world % args.replicate:
+            raise SystemExit(f"WORLD_SIZE={world} is not a multiple of --replicate {args.replicate}")
+        kwargs["mesh"] = init_device_mesh(device.type, (args.replicate, world // args.replicate),
+                                          mesh_dim_names=("replicate", "shard"))
     if args.mixed:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
@@ -114,11 +125,8 @@ def main():
         if rank == 0:
             print(f"step {step} loss {(reported / world).item()!r}", flush=True)
 
-    # Every parameter's shards, summed across ranks: one number per run.
-    total = torch.zeros((), device=device, dtype=torch.float64)
-    for p in model.parameters():
-        total += p.to_local().double().sum()
-    dist.all_reduce(total)
+    # Every parameter, gathered whole: one number per run.
+    total = sum(p.full_tensor().double().sum() for p in model.parameters())
     if rank == 0:
         print(f"param checksum {total.item()!r}", flush=True)
     dist.destroy_process_group()
