@@ -70,6 +70,7 @@ from torch._C._distributed_c10d import ReduceOp
 from prism.core import protocol, trace
 from prism.core.matcher import wait_key_coll, wait_key_p2p
 from prism.rank import runtime as _rt
+from prism.rank.joined import JoinedOp
 from prism.rank.runtime import PrismRankError
 
 BACKEND_NAME = "prism"
@@ -445,14 +446,21 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
         opts = opts or dist.AllgatherOptions()
-        outputs = []
         for lst in output_lists:
             self._check_len("all_gather", "the output list", lst, self._size)
-            outputs.extend(lst)
-        return self._collective("all_gather", inputs, outputs, opts)
+        return self._one_by_one(lambda lst, t: self._collective("all_gather", [t], list(lst), opts),
+                                output_lists, inputs)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
         return self.allgather(output_lists, inputs, opts)
+
+    def _one_by_one(self, issue: Callable[..., PrismWork], *lists: Sequence[Any]) -> PrismWork:
+        """A coalesced call the coordinator takes one tensor at a time: k
+        collectives, one Work (``prism.rank.joined``)."""
+        works = [issue(*items) for items in zip(*lists, strict=True)]
+        if len(works) == 1:
+            return works[0]
+        return PrismWork(JoinedOp([w._op for w in works]))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PrismWork:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -471,7 +479,8 @@ class PrismProcessGroup(dist.ProcessGroup):
                     f"all_gather_into_tensor on group {self.gid}: output has {o.numel()} elements, "
                     f"expected input's {i.numel()} x {self._size} ranks (your script's fault)"
                 )
-        return self._collective("all_gather_into_tensor", inputs, outputs, opts)
+        return self._one_by_one(lambda o, i: self._collective("all_gather_into_tensor", [i], [o], opts),
+                                outputs, inputs)
 
     # --- gather / scatter --------------------------------------------------------
 
@@ -519,7 +528,9 @@ class PrismProcessGroup(dist.ProcessGroup):
                     f"reduce_scatter_tensor on group {self.gid}: input has {i.numel()} elements, "
                     f"expected output's {o.numel()} x {self._size} ranks (your script's fault)"
                 )
-        return self._collective("reduce_scatter_tensor", inputs, outputs, opts, reduce=opts.reduceOp)
+        return self._one_by_one(
+            lambda o, i: self._collective("reduce_scatter_tensor", [i], [o], opts, reduce=opts.reduceOp),
+            outputs, inputs)
 
     # --- all_to_all ----------------------------------------------------------------
 

@@ -5,12 +5,12 @@
 Not a training loop: a tour whose every result is printed, so that two runs
 (gloo and Prism) can be compared line by line. Covers the tensor collectives
 under the ReduceOps gloo implements, the point-to-point calls
-(``send``/``recv``, ``isend``/``irecv``, ``batch_isend_irecv``), all_reduces
-coalesced by ``_coalescing_manager()``, the object
+(``send``/``recv``, ``isend``/``irecv``, ``batch_isend_irecv``), all_reduces,
+all-gathers and reduce-scatters coalesced by ``_coalescing_manager()``, the object
 collectives (``all_gather_object``, ``broadcast_object_list``,
 ``gather_object``, ``scatter_object_list``, ``send_object_list`` /
 ``recv_object_list``), subgroups (``new_group``, ``new_subgroups``), the
-functional collectives of ``torch.distributed._functional_collectives`` (the
+functional collectives of ``torch.distributed._functional_collectives``, coalesced ones included (the
 C++ ``_c10d_functional`` dispatch path DTensor uses) and ``barrier`` /
 ``monitored_barrier``. Needs an even world of at least 2.
 
@@ -29,6 +29,10 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+funcol_all_gather_coalesced = getattr(funcol, "all_gather_single_coalesced", None) \
+    or funcol.all_gather_into_tensor_coalesced
+funcol_reduce_scatter_coalesced = getattr(funcol, "reduce_scatter_single_coalesced", None) \
+    or funcol.reduce_scatter_tensor_coalesced
 
 
 def main():
@@ -58,6 +62,16 @@ def main():
         dist.all_reduce(a)
         dist.all_reduce(b)
     show("coalesced_all_reduce", torch.cat([a, b]))
+    x, y = torch.empty(6 * world, device=device), torch.empty(3 * world, device=device)
+    with dist._coalescing_manager():  # one coalesced all-gather of two tensors
+        all_gather_single(x, mine())
+        all_gather_single(y, mine(3, scale=2.0))
+    show("coalesced_all_gather", torch.cat([x, y]) * torch.arange(9 * world, device=device))
+    x, y = torch.empty(6, device=device), torch.empty(3, device=device)
+    with dist._coalescing_manager():
+        reduce_scatter_single(x, mine(6 * world))
+        reduce_scatter_single(y, mine(3 * world, scale=2.0))
+    show("coalesced_reduce_scatter", torch.cat([x, y]) * torch.arange(9, device=device))
     t = mine()
     dist.broadcast(t, src=1)
     show("broadcast", t)
@@ -154,6 +168,11 @@ def main():
     show("funcol_all_to_all_single", funcol.all_to_all_single(mine(2 * world), None, None, dist.group.WORLD)
          * torch.arange(2 * world, device=device))
     show("funcol_broadcast", funcol.broadcast(mine(), 1, dist.group.WORLD))
+    gathered = funcol_all_gather_coalesced([mine(), mine(3, scale=2.0)], dist.group.WORLD)
+    show("funcol_all_gather_coalesced", sum((g * torch.arange(g.numel(), device=device)).sum() for g in gathered))
+    scattered = funcol_reduce_scatter_coalesced([mine(6 * world), mine(3 * world)], "sum", [0, 0], dist.group.WORLD)
+    show("funcol_reduce_scatter_coalesced",
+         sum((g * torch.arange(g.numel(), device=device)).sum() for g in scattered))
     show("funcol_all_reduce_coalesced",
          sum(x.double().sum() for x in funcol.all_reduce_coalesced([mine(), mine(3)], "max", dist.group.WORLD)))
 
