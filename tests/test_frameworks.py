@@ -250,19 +250,22 @@ def test_api_tour_prints_what_gloo_prints_on_every_rank(runs):
         assert want[-1] == f"rank {rank} done" and len(want) >= 28
 
 
-UNSUPPORTED = '''
+NCCL_STYLE = '''
 import torch, torch.distributed as dist
 dist.init_process_group("nccl")
-rank = dist.get_rank()
+rank, world = dist.get_rank(), dist.get_world_size()
 try:
     dist.monitored_barrier()
 except ValueError as e:
     print(f"rank {rank} refused: {e}", flush=True)
-try:
-    with dist._coalescing_manager(device=torch.device("cpu")):
-        dist.all_reduce(torch.ones(2))
-except NotImplementedError as e:
-    print(f"rank {rank} refused: {e}", flush=True)
+# Device-level coalescing (gloo has none): a ring exchange and an all_reduce as one batch.
+got, total = torch.empty(2), torch.full((2,), float(rank))
+with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+    dist.isend(torch.full((2,), 10.0 * rank), (rank + 1) % world)
+    dist.irecv(got, (rank - 1) % world)
+    dist.all_reduce(total)
+cm.wait()
+print(f"rank {rank} coalesced {got.tolist()} {total.tolist()}", flush=True)
 if rank == 0:
     dist.send(torch.ones(2), dst=1)
 elif rank == 1:
@@ -272,14 +275,17 @@ dist.barrier()
 
 
 @pytest.mark.slow
-def test_unsupported_calls_fail_with_a_message_not_a_hang(runs):
-    script = runs.base / "unsupported.py"
-    script.write_text(UNSUPPORTED)
+def test_nccl_style_calls_and_an_unsupported_one(runs):
+    script = runs.base / "nccl_style.py"
+    script.write_text(NCCL_STYLE)
     code, _, logs, stderr = runs.prism(str(script), expect_ok=False)
-    assert code == 1
     # Under NCCL (what the script asked for) torch refuses monitored_barrier: so does Prism.
     assert "rank 0 refused: monitored_barrier is only implemented for GLOO backend." in logs[0]
-    assert "rank 0 refused: Prism does not support _start_coalescing (device-level coalescing) yet" in logs[0]
+    for rank in range(WORLD):
+        want = [10.0 * ((rank - 1) % WORLD)] * 2, [float(sum(range(WORLD)))] * 2
+        assert f"rank {rank} coalesced {want[0]} {want[1]}" in logs[rank]
+    # recv without a source: refused by name, the capture stops instead of hanging.
+    assert code == 1
     assert "rank 1 failed" in stderr
     assert "Prism does not support recv from any source (dist.recv/irecv without src) yet" in stderr
 

@@ -310,6 +310,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         self._desc = ""
         self._seq = 0
         self._seq_lock = threading.Lock()
+        #: Ops issued since ``_start_coalescing`` (None: not coalescing).
+        self._coalesced: list[Any] | None = None
 
     def __repr__(self) -> str:
         return f"PrismProcessGroup(gid={self.gid!r}, rank={self._group_rank}, ranks={list(self.global_ranks)})"
@@ -401,7 +403,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             fut = rt.client.future(("coll", self.gid, seq))
             rt.client.send(msg)
             rt.on_done(fut, lambda f: _complete_from_future(pending, f))
-            return PrismWork(pending)
+            return self._issued(PrismWork(pending))
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
 
@@ -604,7 +606,7 @@ class PrismProcessGroup(dist.ProcessGroup):
                 rt.recorder.emit(_value(f"p2p:{rt.rank}:{peer}:{tag}:{pseq}", h))
             pending.done.set()
             pending.torch_future.set_result([t])
-            return PrismWork(pending)
+            return self._issued(PrismWork(pending))
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
 
@@ -635,7 +637,7 @@ class PrismProcessGroup(dist.ProcessGroup):
                 rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape, issue_ns=t0,
             ))
             rt.on_done(fut, lambda f: _complete_from_future(pending, f))
-            return PrismWork(pending)
+            return self._issued(PrismWork(pending))
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
 
@@ -644,11 +646,31 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     # --- not supported ------------------------------------------------------------
 
+    def _issued(self, work: PrismWork) -> PrismWork:
+        if self._coalesced is not None:
+            self._coalesced.append(work._op)
+        return work
+
     def _start_coalescing(self, device: Any) -> None:
-        raise _unsupported("_start_coalescing (device-level coalescing)")
+        """Device-level coalescing (``_coalescing_manager(group, device)``,
+        NCCL-style ``batch_isend_irecv``): the ops until ``_end_coalescing``
+        are issued as they come (a send never blocks, a receive is posted
+        asynchronously, so no order among them can deadlock) and
+        ``_end_coalescing`` returns one Work over all of them."""
+        if self._coalesced is not None:
+            raise PrismRankError(
+                f"_start_coalescing on group {self.gid}: the group is already coalescing; end the "
+                "first _coalescing_manager before starting another (your script's fault)"
+            )
+        self._coalesced = []
 
     def _end_coalescing(self, device: Any) -> PrismWork:
-        raise _unsupported("_end_coalescing (device-level coalescing)")
+        if self._coalesced is None:
+            raise PrismRankError(
+                f"_end_coalescing on group {self.gid} without _start_coalescing (your script's fault)"
+            )
+        ops, self._coalesced = self._coalesced, None
+        return PrismWork(JoinedOp(ops))
 
     def split_group(self, *args: Any, **kwargs: Any) -> Any:
         raise _unsupported("split_group (create groups with dist.new_group instead)")

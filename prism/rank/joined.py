@@ -8,7 +8,9 @@ but torch's coalesced forms hand the process group k tensors in one call:
 their reduce-scatter twins, and ``allgather_coalesced``. ``PrismProcessGroup``
 issues such a call as k collectives, in order on every member (so their
 sequence numbers agree), and returns a ``PrismWork`` over a :class:`JoinedOp`:
-done when all k are, failed with the first failure.
+done when all k are, failed with the first failure. ``_end_coalescing``
+(device-level coalescing) joins the ops issued since ``_start_coalescing``
+the same way.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class JoinedOp:
         )
         self._left = len(self.parts)
         self._lock = threading.Lock()
+        if not self.parts:
+            self.torch_future.set_result([])
         for p in self.parts:
             p.torch_future.add_done_callback(self._part_done)
 
