@@ -42,6 +42,7 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 #: The scripts' closing lines: ``param checksum X``, ``checkpoint files N`` ...
 SUMMARY = re.compile(r"^(param checksum|reloaded checksum|checkpoint files|shard sizes) (.*)$", re.MULTILINE)
 
+
 def _script(name: str) -> str:
     return name if os.path.isabs(name) else str(FW / name)
 
@@ -82,7 +83,9 @@ class Runs:
         key = ("prism", script, args)
         if key not in self.cache:
             run_dir = self.base / f"{Path(script).stem}-{len(self.cache)}"
-            env = {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            # This checkout's prism, also in the rank processes the capture starts.
+            path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+            env = {**os.environ, **CPU_ONLY, "PYTHONPATH": path}
             proc = subprocess.run(
                 [sys.executable, "-m", "prism", "capture", "-n", str(WORLD), "--out", str(run_dir),
                  "--progress", "off", "--show-ranks", "none", "--quiet-period", "120", "--",
