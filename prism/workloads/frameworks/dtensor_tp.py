@@ -84,7 +84,7 @@ def main():
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-sequence-parallel", action="store_true")
     args = parser.parse_args()
@@ -99,7 +99,7 @@ def main():
     torch.manual_seed(args.seed)
     model = Net(args.dim, args.hidden, args.layers).to(device_type)
     parallelize_module(model, mesh, tp_plan(model, not args.no_sequence_parallel))
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     for step in range(args.steps):
         g = torch.Generator().manual_seed(args.seed * 1000 + step)

@@ -38,7 +38,7 @@ def main():
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mixed", action="store_true")
     args = parser.parse_args()
@@ -62,7 +62,7 @@ def main():
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     for step in range(args.steps):
         g = torch.Generator().manual_seed(args.seed * 1000 + step)

@@ -83,7 +83,7 @@ def main():
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -102,7 +102,7 @@ def main():
     stage = PipelineStage(module, rank, world, device)
     schedule_cls = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
     schedule = schedule_cls(stage, n_microbatches=args.micro_batches, loss_fn=F.mse_loss)
-    opt = torch.optim.AdamW(module.parameters(), lr=args.lr)
+    opt = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
     last = rank == world - 1
 
     for step in range(args.steps):
