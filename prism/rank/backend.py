@@ -28,16 +28,20 @@ all_reduce               [t]                              [result]
 all_reduce_coalesced     [t1..tk]                         [r1..rk]
 broadcast                root: [t]; others: []            root: []; others: [t]
 reduce                   [t]                              root: [result]; others: []
-all_gather               [t1..tk]                         n per input: t_i of rank 0..n-1
-all_gather_into_tensor   [t1..tk]                         [cat_j t_i of rank j] per input
+all_gather               [t]                              n tensors: t of rank 0..n-1
+all_gather_into_tensor   [t]                              [cat_j t of rank j]
 gather                   [t]                              root: n tensors; others: []
 scatter                  root: n tensors; others: []      [chunk for this rank]
 reduce_scatter           n tensors (chunk j for rank j)   [result chunk]
-reduce_scatter_tensor    [T1..Tk] (n chunks on dim 0)     [result chunk of each]
+reduce_scatter_tensor    [T] (n chunks on dim 0)          [result chunk]
 all_to_all               n tensors (chunk j for rank j)   n tensors (chunk from rank j)
 all_to_all_single        [T] split by in_splits rows      [T'] split by out_splits rows
 barrier                  []                               []
 =======================  ===============================  ==============================
+
+A coalesced all-gather or reduce-scatter of k tensors (``_coalescing_manager``,
+the ``*_coalesced`` methods) is k collectives, one per tensor, joined into
+one Work (``prism.rank.joined``).
 
 ``reduce_op`` is the ReduceOp's name; for ``PREMUL_SUM`` the inputs are sent
 unscaled and ``premul`` carries the factor (result = sum of factor * t).
@@ -644,7 +648,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> PrismWork:
         raise _unsupported("recv from any source (dist.recv/irecv without src)")
 
-    # --- not supported ------------------------------------------------------------
+    # --- device-level coalescing ----------------------------------------------------
 
     def _issued(self, work: PrismWork) -> PrismWork:
         if self._coalesced is not None:
@@ -671,6 +675,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             )
         ops, self._coalesced = self._coalesced, None
         return PrismWork(JoinedOp(ops))
+
+    # --- not supported ------------------------------------------------------------
 
     def split_group(self, *args: Any, **kwargs: Any) -> Any:
         raise _unsupported("split_group (create groups with dist.new_group instead)")
