@@ -1074,7 +1074,7 @@ class Problem:
         return f"{self.file}:{self.line} rank {who} {self.field or '-'}: {self.message}"
 
 
-_COLL_REF = re.compile(r"coll:([^:]+):(\d+):(in\d*|out\d*)")
+_COLL_REF = re.compile(r"coll:([^:]+):(\d+):((?:in|out)\d*)")
 _P2P_REF = re.compile(r"p2p:(\d+):(\d+):(-?\d+):(\d+)")
 
 

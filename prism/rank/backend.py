@@ -27,6 +27,10 @@ one (coalesced all_gather_into_tensor and reduce_scatter_tensor, the old
 multi-input all_gather) become one collective instance per tensor, issued
 back to back; their Work completes with the last.
 
+A coalesced all-gather or reduce-scatter of k tensors (``_coalescing_manager``,
+the ``*_coalesced`` methods) is k collectives, one per tensor, joined into
+one Work (``prism.rank.joined``).
+
 ``reduce_op`` is the ReduceOp's name; for ``PREMUL_SUM`` the inputs are sent
 unscaled and ``premul`` carries the factor (result = sum of factor * t).
 ``root`` is a *group* rank. Point-to-point: ``Send`` carries its payload
@@ -57,6 +61,7 @@ from torch._C._distributed_c10d import ReduceOp
 from prism.core import protocol, trace
 from prism.core.matcher import wait_key_coll, wait_key_p2p
 from prism.rank import runtime as _rt
+from prism.rank.joined import JoinedOp
 from prism.rank.runtime import PrismRankError
 
 BACKEND_NAME = "prism"
@@ -331,6 +336,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         self._desc = ""
         self._seq = 0
         self._seq_lock = threading.Lock()
+        #: Ops issued since ``_start_coalescing`` (None: not coalescing).
+        self._coalesced: list[Any] | None = None
 
     def __repr__(self) -> str:
         return f"PrismProcessGroup(gid={self.gid!r}, rank={self._group_rank}, ranks={list(self.global_ranks)})"
@@ -424,22 +431,9 @@ class PrismProcessGroup(dist.ProcessGroup):
             fut = rt.client.future(("coll", self.gid, seq))
             rt.client.send(msg)
             rt.on_done(fut, lambda f: _complete_from_future(pending, f))
-            return PrismWork(pending)
+            return self._issued(PrismWork(pending))
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
-
-    def _each(self, op: str, parts: Sequence[tuple[list[torch.Tensor], list[torch.Tensor]]], opts: Any,
-              **kwargs: Any) -> PrismWork:
-        """A coalesced call as one collective instance per part (the
-        coordinator's ops take one input each); the returned Work completes
-        with the last part, whose Future holds every output."""
-        if not parts:
-            raise ValueError(f"{op} on group {self.gid} got no tensors (your script's fault)")
-        everything = [t for _, outs in parts for t in outs]
-        works = [self._collective(op, ins, outs, opts, **kwargs) for ins, outs in parts[:-1]]
-        ins, outs = parts[-1]
-        last = self._collective(op, ins, outs, opts, result=everything, deps=[w._op for w in works], **kwargs)
-        return last
 
     def _check_len(self, call: str, what: str, items: Sequence[Any], n: int) -> None:
         if len(items) != n:
@@ -484,10 +478,19 @@ class PrismProcessGroup(dist.ProcessGroup):
         opts = opts or dist.AllgatherOptions()
         for lst in output_lists:
             self._check_len("all_gather", "the output list", lst, self._size)
-        return self._each("all_gather", [([i], list(o)) for i, o in zip(inputs, output_lists, strict=True)], opts)
+        return self._one_by_one(lambda lst, t: self._collective("all_gather", [t], list(lst), opts),
+                                output_lists, inputs)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
         return self.allgather(output_lists, inputs, opts)
+
+    def _one_by_one(self, issue: Callable[..., PrismWork], *lists: Sequence[Any]) -> PrismWork:
+        """A coalesced call the coordinator takes one tensor at a time: k
+        collectives, one Work (``prism.rank.joined``)."""
+        works = [issue(*items) for items in zip(*lists, strict=True)]
+        if len(works) == 1:
+            return works[0]
+        return PrismWork(JoinedOp([w._op for w in works]))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PrismWork:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -506,7 +509,8 @@ class PrismProcessGroup(dist.ProcessGroup):
                     f"all_gather_into_tensor on group {self.gid}: output has {o.numel()} elements, "
                     f"expected input's {i.numel()} x {self._size} ranks (your script's fault)"
                 )
-        return self._each("all_gather_into_tensor", [([i], [o]) for i, o in zip(inputs, outputs)], opts)
+        return self._one_by_one(lambda o, i: self._collective("all_gather_into_tensor", [i], [o], opts),
+                                outputs, inputs)
 
     # --- gather / scatter --------------------------------------------------------
 
@@ -554,8 +558,9 @@ class PrismProcessGroup(dist.ProcessGroup):
                     f"reduce_scatter_tensor on group {self.gid}: input has {i.numel()} elements, "
                     f"expected output's {o.numel()} x {self._size} ranks (your script's fault)"
                 )
-        return self._each("reduce_scatter_tensor", [([i], [o]) for i, o in zip(inputs, outputs)], opts,
-                          reduce=opts.reduceOp)
+        return self._one_by_one(
+            lambda o, i: self._collective("reduce_scatter_tensor", [i], [o], opts, reduce=opts.reduceOp),
+            outputs, inputs)
 
     # --- all_to_all ----------------------------------------------------------------
 
@@ -630,7 +635,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             rt.untrack(pending)
             pending.done.set()
             pending.torch_future.set_result([t])
-            return PrismWork(pending)
+            return self._issued(PrismWork(pending))
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
 
@@ -661,20 +666,42 @@ class PrismProcessGroup(dist.ProcessGroup):
                 rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape, issue_ns=t0,
             ))
             rt.on_done(fut, lambda f: _complete_from_future(pending, f))
-            return PrismWork(pending)
+            return self._issued(PrismWork(pending))
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> PrismWork:
         raise _unsupported("recv from any source (dist.recv/irecv without src)")
 
-    # --- not supported ------------------------------------------------------------
+    # --- device-level coalescing ----------------------------------------------------
+
+    def _issued(self, work: PrismWork) -> PrismWork:
+        if self._coalesced is not None:
+            self._coalesced.append(work._op)
+        return work
 
     def _start_coalescing(self, device: Any) -> None:
-        raise _unsupported("_start_coalescing (device-level coalescing)")
+        """Device-level coalescing (``_coalescing_manager(group, device)``,
+        NCCL-style ``batch_isend_irecv``): the ops until ``_end_coalescing``
+        are issued as they come (a send never blocks, a receive is posted
+        asynchronously, so no order among them can deadlock) and
+        ``_end_coalescing`` returns one Work over all of them."""
+        if self._coalesced is not None:
+            raise PrismRankError(
+                f"_start_coalescing on group {self.gid}: the group is already coalescing; end the "
+                "first _coalescing_manager before starting another (your script's fault)"
+            )
+        self._coalesced = []
 
     def _end_coalescing(self, device: Any) -> PrismWork:
-        raise _unsupported("_end_coalescing (device-level coalescing)")
+        if self._coalesced is None:
+            raise PrismRankError(
+                f"_end_coalescing on group {self.gid} without _start_coalescing (your script's fault)"
+            )
+        ops, self._coalesced = self._coalesced, None
+        return PrismWork(JoinedOp(ops))
+
+    # --- not supported ------------------------------------------------------------
 
     def split_group(self, *args: Any, **kwargs: Any) -> Any:
         raise _unsupported("split_group (create groups with dist.new_group instead)")

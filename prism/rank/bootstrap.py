@@ -43,6 +43,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from prism.core import protocol
 from prism.rank import backend as _backend
+from prism.rank import compat as _compat
 from prism.rank import devices as _devices
 from prism.rank import runtime as _rt
 
@@ -120,6 +121,7 @@ def patch_torch_distributed() -> None:
                 f"started this process as rank {rt.rank} of {rt.world_size}; let Prism set RANK and "
                 "WORLD_SIZE (your script's or launch command's fault)"
             )
+        _compat.note_requested_backend(backend)
         kw = {"timeout": timeout} if timeout is not None else {}
         return original_init(_backend.BACKEND_NAME, store=dist.HashStore(), rank=rt.rank,
                              world_size=rt.world_size, group_name=group_name, **kw)
@@ -139,6 +141,7 @@ def patch_torch_distributed() -> None:
             mod.new_group = new_group
     for device in ("cpu", "cuda"):
         dist.Backend.default_device_backend_map[device] = _backend.BACKEND_NAME
+    _compat.install()
 
 
 def install_lazy() -> None:
