@@ -134,3 +134,19 @@ def test_unsupported_call_is_named(tmp_path):
     codes, fc = run_world(tmp_path, 1, [str(SCRIPTS / "unsupported_worker.py")])
     assert codes == [1]
     assert "Prism does not support recv from any source" in log(tmp_path, 0)
+
+
+def test_ranks_inherit_the_launching_environment(tmp_path, monkeypatch):
+    # An empty CUDA_VISIBLE_DEVICES hides the GPUs, as under torchrun; losing
+    # it handed a one-GPU machine's GPU to every rank.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("PRISM_TEST_MARKER", "kept")
+    script = tmp_path / "env.py"
+    script.write_text("import os\nprint(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), os.environ.get('PRISM_TEST_MARKER'))\n")
+    procs = launch_ranks(2, None, tmp_path, [str(script)], show_ranks=())
+    try:
+        assert procs.wait() == [0, 0]
+    finally:
+        procs.close()
+    for r in range(2):
+        assert "'' kept" in log(tmp_path, r)

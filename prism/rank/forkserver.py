@@ -88,8 +88,11 @@ def _child(spec: dict[str, Any], rank: int, out_w: int) -> None:
         sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
+        # Computed before the clear: the rank inherits the launching
+        # environment (CUDA_VISIBLE_DEVICES, NCCL_*, PATH ...), as under torchrun.
+        env = child_env(spec, rank)
         os.environ.clear()
-        os.environ.update(child_env(spec, rank))
+        os.environ.update(env)
         # A forked child keeps the server's sys.path; give it the PYTHONPATH
         # entries a fresh interpreter would have put in front.
         entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
