@@ -37,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import math
+
 import numpy as np
 
 from prism.core.trace import (
@@ -266,7 +268,7 @@ class ExecutionGraph:
                     row_of_event[i] = b.add(
                         r, SEND if ev.op == "send" else RECV, is_async=ev.async_op, group=ev.gid, seq=ev.pseq,
                         op=OP_CODE[ev.op], peer=ev.peer, tag=ev.tag, nbytes=ev.bytes, step=ev.step,
-                        rec_start=ev.issue_ns, rec_end=ev.end_ns, shape_sig=(ev.dtype, tuple(ev.shape)))
+                        rec_start=ev.issue_ns, rec_end=ev.end_ns, shape_sig=(ev.dtype, math.prod(ev.shape)))
                 else:
                     b.add(r, ITER, step=ev.step, rec_start=ev.end_ns, rec_end=ev.end_ns)
         gids = sorted(groups, key=lambda g: (len(groups[g]) != world, g))
@@ -493,7 +495,7 @@ class ExecutionGraph:
                 raise CollectiveMismatchError(
                     f"send from rank {self.rank[s]} to rank {self.rank[r]} (tag {self.tag[s]}, pseq {self.seq[s]}): "
                     f"sent {p2p_sig_table[p2p_sig[s]]} but received into {p2p_sig_table[p2p_sig[r]]} "
-                    "(dtype, shape); the traced program's send and recv disagree, or the trace is corrupt"
+                    "(dtype, elements); the traced program's send and recv disagree, or the trace is corrupt"
                 )
         ids = np.arange(len(s_nodes), dtype=np.int64)
         self.ref[s_nodes] = ids

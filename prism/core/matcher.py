@@ -60,6 +60,8 @@ a report when every live rank waits; the shell calls it after a quiet period
 
 from __future__ import annotations
 
+import math
+
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -513,13 +515,15 @@ class Matcher:
     def _pair(self, send: _SendLike, payloads: tuple[Buffer, ...], recv: _RecvLike) -> Outcome:
         src, dst = send.rank, recv.rank
         key = (src, dst, send.tag, send.pseq)
-        if send.dtype != recv.dtype or tuple(send.shape) != tuple(recv.shape):
+        # As gloo and NCCL: dtype and element count must agree, shapes need
+        # not (torch.distributed.pipelining sends a 0-d loss into a (1,) buffer).
+        if send.dtype != recv.dtype or math.prod(send.shape) != math.prod(recv.shape):
             self._clear_waits(("p2p", *key))
             return P2PMismatch(
                 f"send/recv mismatch: rank {src} sends a {send.dtype} tensor of shape "
                 f"{tuple(send.shape)} to rank {dst} with tag {send.tag} but rank {dst} receives a "
                 f"{recv.dtype} tensor of shape {tuple(recv.shape)} from rank {src} with tag "
-                f"{recv.tag}; the script sends and receives tensors of different shapes or dtypes",
+                f"{recv.tag}; the script sends and receives tensors of different sizes or dtypes",
                 (src, dst), send.gid)
         self._clear_waits(("p2p", *key))
         return P2PDone(src, dst, send.tag, send.pseq, send.gid, payloads)

@@ -130,7 +130,14 @@ def _reduce_op(op: Any) -> tuple[str, float | None]:
     kind = op.op if isinstance(op, ReduceOp) else op
     name = kind.name
     if name == "PREMUL_SUM":
-        factor = op.factor
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            # torch before 2.13 keeps the factor in a C++ supplement that
+            # Python cannot read (seen on 2.11).
+            raise NotImplementedError(
+                f"Prism does not support ReduceOp.PREMUL_SUM on torch {torch.__version__} yet: this torch "
+                "does not expose the factor to a Python backend. Use torch >= 2.13, or for FSDP2 call "
+                "set_force_sum_reduction_for_comms(True) so it reduces with SUM")
         return name, float(factor.item() if isinstance(factor, torch.Tensor) else factor)
     return name, None
 
