@@ -53,7 +53,7 @@ def run_prism(world: int, args: list[str], slots: int | None) -> dict:
                "--progress", "off", "--show-ranks", "none"]
         if slots:
             cmd += ["--slots", str(slots)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         p = subprocess.run([*cmd, "--", SCRIPT, *args], capture_output=True, text=True, env=env, timeout=1800)
         if p.returncode != 0:
             raise RuntimeError(f"prism capture failed:\n{p.stderr[-3000:]}")
