@@ -229,10 +229,11 @@ def test_pipeline_schedules_match_gloo(runs, schedule):
 
 
 @pytest.mark.slow
-def test_dcp_save_and_load_match_gloo(runs, tmp_path):
+@pytest.mark.parametrize("how", [[], ["--async-save"]], ids=["save", "async_save"])
+def test_dcp_save_and_load_match_gloo(runs, tmp_path, how):
     prism_dir, gloo_dir = tmp_path / "prism-ckpt", tmp_path / "gloo-ckpt"
-    _, run_dir, logs, _ = runs.prism("dcp_save.py", "--checkpoint-dir", str(prism_dir))
-    got = assert_same_outputs(logs, runs.gloo("dcp_save.py", "--checkpoint-dir", str(gloo_dir)))
+    _, run_dir, logs, _ = runs.prism("dcp_save.py", "--checkpoint-dir", str(prism_dir), *how)
+    got = assert_same_outputs(logs, runs.gloo("dcp_save.py", "--checkpoint-dir", str(gloo_dir), *how))
     assert got["checkpoint files"] == str(WORLD)
     assert sorted(p.name for p in prism_dir.iterdir()) == sorted(p.name for p in gloo_dir.iterdir())
     names = {op for op, _, _ in ops(run_dir)}

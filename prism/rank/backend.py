@@ -346,6 +346,14 @@ class PrismProcessGroup(dist.ProcessGroup):
         #: Ops issued since ``_start_coalescing`` (None: not coalescing).
         self._coalesced: list[Any] | None = None
 
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices this group carries tensors of. torch reads it to pick
+        the device of object collectives and state-dict broadcasts, and
+        ``dcp.async_save`` requires "cpu" in it; a Python process group
+        registers no C++ backend, so the inherited answer would be empty."""
+        return [torch.device("cpu"), torch.device("cuda")] if torch.cuda.is_available() else [torch.device("cpu")]
+
     def __repr__(self) -> str:
         return f"PrismProcessGroup(gid={self.gid!r}, rank={self._group_rank}, ranks={list(self.global_ranks)})"
 

@@ -4,8 +4,8 @@
 
 The FSDP2 model of ``fsdp2.py`` (every block and the root under
 ``fully_shard``) trains for ``--steps`` steps; then its sharded model and
-optimizer state (``get_state_dict``) is saved with ``dcp.save`` to a local
-directory, loaded back into a freshly initialised copy with ``dcp.load`` and
+optimizer state (``get_state_dict``) is saved with ``dcp.save`` (or
+``dcp.async_save`` with ``--async-save``) to a local directory, loaded back into a freshly initialised copy with ``dcp.load`` and
 compared. Around it, the object collectives scripts use for bookkeeping:
 rank 0 chooses the checkpoint directory and sends it to everyone
 (``broadcast_object_list``), and every rank reports how many parameter
@@ -60,6 +60,7 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async-save", action="store_true", help="dcp.async_save instead of dcp.save")
     args = parser.parse_args()
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -97,7 +98,11 @@ def main():
 
     saved = checksum(model)
     model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_dir)
+    if args.async_save:
+        # Staged to host memory, written by a background thread; wait for it here.
+        dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_dir).result()
+    else:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_dir)
     if rank == 0:
         files = [f for f in os.listdir(checkpoint_dir) if f.endswith(".distcp")]
         print(f"checkpoint files {len(files)}", flush=True)
