@@ -176,9 +176,6 @@ class _Op:
         self.step = step
         self.done = threading.Event()
         self._error: BaseException | None = None
-        #: Calls issued before this one as parts of the same user call (a
-        #: coalesced call split into instances); they complete first.
-        self.deps: list[_Op] = []
         self.lock = threading.Lock()
         devices = sorted({t.device for t in result if t.device.type == "cuda"}, key=str)
         self.torch_future = _PrismFuture(self, devices=devices)
@@ -188,14 +185,9 @@ class _Op:
 
     @property
     def error(self) -> BaseException | None:
-        for dep in self.deps:
-            if dep.error is not None:
-                return dep.error
         return self._error
 
     def wait(self) -> None:
-        for dep in self.deps:
-            dep.wait()
         if not self.done.is_set():
             rt = _rt.current()
             t = time.monotonic_ns()
@@ -386,7 +378,6 @@ class PrismProcessGroup(dist.ProcessGroup):
         root: int = -1,
         in_splits: Sequence[int] = (),
         out_splits: Sequence[int] = (),
-        deps: Sequence[_Op] = (),
     ) -> PrismWork:
         rt = _rt.current()
         t0 = time.monotonic_ns()
@@ -423,7 +414,6 @@ class PrismProcessGroup(dist.ProcessGroup):
             pending = _Op(what, list(outputs), list(result if result is not None else outputs), t0,
                           not async_op, rt.recorder.step)
             pending.wait_key = wait_key_coll(self.gid, seq)
-            pending.deps = list(deps)
             ref = f"coll:{self.gid}:{seq}"
             limit = rt.recorder.small_tensor_limit
             in_values = _value_events(ref, "in", hosts, limit)
