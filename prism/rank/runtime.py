@@ -14,7 +14,8 @@ Work's torch Future inside C++, where no Python code of Prism runs, so such a
 rank would sit on its slot while the member it waits for queues for one. A
 *stall monitor* thread watches the main thread's CPU clock: when the rank holds
 its slot, has communication in flight and its main thread has used (almost)
-no CPU for ``STALL_NS``, the rank is taken to be blocked: it tells the
+no CPU for ``STALL_NS`` and is not runnable (Linux: not in state R, so a
+thread merely waiting for a busy CPU keeps its slot), the rank is taken to be blocked: it tells the
 coordinator what it waits for (``Wait``) and releases its slot. The completion
 thread then takes a slot again *before* it completes the operation, so the
 main thread resumes only with a slot, as after an explicit wait.
@@ -128,6 +129,7 @@ class RankRuntime:
         #: The stall monitor released the slot on the main thread's behalf.
         self._implicit = False
         self._main_ident = threading.main_thread().ident
+        self._main_native_id = threading.main_thread().native_id
         self._pending_cond = threading.Condition(self._slot_lock)
         self._monitor = threading.Thread(target=self._stall_loop, name="prism-stall-monitor", daemon=True)
 
@@ -257,7 +259,9 @@ class RankRuntime:
                 continue
             if idle_since is None:
                 idle_since = now - period_ns
-            if now - idle_since < STALL_NS:
+            if now - idle_since < STALL_NS or _thread_runnable(self._main_native_id):
+                # A runnable main thread that got no CPU was descheduled on a
+                # busy machine, not blocked: it keeps its slot.
                 continue
             with self._slot_lock:
                 if not (self._holds_slot and self._blocked == 0 and self._pending and not self._implicit):
@@ -300,6 +304,20 @@ class RankRuntime:
                 print(f"Prism (rank {self.rank}): completing a call failed; this is a Prism bug, "
                       "please report it with this traceback:", file=sys.stderr)
                 traceback.print_exc()
+
+
+def _thread_runnable(native_id: int | None) -> bool:
+    """Whether the thread is running or waiting for a CPU (Linux: state "R"
+    in /proc); False where that cannot be read, leaving the CPU-time test."""
+    if native_id is None:
+        return False
+    try:
+        with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # The state follows the parenthesised command name, which may hold spaces.
+    return stat[stat.rfind(b")") + 2: stat.rfind(b")") + 3] == b"R"
 
 
 def make_hello(rank: int, world_size: int, local_rank: int, device: str) -> protocol.Hello:
