@@ -381,6 +381,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     ) -> PrismWork:
         rt = _rt.current()
         t0 = time.monotonic_ns()
+        rt.ensure_slot()
         rt.recorder.comm_enter(t0)
         try:
             with self._seq_lock:
@@ -617,6 +618,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         rt = _rt.current()
         t0 = time.monotonic_ns()
         blocking = _caller_is_blocking("send")
+        rt.ensure_slot()
         rt.recorder.comm_enter(t0)
         try:
             (t,) = tensors
@@ -648,6 +650,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         rt = _rt.current()
         t0 = time.monotonic_ns()
         blocking = _caller_is_blocking("recv")
+        rt.ensure_slot()
         rt.recorder.comm_enter(t0)
         try:
             (t,) = tensors

@@ -215,6 +215,17 @@ class RankRuntime:
         with self._slot_lock:
             self._pending.pop(id(op), None)
 
+    def ensure_slot(self) -> None:
+        """Called as a communication call starts: if the stall monitor gave the
+        slot away while the main thread was in fact about to go on (it waited
+        for the GIL, say), take it back before the call goes out."""
+        with self._slot_lock:
+            if not self._implicit or self._holds_slot:
+                return
+            self._implicit = False
+            self._acquire_locked()
+        self.recorder.comm_exit(time.monotonic_ns())
+
     def before_complete(self, op: Any) -> None:
         """Called by the completion thread before it completes ``op``: if the
         monitor released the slot, take one again first."""
