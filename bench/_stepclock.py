@@ -6,14 +6,39 @@ A global optimizer step post-hook (``torch.optim.optimizer.register_optimizer_st
 appends ``STEP MONOTONIC_NS`` to ``$PRISM_STEPCLOCK_DIR/rank-R.txt``; the step
 is counted per rank from 0. CLOCK_MONOTONIC is one clock for the whole host
 on Linux, so the ranks' times compare.
+
+With ``PRISM_STEPCLOCK_SYNC=1`` the hook first waits for the rank's CUDA
+device (``torch.cuda.synchronize``), so a GPU step ends when its kernels end,
+not when the CPU queued them. On CUDA ranks it also writes memory lines:
+``mem-step STEP NVML_PROCESS_BYTES RESERVED ALLOCATED`` once, after step
+``PRISM_STEPCLOCK_MEM_STEP`` (default 2; NCCL's buffers exist by then), and
+``mem-exit MAX_ALLOCATED MAX_RESERVED`` when the process exits.
 """
 
+import atexit
 import os
 import runpy
 import sys
 import time
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+
+def _nvml_process_bytes() -> int:
+    """GPU memory NVML charges to this process (context, allocator, NCCL, cuBLAS); -1 if unknown."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pid, total = os.getpid(), 0
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            total += sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+                         if p.pid == pid)
+        return total
+    except Exception:
+        return -1
 
 
 def main() -> None:
@@ -21,11 +46,25 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     log = open(os.path.join(out_dir, f"rank-{rank}.txt"), "w", buffering=1)
     count = [0]
+    sync = os.environ.get("PRISM_STEPCLOCK_SYNC") == "1"
+    mem_step = int(os.environ.get("PRISM_STEPCLOCK_MEM_STEP", "2"))
 
     def hook(optimizer, args, kwargs) -> None:
+        cuda = torch.cuda.is_initialized()
+        if sync and cuda:
+            torch.cuda.synchronize()
         log.write(f"{count[0]} {time.monotonic_ns()}\n")
+        if cuda and count[0] == mem_step:
+            log.write(f"mem-step {count[0]} {_nvml_process_bytes()} {torch.cuda.memory_reserved()} "
+                      f"{torch.cuda.memory_allocated()}\n")
         count[0] += 1
 
+    def at_exit() -> None:
+        if torch.cuda.is_initialized():
+            log.write(f"mem-exit {torch.cuda.max_memory_allocated()} {torch.cuda.max_memory_reserved()}\n")
+        log.flush()
+
+    atexit.register(at_exit)
     register_optimizer_step_post_hook(hook)
     cmd = sys.argv[1:]
     if cmd[0] == "-m":
@@ -36,5 +75,21 @@ def main() -> None:
         runpy.run_path(cmd[0], run_name="__main__")
 
 
+def parse(text: str) -> tuple[list[int], dict[str, list[int]]]:
+    """(step end times in ns, {"mem-step": [...], "mem-exit": [...]}) of one rank's file."""
+    ends: list[int] = []
+    mem: dict[str, list[int]] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        if parts[0].startswith("mem-"):
+            mem[parts[0]] = [int(x) for x in parts[1:]]
+        else:
+            ends.append(int(parts[1]))
+    return ends, mem
+
+
 if __name__ == "__main__":
     main()
+

@@ -51,6 +51,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import _stepclock as stepclock  # noqa: E402  (bench/ is on sys.path: this script's folder)
 from prism.capture_cli import capture  # noqa: E402
 from prism.core.costmodel import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
@@ -113,8 +114,7 @@ def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float) -> 
         raise RuntimeError(f"ground-truth run failed (exit codes {codes}); logs in {d / 'logs'}")
     per_rank = []
     for r in range(world):
-        lines = (d / f"rank-{r}.txt").read_text().split()
-        per_rank.append([int(x) for x in lines[1::2]])
+        per_rank.append(stepclock.parse((d / f"rank-{r}.txt").read_text())[0])
     wall = time.monotonic() - t0
     shutil.rmtree(d, ignore_errors=True)
     ends = job_step_ends(per_rank)

@@ -1,4 +1,9 @@
-"""``python -m prism netprofile``: measure the local gloo backend and fit a cost profile.
+"""``python -m prism netprofile``: measure the local gloo or NCCL backend and fit a cost profile.
+
+``--backend gloo`` (default) times CPU tensors over gloo, one process per
+core; ``--backend nccl`` times CUDA tensors over NCCL, one process per GPU
+(``cuda:LOCAL_RANK``; each timed batch ends with ``torch.cuda.synchronize``),
+and its profile is the one ``prism predict`` uses for captures of CUDA runs.
 
 Runs one real process per rank (``OMP_NUM_THREADS=1``, at most one rank per
 core, so ranks do not steal each other's time), times each op at each
@@ -46,6 +51,9 @@ DEFAULT_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", 
                "all_to_all_single", "send")
 #: Bytes each rank contributes (float32 tensors).
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
+#: NVLink moves hundreds of GB/s: NCCL's bandwidth shows only in larger messages.
+NCCL_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28)
+BACKENDS = ("gloo", "nccl")
 TRIALS = 5
 #: Each trial runs back-to-back calls for about this long, so barrier skew amortises.
 TRIAL_SECONDS = 0.02
@@ -159,7 +167,8 @@ def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, 
     lines = [
         f"# Cost profile fitted by `prism netprofile` on {host}, {date}.",
         f"# Command: {command}",
-        f"# {backend}, one process per rank (OMP_NUM_THREADS=1), all ranks on this host: the",
+        f"# {backend}, one process per rank ({'one GPU each' if backend == 'nccl' else 'OMP_NUM_THREADS=1'}), "
+        "all ranks on this host: the",
         "# inter-node link was NOT measured; it is set equal to the intra-node one.",
         f"# Fit: non-negative least squares on relative error over {len(points)} points;",
         f"# relative error median {np.median(err):.1%}, max {np.max(err):.1%}.",
@@ -200,11 +209,18 @@ def _worker(argv: Sequence[str]) -> None:
     ap.add_argument("--sizes", required=True)
     ap.add_argument("--group-sizes", required=True)
     ap.add_argument("--ops", required=True)
+    ap.add_argument("--backend", default="gloo", choices=BACKENDS)
     a = ap.parse_args(argv)
     sizes = [int(x) for x in a.sizes.split(",")]
     gsizes = [int(x) for x in a.group_sizes.split(",")]
     ops = a.ops.split(",")
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if a.backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     groups = {n: dist.new_group(list(range(n))) for n in gsizes}
     for n in gsizes:
@@ -215,29 +231,36 @@ def _worker(argv: Sequence[str]) -> None:
             if op == "send" and n != 2:
                 continue
             for nbytes in sizes:
-                fn = _op_call(torch, dist, op, n, nbytes, g, rank)
-                secs = _time_op(torch, dist, fn, g)
+                fn = _op_call(torch, dist, op, n, nbytes, g, rank, device)
+                secs = _time_op(torch, dist, fn, g, device)
                 if rank == 0:
                     print(json.dumps({"op": op, "n": n, "nbytes": nbytes, "seconds": secs}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _op_call(torch, dist, op: str, n: int, nbytes: int, g, rank: int):
+def _op_call(torch, dist, op: str, n: int, nbytes: int, g, rank: int, device):
     elems = max(1, nbytes // 4)
+
+    def ones(k: int):
+        return torch.ones(k, device=device)
+
+    def empty(k: int):
+        return torch.empty(k, device=device)
+
     if op in ("all_gather_into_tensor",):
-        x = torch.ones(elems)
-        out = torch.empty(elems * n)
+        x = ones(elems)
+        out = empty(elems * n)
         return lambda: dist.all_gather_into_tensor(out, x, group=g)
     if op in ("reduce_scatter_tensor", "all_to_all_single"):
         elems = max(n, elems - elems % n)
-        x = torch.ones(elems)
+        x = ones(elems)
         if op == "all_to_all_single":
-            out = torch.empty(elems)
+            out = empty(elems)
             return lambda: dist.all_to_all_single(out, x, group=g)
-        out = torch.empty(elems // n)
+        out = empty(elems // n)
         return lambda: dist.reduce_scatter_tensor(out, x, group=g)
-    x = torch.ones(elems)
+    x = ones(elems)
     if op == "all_reduce":
         return lambda: dist.all_reduce(x, group=g)
     if op == "broadcast":
@@ -256,37 +279,51 @@ def _op_call(torch, dist, op: str, n: int, nbytes: int, g, rank: int):
     raise ValueError(f"netprofile: unknown op {op!r}; known: {', '.join(DEFAULT_OPS)}")
 
 
-def _time_op(torch, dist, fn, g) -> float:
+def _time_op(torch, dist, fn, g, device) -> float:
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def agree(seconds: float) -> float:
+        # The slowest rank's time; every rank must agree on the call count.
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+        return t.item()
+
     fn()
     fn()
+    sync()
     dist.barrier(group=g)
+    sync()
     t = time.perf_counter()
     fn()
-    one = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-    dist.all_reduce(one, op=dist.ReduceOp.MAX, group=g)  # every rank must agree on the call count
-    k = int(min(50, max(1, TRIAL_SECONDS / max(one.item(), 1e-7))))
+    sync()
+    one = agree(time.perf_counter() - t)
+    k = int(min(50, max(1, TRIAL_SECONDS / max(one, 1e-7))))
     per_call = []
     for _ in range(TRIALS):
         dist.barrier(group=g)
+        sync()
         t = time.perf_counter()
         for _ in range(k):
             fn()
-        dt = torch.tensor([(time.perf_counter() - t) / k], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=g)
-        per_call.append(dt.item())
+        sync()
+        per_call.append(agree((time.perf_counter() - t) / k))
     secs = statistics.median(per_call)
     return secs  # a ping-pong's half is taken by the caller
 
 
 # ------------------------------------------------------------------------ shell
 def measure(sizes: Sequence[int], group_sizes: Sequence[int], ops: Sequence[str], *,
-            timeout: float = 600.0) -> list[Point]:
+            timeout: float = 600.0, backend: str = "gloo") -> list[Point]:
     """Run the measurement world (``max(group_sizes)`` processes) and return its points."""
     from prism.workloads.harness import run_world
 
     world = max(group_sizes)
     argv = ["-m", "prism.netprofile_cli", "--worker", "--sizes", ",".join(map(str, sizes)),
-            "--group-sizes", ",".join(map(str, group_sizes)), "--ops", ",".join(ops)]
+            "--group-sizes", ",".join(map(str, group_sizes)), "--ops", ",".join(ops), "--backend", backend]
     root = str(pathlib.Path(__file__).resolve().parent.parent)
     env = {"OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
@@ -315,15 +352,27 @@ def _list(parse):
     return run
 
 
+def gpu_count() -> int:
+    """GPUs torch sees here (0 without CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     cores = usable_cores()
+    p.add_argument("--backend", choices=BACKENDS, default="gloo",
+                   help="gloo: CPU tensors, one process per core (default); nccl: CUDA tensors, one process per GPU")
     p.add_argument("--out", default=None, metavar="FILE.toml",
-                   help="where to write the profile (default: ~/.cache/prism/profiles/gloo-HOST.toml, "
-                        "or $PRISM_PROFILE_DIR/gloo-HOST.toml; `prism predict` looks there)")
-    p.add_argument("--sizes", type=_list(_size), default=list(DEFAULT_SIZES),
-                   help="bytes per rank, e.g. 1K,16K,1M (default: 1K,16K,128K,1M,4M,16M)")
+                   help="where to write the profile (default: ~/.cache/prism/profiles/BACKEND-HOST.toml, "
+                        "or $PRISM_PROFILE_DIR/BACKEND-HOST.toml; `prism predict` looks there)")
+    p.add_argument("--sizes", type=_list(_size), default=None,
+                   help="bytes per rank, e.g. 1K,16K,1M (default gloo: 1K,16K,128K,1M,4M,16M; nccl: up to 256M)")
     p.add_argument("--group-sizes", type=_list(int), default=None,
-                   help=f"group sizes to measure, each at most the core count ({cores}) (default: powers of 2 up to it)")
+                   help=f"group sizes to measure, each at most the core count ({cores}; nccl: the GPU count) "
+                        "(default: powers of 2 up to it)")
     p.add_argument("--ops", type=_list(str), default=list(DEFAULT_OPS),
                    help=f"ops to measure (default: {','.join(DEFAULT_OPS)}; send is a ping-pong between 2 ranks)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the points and fit as JSON")
@@ -331,23 +380,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cores = usable_cores()
+    backend = args.backend
+    if backend == "nccl":
+        cores = gpu_count()
+        if cores < 2:
+            print(f"prism netprofile: --backend nccl needs at least 2 GPUs (one process per GPU); torch sees "
+                  f"{cores} here. Run it on a multi-GPU machine, or profile gloo", file=sys.stderr)
+            return 2
+        unit = "GPU count"
+    else:
+        cores, unit = usable_cores(), "core count"
+    sizes = args.sizes or list(NCCL_SIZES if backend == "nccl" else DEFAULT_SIZES)
     gsizes = args.group_sizes or [n for n in (2, 4, 8, 16, 32, 64, 128) if n <= cores] or [2]
     bad = [n for n in gsizes if n < 2 or n > max(cores, 2)]
     if bad:
-        print(f"prism netprofile: group size {bad[0]} must be in 2..{max(cores, 2)} (the core count: more ranks "
-              "than cores would time the scheduler, not the backend)", file=sys.stderr)
+        print(f"prism netprofile: group size {bad[0]} must be in 2..{max(cores, 2)} (the {unit}: more ranks "
+              f"than {'GPUs' if backend == 'nccl' else 'cores'} would time the scheduler, not the backend)",
+              file=sys.stderr)
         return 2
     unknown = [o for o in args.ops if o not in DEFAULT_OPS]
     if unknown:
         print(f"prism netprofile: unknown op {unknown[0]!r}; known: {', '.join(DEFAULT_OPS)}", file=sys.stderr)
         return 2
     host = socket.gethostname()
-    out = pathlib.Path(args.out) if args.out else fitted_profile_path("gloo", host)
+    out = pathlib.Path(args.out) if args.out else fitted_profile_path(backend, host)
     t0 = time.monotonic()
-    print(f"prism netprofile: gloo, {max(gsizes)} processes, group sizes {gsizes}, ops {','.join(args.ops)}, "
-          f"sizes {','.join(map(str, args.sizes))} bytes", file=sys.stderr)
-    points = measure(args.sizes, gsizes, args.ops)
+    print(f"prism netprofile: {backend}, {max(gsizes)} processes, group sizes {gsizes}, ops {','.join(args.ops)}, "
+          f"sizes {','.join(map(str, sizes))} bytes", file=sys.stderr)
+    points = measure(sizes, gsizes, args.ops, backend=backend)
     fit = fit_points(points)
     err = relative_errors(fit, points)
     pred = predict_seconds(fit, points)
@@ -357,16 +417,16 @@ def main(args: argparse.Namespace) -> int:
     print(f"fit: base latency {fit.base_latency * 1e6:.2f} us, per-step latency {fit.latency * 1e6:.2f} us, "
           f"bandwidth {fit.bandwidth / 1e9:.3f} GB/s; relative error median {np.median(err):.1%}, "
           f"max {np.max(err):.1%} over {len(points)} points ({time.monotonic() - t0:.0f} s)")
-    command = (f"python -m prism netprofile --sizes {','.join(map(str, args.sizes))} "
+    command = (f"python -m prism netprofile --backend {backend} --sizes {','.join(map(str, sizes))} "
                f"--group-sizes {','.join(map(str, gsizes))} --ops {','.join(args.ops)}")
-    text = profile_toml(fit, points, host=host, backend="gloo", ranks_per_node=cores, command=command)
+    text = profile_toml(fit, points, host=host, backend=backend, ranks_per_node=cores, command=command)
     parse_profile(text, str(out))  # never write what predict cannot read
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
-            "host": host, "backend": "gloo", "command": command, "points": [dataclasses.asdict(p) for p in points],
+            "host": host, "backend": backend, "command": command, "points": [dataclasses.asdict(p) for p in points],
             "fit": {"base_latency_s": fit.base_latency, "latency_s": fit.latency, "bandwidth_Bps": fit.bandwidth},
             "relative_error": {"median": float(np.median(err)), "max": float(np.max(err))}}, indent=2))
     return 0

@@ -101,6 +101,23 @@ def _host(t: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
     return h
 
 
+def _settle(tensors: Sequence[torch.Tensor]) -> None:
+    """Wait for the GPU work queued before a communication call.
+
+    The CPU runs ahead of a CUDA device; without this the kernels still queued
+    would finish inside the call (the copy to host waits for them) and their
+    time would count as communication, which the replay replaces by the cost
+    model. Synchronising first puts them in the compute segment that queued
+    them. The copy to host would wait anyway, so this costs nothing extra.
+    """
+    seen: set[int] = set()
+    for t in tensors:
+        dev = t.device
+        if dev.type == "cuda" and dev.index not in seen:
+            seen.add(dev.index)
+            torch.cuda.synchronize(dev)
+
+
 def _buffer(h: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without copying."""
     if h.numel() == 0:
@@ -380,6 +397,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         out_splits: Sequence[int] = (),
     ) -> PrismWork:
         rt = _rt.current()
+        _settle([*inputs, *outputs])
         t0 = time.monotonic_ns()
         rt.ensure_slot()
         rt.recorder.comm_enter(t0)
@@ -616,6 +634,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> PrismWork:
         rt = _rt.current()
+        _settle(tensors)
         t0 = time.monotonic_ns()
         blocking = _caller_is_blocking("send")
         rt.ensure_slot()
@@ -648,6 +667,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> PrismWork:
         rt = _rt.current()
+        _settle(tensors)
         t0 = time.monotonic_ns()
         blocking = _caller_is_blocking("recv")
         rt.ensure_slot()

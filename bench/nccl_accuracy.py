@@ -1,0 +1,338 @@
+"""Phase-1 fidelity against real NCCL runs: ground truth on one GPU per rank vs
+Prism capturing the same script on fewer GPUs and predicting it.
+
+    PYTHONUNBUFFERED=1 python bench/nccl_accuracy.py --out-dir DIR [--runs 3] [--capture-gpus 1,2]
+
+Per configuration (a layout of the bundled GPT or MoE, or the FSDP2 script
+written the way users write it), runs interleave (truth, Prism on 1 GPU,
+Prism on 2 GPUs, truth, ...):
+
+truth
+    the unmodified script, plain torch.distributed over NCCL, one process per
+    GPU (``cuda:LOCAL_RANK``), run by ``bench/_stepclock.py`` with
+    ``PRISM_STEPCLOCK_SYNC=1`` (each optimizer step's end is taken after
+    ``torch.cuda.synchronize``). Iteration time: gap between the job's step
+    ends (the last rank's), mean over the steps after ``--warmup``. Memory per
+    rank: ``torch.cuda.max_memory_allocated`` at exit, and NVML's figure for
+    the process after step 2 against ``memory_reserved`` (what lives outside
+    torch's caching allocator: CUDA context, cuBLAS workspaces, NCCL's own
+    buffers).
+prism on K GPUs
+    ``prism capture`` of the same command with ``--gpus 0..K-1`` (logical
+    devices: every rank still sees ``cuda:LOCAL_RANK``; one rank computes per
+    GPU at a time; ranks resident), replayed with the NCCL profile fitted by
+    ``prism netprofile --backend nccl`` on this machine (fitted first if there
+    is none). Memory per rank: the largest ``peak_allocated`` of the rank's
+    Memory events in the trace; the stepclock also runs inside the capture, so
+    the same NVML/reserved figures exist for Prism's ranks (no NCCL there).
+
+Prints, per configuration: truth mean and noise floor (CV of the run means),
+per capture: Prism mean, median paired error and its 95% bootstrap CI over
+runs; per rank: peak allocated truth vs Prism, and the memory outside the
+allocator in both (their difference is NCCL's own). Writes
+``DIR/nccl_accuracy.json``. ``--device cpu`` runs the same pipeline with gloo
+and CPU captures (a smoke test for machines without GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import _stepclock as stepclock  # noqa: E402
+from accuracy import bootstrap_median_ci, job_step_ends, mean_iteration  # noqa: E402
+
+from prism.capture_cli import capture  # noqa: E402
+from prism.core import trace as T  # noqa: E402
+from prism.core.costmodel import load_profile  # noqa: E402
+from prism.core.graph import ExecutionGraph  # noqa: E402
+from prism.core.replay import replay_batch  # noqa: E402
+from prism.launcher import launch_ranks  # noqa: E402
+from prism.netprofile_cli import fit_points, fitted_profile_path, measure, profile_toml  # noqa: E402
+
+STEPCLOCK = str(ROOT / "bench" / "_stepclock.py")
+FSDP2 = str(ROOT / "prism" / "workloads" / "frameworks" / "fsdp2.py")
+#: GPT size for a GPU: an iteration of tens of ms on an H200, a few GB per rank.
+GPT = ["--hidden", "1024", "--layers", "4", "--heads", "16", "--seq-len", "512", "--batch", "8",
+       "--micro-batches", "2", "--vocab", "4096"]
+GPT_CPU = ["--hidden", "64", "--layers", "2", "--heads", "4", "--seq-len", "32", "--batch", "2"]
+FSDP2_GPU = ["--dim", "1024", "--hidden", "4096", "--layers", "4", "--batch", "2048"]
+FSDP2_CPU = ["--dim", "16", "--hidden", "32", "--layers", "2", "--batch", "4"]
+
+
+def configs(world: int, device: str) -> dict[str, tuple[list[str], dict[str, int]]]:
+    """name -> (command without --steps, layout)."""
+    gpt_size = GPT if device == "cuda" else GPT_CPU
+    dev = ["--device", device]
+
+    def gpt(tp=1, pp=1, dp=1, ep=1, experts=0):
+        flags = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp)]
+        if experts:
+            flags += ["--ep", str(ep), "--experts", str(experts)]
+        return ["-m", "prism.workloads.gpt", *flags, *gpt_size, *dev], {"tp": tp, "pp": pp, "dp": dp}
+
+    out = {}
+    if world == 2:
+        out["gpt-tp2"] = gpt(tp=2)
+        out["gpt-pp2"] = gpt(pp=2)
+        out["moe-dp2-ep2"] = gpt(dp=2, ep=2, experts=4)
+    else:
+        out[f"gpt-tp2-dp{world // 2}"] = gpt(tp=2, dp=world // 2)
+        out[f"gpt-tp2-pp2-dp{world // 4}"] = gpt(tp=2, pp=2, dp=world // 4)
+        out[f"moe-tp2-dp{world // 2}-ep2"] = gpt(tp=2, dp=world // 2, ep=2, experts=4)
+    out["fsdp2"] = ([FSDP2, *(FSDP2_GPU if device == "cuda" else FSDP2_CPU)], {"dp": world})
+    return out
+
+
+def with_steps(cmd: list[str], steps: int) -> list[str]:
+    return [*cmd, "--steps", str(steps)]
+
+
+def read_clocks(d: pathlib.Path, world: int) -> tuple[list[list[int]], list[dict]]:
+    ends, mems = [], []
+    for r in range(world):
+        e, m = stepclock.parse((d / f"rank-{r}.txt").read_text())
+        ends.append(e)
+        mems.append(m)
+    return ends, mems
+
+
+def mem_summary(mem: dict) -> dict:
+    out = {}
+    if "mem-exit" in mem:
+        out["max_allocated"], out["max_reserved"] = mem["mem-exit"][:2]
+    if "mem-step" in mem:
+        _, nvml, reserved, allocated = mem["mem-step"][:4]
+        out.update(nvml_process=nvml, reserved_at_step=reserved, allocated_at_step=allocated)
+        if nvml >= 0:
+            out["outside_allocator"] = nvml - reserved
+    return out
+
+
+def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float, device: str) -> dict:
+    d = pathlib.Path(tempfile.mkdtemp(prefix="truth-", dir=tmp))
+    t0 = time.monotonic()
+    env = {"PRISM_STEPCLOCK_DIR": str(d), "PRISM_STEPCLOCK_SYNC": "1", "OMP_NUM_THREADS": "1"}
+    h = launch_ranks(world, None, d, [STEPCLOCK, *cmd], env=env, show_ranks=())
+    codes = h.wait(timeout=timeout)
+    if any(c != 0 for c in codes):
+        h.close()
+        logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted((d / "logs").glob("*.log")))
+        raise RuntimeError(f"ground-truth run failed (exit codes {codes}):\n{logs}")
+    ends, mems = read_clocks(d, world)
+    shutil.rmtree(d, ignore_errors=True)
+    return {"ends": job_step_ends(ends), "wall_s": time.monotonic() - t0, "memory": [mem_summary(m) for m in mems]}
+
+
+def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpus: int, device: str) -> dict:
+    d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp))
+    run = d / "run"
+    clocks = d / "clock"
+    clocks.mkdir()
+    os.environ["PRISM_STEPCLOCK_DIR"] = str(clocks)
+    os.environ["PRISM_STEPCLOCK_SYNC"] = "1"
+    plan = None
+    if device == "cuda":
+        from prism.gpu_plan import plan_gpus
+
+        plan = plan_gpus(world, layout, uses_cuda=True, gpus=",".join(map(str, range(n_gpus))),
+                         resident=None, gang=None, slots=None)
+    slots = plan.slots if plan is not None else world
+    t0 = time.monotonic()
+    status = capture(run, world, [STEPCLOCK, *cmd], slots=slots, show_ranks=(), progress="off", gpu=plan)
+    wall = time.monotonic() - t0
+    if status != 0:
+        raise RuntimeError(f"prism capture on {n_gpus} GPU(s) failed with status {status}; kept {run}")
+    events = T.read_run(run).ranks
+    peaks = {r: max((e.peak_allocated for e in evs if isinstance(e, T.Memory)), default=None)
+             for r, evs in events.items()}
+    _, mems = read_clocks(clocks, world)
+    out = {"graph": ExecutionGraph.from_events(events), "wall_s": wall,
+           "memory": [{**mem_summary(mems[r]), "trace_peak_allocated": peaks.get(r)} for r in range(world)],
+           "resident": plan.settings if plan is not None else None}
+    shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def ensure_profile(net: str | None, device: str):
+    if net:
+        return load_profile(net), net
+    backend = "nccl" if device == "cuda" else "gloo"
+    path = fitted_profile_path(backend, socket.gethostname())
+    if not path.is_file():
+        import torch
+
+        n = torch.cuda.device_count() if backend == "nccl" else 2
+        sizes = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28)
+        if backend == "gloo":
+            sizes = sizes[:6]
+        gs = [g for g in (2, 4, 8) if g <= n]
+        print(f"no fitted {backend} profile at {path}: measuring ({gs} ranks)", flush=True)
+        points = measure(sizes, gs, ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+                                     "all_to_all_single", "send"), backend=backend)
+        text = profile_toml(fit_points(points), points, host=socket.gethostname(), backend=backend,
+                            ranks_per_node=max(n, 2), command="bench/nccl_accuracy.py (netprofile defaults)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return load_profile(path), str(path)
+
+
+def fmt_bytes(x) -> str:
+    return f"{x / 2**20:.0f}" if isinstance(x, (int, float)) and x >= 0 else "-"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--world", type=int, default=None, help="ranks (default: the GPU count)")
+    ap.add_argument("--configs", default=None, help="comma-separated names (default: all)")
+    ap.add_argument("--capture-gpus", default="1,2", help="GPU counts Prism captures on (default 1,2)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--net", default=None, help="cost profile (default: the fitted NCCL profile of this host)")
+    ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--budget", type=float, default=None, metavar="S",
+                    help="stop starting new configurations after S seconds (results so far are kept)")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    a = ap.parse_args()
+    import torch
+
+    t_start = time.monotonic()
+    gpus = torch.cuda.device_count() if a.device == "cuda" else 0
+    world = a.world or (gpus if a.device == "cuda" else 2)
+    if a.device == "cuda" and world > gpus:
+        sys.exit(f"--world {world} needs one GPU per rank for the NCCL ground truth; {gpus} here")
+    caps = [int(x) for x in a.capture_gpus.split(",")] if a.device == "cuda" else [0]
+    if any(k > gpus for k in caps if a.device == "cuda"):
+        sys.exit(f"--capture-gpus {a.capture_gpus}: only {gpus} GPUs here")
+    table = configs(world, a.device)
+    names = a.configs.split(",") if a.configs else list(table)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        sys.exit(f"unknown config {unknown[0]!r}; known at world {world}: {', '.join(table)}")
+    model, profile_path = ensure_profile(a.net, a.device)
+    out_dir = pathlib.Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out: dict = {
+        "benchmark": "nccl_accuracy", "date_utc": date, "command": "python " + " ".join(sys.argv),
+        "machine": {"platform": platform.platform(), "host": socket.gethostname(), "gpus": gpus,
+                    "gpu_name": torch.cuda.get_device_name(0) if gpus else None, "cpus": os.cpu_count()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None},
+        "device": a.device, "world": world, "steps": a.steps, "warmup": a.warmup, "runs": a.runs,
+        "capture_gpus": caps, "cost_profile": {"path": profile_path, "name": model.name,
+                                               "description": model.description},
+        "configs": [],
+    }
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="prism-nccl-accuracy-"))
+    try:
+        for name in names:
+            if a.budget and time.monotonic() - t_start > a.budget:
+                print(f"budget of {a.budget:.0f} s spent: {name} and later configurations not run", flush=True)
+                out.setdefault("not_run", []).append(name)
+                continue
+            cmd, layout = table[name]
+            cmd = with_steps(cmd, a.steps)
+            row: dict = {"config": name, "command": cmd, "truth": [], "prism": {str(k): [] for k in caps}}
+            out["configs"].append(row)
+            try:
+                for i in range(a.runs):
+                    t = run_truth(world, cmd, tmp, a.timeout, a.device)
+                    t_mean = mean_iteration(t["ends"], a.warmup)
+                    row["truth"].append({"mean_ns": t_mean, "step_ns": np.diff(t["ends"]).tolist(),
+                                         "wall_s": t["wall_s"], "memory": t["memory"]})
+                    msg = f"{name} run {i}: truth {t_mean / 1e6:.2f} ms"
+                    for k in caps:
+                        p = run_prism(world, cmd, layout, tmp, k, a.device)
+                        res = replay_batch(p["graph"], cost_model=model)
+                        p_mean = res.mean_iteration_time(a.warmup)
+                        err = abs(p_mean - t_mean) / t_mean
+                        row["prism"][str(k)].append({"mean_ns": p_mean, "step_ns": list(map(float, res.iteration_times)),
+                                                     "capture_wall_s": p["wall_s"], "error": err,
+                                                     "memory": p["memory"], "gpu_plan": p["resident"]})
+                        msg += f", prism@{k}gpu {p_mean / 1e6:.2f} ms ({err:.1%}, capture {p['wall_s']:.0f} s)"
+                    print(msg, flush=True)
+            except Exception as e:  # recorded; the next configuration runs
+                row["error"] = f"{type(e).__name__}: {e}"[-3000:]
+                print(f"{name}: FAILED: {row['error']}", flush=True)
+            summarise(row, caps)
+            (out_dir / "nccl_accuracy.json").write_text(json.dumps(out, indent=1, default=str))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print_report(out)
+    (out_dir / "nccl_accuracy.json").write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {out_dir / 'nccl_accuracy.json'}")
+    return 0
+
+
+def summarise(row: dict, caps: list[int]) -> None:
+    truth = [r["mean_ns"] for r in row["truth"]]
+    if not truth:
+        return
+    row["truth_mean_ms"] = statistics.mean(truth) / 1e6
+    row["noise_floor_cv"] = statistics.stdev(truth) / statistics.mean(truth) if len(truth) > 1 else None
+    row["summary"] = {}
+    for k in caps:
+        runs = row["prism"][str(k)]
+        if not runs:
+            continue
+        errs = [r["error"] for r in runs]
+        lo, hi = bootstrap_median_ci(errs)
+        row["summary"][str(k)] = {"prism_mean_ms": statistics.mean(r["mean_ns"] for r in runs) / 1e6,
+                                  "median_error": statistics.median(errs), "error_ci95": [lo, hi],
+                                  "signed_mean_error": statistics.mean(
+                                      (r["mean_ns"] - t) / t for r, t in zip(runs, truth))}
+
+
+def print_report(out: dict) -> None:
+    print()
+    print(f"NCCL accuracy: world {out['world']}, {out['runs']} interleaved runs, {out['steps']} steps "
+          f"({out['warmup']} warm-up); profile {out['cost_profile']['name']}; {out['date_utc']}; "
+          f"{out['machine']['gpus']} x {out['machine']['gpu_name']}; torch {out['versions']['torch']}")
+    print(f"{'config':<16} {'truth ms':>9} {'noise CV':>9} {'GPUs':>5} {'prism ms':>9} {'signed':>8} "
+          f"{'median err':>10} {'95% CI':>15}")
+    for row in out["configs"]:
+        if "truth_mean_ms" not in row:
+            print(f"{row['config']:<16} {row.get('error', 'no runs')[:100]}")
+            continue
+        cv = row["noise_floor_cv"]
+        for k, s in row.get("summary", {}).items():
+            print(f"{row['config']:<16} {row['truth_mean_ms']:>9.2f} {(f'{cv:.1%}' if cv is not None else '-'):>9} "
+                  f"{k:>5} {s['prism_mean_ms']:>9.2f} {s['signed_mean_error']:>+8.1%} {s['median_error']:>10.1%} "
+                  f"{s['error_ci95'][0]:>7.1%}-{s['error_ci95'][1]:<7.1%}")
+    print()
+    print("peak memory per rank (MiB): truth max_allocated vs Prism trace peak; outside torch's allocator "
+          "(NVML process - reserved) truth vs Prism: the difference is NCCL's own")
+    for row in out["configs"]:
+        if not row["truth"]:
+            continue
+        tm = row["truth"][-1]["memory"]
+        for k, runs in row["prism"].items():
+            if not runs:
+                continue
+            pm = runs[-1]["memory"]
+            for r, (t, p) in enumerate(zip(tm, pm)):
+                print(f"  {row['config']:<16} rank {r} @{k}gpu: peak {fmt_bytes(t.get('max_allocated'))} vs "
+                      f"{fmt_bytes(p.get('trace_peak_allocated'))}; outside allocator "
+                      f"{fmt_bytes(t.get('outside_allocator'))} vs {fmt_bytes(p.get('outside_allocator'))}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
