@@ -66,6 +66,11 @@ def main() -> None:
 
     atexit.register(at_exit)
     register_optimizer_step_post_hook(hook)
+    if os.environ.get("PRISM_STEPCLOCK_MODE") == "1":
+        # Measures the logical-device mode's cost inside a real (non-Prism) run.
+        from prism.rank.devices import LogicalDeviceMode
+
+        LogicalDeviceMode().__enter__()
     cmd = sys.argv[1:]
     if cmd[0] == "-m":
         sys.argv = [cmd[1], *cmd[2:]]

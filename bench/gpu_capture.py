@@ -41,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 LOSS = re.compile(r"^step (\d+) loss (\S+)$", re.MULTILINE)
 RESULTS: dict = {}
 RUNS_DIR = [Path("/tmp/prism-gpu-bench")]
+#: ``prism capture --gpus`` for every GPU capture (None: every GPU NVML sees).
+GPUS: list[str | None] = [None]
 
 
 def save(out_dir: Path) -> None:
@@ -178,7 +180,8 @@ def capture(out_dir: Path, name: str, world: int, workload: list[str], opts: lis
     run = RUNS_DIR[0] / name
     shutil.rmtree(run, ignore_errors=True)
     cmd = [sys.executable, "-m", "prism", "capture", "-n", str(world), "--out", str(run), "--progress", "off",
-           "--quiet-period", "30", "--show-ranks", "none", *opts, "--", "-m", "prism.workloads.gpt", *workload]
+           "--quiet-period", "30", "--show-ranks", "none", *opts,
+           *(["--gpus", GPUS[0]] if GPUS[0] and "--device" in workload and "cpu" not in workload else []), "--", "-m", "prism.workloads.gpt", *workload]
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     host = HostSampler(proc.pid) if sample_host else None
@@ -234,8 +237,11 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated sections")
     ap.add_argument("--table", metavar="JSON", help="only print the table of an earlier run's JSON")
     ap.add_argument("--runs-dir", default="/tmp/prism-gpu-bench", help="where the captures go")
+    ap.add_argument("--gpus", default=None, help="--gpus for the GPU captures (default: all GPUs)")
+    ap.add_argument("--gangs", default=None, help="gangs for gpt8 (default tp,1,tpxpp)")
     a = ap.parse_args()
     RUNS_DIR[0] = Path(a.runs_dir)
+    GPUS[0] = a.gpus
     if a.table:
         RESULTS.update(json.loads(Path(a.table).read_text()))
         print_table()
@@ -286,7 +292,8 @@ def main() -> int:
         return out
 
     if want("gpt8"):
-        section("gpt8", out_dir)(world8)("gpt8", [], ["tp"] if a.quick else ["tp", "1", "tpxpp"])
+        gangs = a.gangs.split(",") if a.gangs else (["tp"] if a.quick else ["tp", "1", "tpxpp"])
+        section("gpt8", out_dir)(world8)("gpt8", [], gangs)
     if want("moe8"):
         section("moe8", out_dir)(world8)("moe8", ["--ep", "2", "--experts", "4"], ["tp"])
 

@@ -232,8 +232,10 @@ def test_pipeline_schedules_match_gloo(runs, schedule):
     # Shape inference at the first step: recv_object_list sends a size (int64) then pickled bytes (uint8).
     assert {ev.dtype for ev in p2p if ev.step == 0} >= {"int64", "uint8", "float32"}
     # Per step 4 micro-batches cross each of the 3 stage boundaries forward and backward.
+    # torch 2.11 makes 6 more float32 sends at the first step (its shape
+    # inference, seen on the H200 machine); 2.13 does not.
     sends = Counter(ev.step for ev in p2p if ev.op == "send" and ev.dtype == "float32")
-    assert all(sends[s] == 4 * 3 * 2 for s in range(3)), sends
+    assert sends[0] in (4 * 3 * 2, 4 * 3 * 2 + 6) and sends[1] == sends[2] == 4 * 3 * 2, sends
 
 
 # --- checkpoint, object collectives, the API tour -----------------------------------------

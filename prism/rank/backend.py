@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch._C._distributed_c10d as _c10d  # the option types (2.11 does not re-export all in dist)
 from torch._C._distributed_c10d import ReduceOp
 
 from prism.core import protocol, trace
@@ -470,7 +471,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PrismWork:
         if opts is None or isinstance(opts, (ReduceOp, ReduceOp.RedOpType)):
-            o = dist.AllreduceOptions()
+            o = _c10d.AllreduceOptions()
             if opts is not None:
                 o.reduceOp = opts
             opts = o
@@ -478,20 +479,20 @@ class PrismProcessGroup(dist.ProcessGroup):
         return self._collective(op, tensors, tensors, opts, reduce=opts.reduceOp)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> PrismWork:
-        opts = opts or dist.AllreduceCoalescedOptions()
+        opts = opts or _c10d.AllreduceCoalescedOptions()
         return self._collective("all_reduce_coalesced", tensors, tensors, opts, reduce=opts.reduceOp)
 
     # --- broadcast / reduce ----------------------------------------------------
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> PrismWork:
-        opts = opts or dist.BroadcastOptions()
+        opts = opts or _c10d.BroadcastOptions()
         root = opts.rootRank
         if root == self._group_rank:
             return self._collective("broadcast", tensors, [], opts, result=tensors, root=root)
         return self._collective("broadcast", [], tensors, opts, root=root)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PrismWork:
-        opts = opts or dist.ReduceOptions()
+        opts = opts or _c10d.ReduceOptions()
         root = opts.rootRank
         outputs = tensors if root == self._group_rank else []
         return self._collective("reduce", tensors, outputs, opts, result=tensors, reduce=opts.reduceOp, root=root)
@@ -499,7 +500,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     # --- all_gather ------------------------------------------------------------
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or _c10d.AllgatherOptions()
         for lst in output_lists:
             self._check_len("all_gather", "the output list", lst, self._size)
         return self._one_by_one(lambda lst, t: self._collective("all_gather", [t], list(lst), opts),
@@ -526,7 +527,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or _c10d.AllgatherOptions()
         for o, i in zip(outputs, inputs, strict=True):
             if o.numel() != i.numel() * self._size:
                 raise ValueError(
@@ -539,7 +540,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     # --- gather / scatter --------------------------------------------------------
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
-        opts = opts or dist.GatherOptions()
+        opts = opts or _c10d.GatherOptions()
         root = opts.rootRank
         outputs: list[torch.Tensor] = []
         if root == self._group_rank:
@@ -548,7 +549,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         return self._collective("gather", inputs, outputs, opts, root=root)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> PrismWork:
-        opts = opts or dist.ScatterOptions()
+        opts = opts or _c10d.ScatterOptions()
         root = opts.rootRank
         inputs: list[torch.Tensor] = []
         if root == self._group_rank:
@@ -559,7 +560,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     # --- reduce_scatter ----------------------------------------------------------
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> PrismWork:
-        opts = opts or dist.ReduceScatterOptions()
+        opts = opts or _c10d.ReduceScatterOptions()
         if len(outputs) != 1:
             raise _unsupported(f"reduce_scatter with {len(outputs)} output tensors")
         self._check_len("reduce_scatter", "the input list", input_lists[0], self._size)
@@ -575,7 +576,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
-        opts = opts or dist.ReduceScatterOptions()
+        opts = opts or _c10d.ReduceScatterOptions()
         for o, i in zip(outputs, inputs, strict=True):
             if i.numel() != o.numel() * self._size:
                 raise ValueError(
@@ -589,7 +590,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     # --- all_to_all ----------------------------------------------------------------
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> PrismWork:
-        opts = opts or dist.AllToAllOptions()
+        opts = opts or _c10d.AllToAllOptions()
         self._check_len("all_to_all", "the input list", inputs, self._size)
         self._check_len("all_to_all", "the output list", outputs, self._size)
         return self._collective("all_to_all", inputs, outputs, opts)
@@ -600,7 +601,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None,
                       input_split_sizes: list[int] | None, opts: Any = None) -> PrismWork:
-        opts = opts or dist.AllToAllOptions()
+        opts = opts or _c10d.AllToAllOptions()
         in_splits = self._splits("input", input, input_split_sizes)
         out_splits = self._splits("output", output, output_split_sizes)
         return self._collective("all_to_all_single", [input], [output], opts,
@@ -625,7 +626,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     # --- barrier ---------------------------------------------------------------------
 
     def barrier(self, opts: Any = None) -> PrismWork:
-        return self._collective("barrier", [], [], opts or dist.BarrierOptions())
+        return self._collective("barrier", [], [], opts or _c10d.BarrierOptions())
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         self.barrier().wait()
