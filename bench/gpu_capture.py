@@ -137,6 +137,25 @@ def swap_raw(sizes=(1.0, 8.0)) -> dict:
     return out
 
 
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 class HostSampler:
     """Peak RSS and PSS summed over a process's descendants."""
 
@@ -148,26 +167,21 @@ class HostSampler:
         self._t.start()
 
     def _run(self) -> None:
-        import psutil
-
-        try:
-            root = psutil.Process(self.pid)
-        except psutil.Error:
-            return
+        # /proc directly (psutil is not on every machine): the rank processes
+        # are the fork server's children, so their command line is its.
         while not self._stop.wait(self.every):
             rss = pss = n = 0
-            try:
-                kids = root.children(recursive=True)
-            except psutil.Error:
-                return
-            for p in kids:
+            for pid in _descendants(self.pid):
                 try:
-                    if "forkserver" not in " ".join(p.cmdline()):
+                    if b"forkserver" not in Path(f"/proc/{pid}/cmdline").read_bytes():
                         continue
-                    m = p.memory_full_info()
-                    rss, pss, n = rss + m.rss, pss + m.pss, n + 1
-                except psutil.Error:
+                    roll = Path(f"/proc/{pid}/smaps_rollup").read_text()
+                except OSError:
                     continue
+                fields = dict(line.split(":", 1) for line in roll.splitlines()[1:] if ":" in line)
+                rss += int(fields.get("Rss", "0 kB").split()[0]) * 1024
+                pss += int(fields.get("Pss", "0 kB").split()[0]) * 1024
+                n += 1
             self.peak_rss, self.peak_pss, self.peak_n = max(self.peak_rss, rss), max(self.peak_pss, pss), max(self.peak_n, n)
 
     def stop(self) -> None:
@@ -239,6 +253,16 @@ def main() -> int:
     ap.add_argument("--runs-dir", default="/tmp/prism-gpu-bench", help="where the captures go")
     ap.add_argument("--gpus", default=None, help="--gpus for the GPU captures (default: all GPUs)")
     ap.add_argument("--gangs", default=None, help="gangs for gpt8 (default tp,1,tpxpp)")
+    ap.add_argument("--scale-worlds", default=None, help="worlds for the scale section (default 8,16,32)")
+    ap.add_argument("--scale-slots", type=int, default=8)
+    ap.add_argument("--scale-steps", type=int, default=2)
+    ap.add_argument("--scale-timeout", type=float, default=150)
+    ap.add_argument("--swap-timeout", type=float, default=150)
+    ap.add_argument("--skip-all-resident", action="store_true",
+                    help="moe8: compare the swapped capture with the CPU capture only")
+    ap.add_argument("--cpu-worlds", default="256,1024", help="worlds for the cpu_scale section")
+    ap.add_argument("--cpu-slots", type=int, default=16)
+    ap.add_argument("--cpu-timeout", type=float, default=300)
     a = ap.parse_args()
     RUNS_DIR[0] = Path(a.runs_dir)
     GPUS[0] = a.gpus
@@ -272,20 +296,22 @@ def main() -> int:
     if want("world2"):
         section("world2", out_dir)(world2)()
 
-    def world8(kind: str, extra: list[str], gangs: list[str]):
+    def world8(kind: str, extra: list[str], gangs: list[str], all_resident: bool = True):
         wl = ["--tp", "2", "--pp", "2", "--dp", "2", "--steps", steps, *extra]
-        out = {"all_resident": capture(out_dir, f"{kind}-all", 8, wl + ["--device", "cuda"], [])}
+        out = {}
+        if all_resident:
+            out["all_resident"] = capture(out_dir, f"{kind}-all", 8, wl + ["--device", "cuda"], [])
         RESULTS[kind] = out
 
         def check():
-            ref, cpu = out["all_resident"]["losses"], out.get("cpu", {}).get("losses", [])
+            ref, cpu = out.get("all_resident", {}).get("losses", []), out.get("cpu", {}).get("losses", [])
             out["loss_check"] = {k: {"vs_all_resident": rel_diff(v["losses"], ref), "vs_cpu": rel_diff(v["losses"], cpu)}
                                  for k, v in out.items() if isinstance(v, dict) and "losses" in v}
             save(out_dir)
 
         for i, g in enumerate(gangs):
             out[f"resident4_gang_{g}"] = capture(out_dir, f"{kind}-r4-{g}", 8, wl + ["--device", "cuda"],
-                                                 ["--resident", "4", "--gang", g], timeout=150)
+                                                 ["--resident", "4", "--gang", g], timeout=a.swap_timeout)
             if i == 0:
                 out["cpu"] = capture(out_dir, f"{kind}-cpu", 8, wl + ["--device", "cpu"], ["--slots", "8"])
             check()
@@ -295,18 +321,19 @@ def main() -> int:
         gangs = a.gangs.split(",") if a.gangs else (["tp"] if a.quick else ["tp", "1", "tpxpp"])
         section("gpt8", out_dir)(world8)("gpt8", [], gangs)
     if want("moe8"):
-        section("moe8", out_dir)(world8)("moe8", ["--ep", "2", "--experts", "4"], ["tp"])
+        section("moe8", out_dir)(world8)("moe8", ["--ep", "2", "--experts", "4"], ["tp"], not a.skip_all_resident)
 
     if want("mode"):
         section("mode", out_dir)(mode_cost)()
 
     def scale():
         out = {}
-        for world in ((8,) if a.quick else (8, 16, 32)):
+        worlds = [int(w) for w in a.scale_worlds.split(",")] if a.scale_worlds else ([8] if a.quick else [8, 16, 32])
+        for world in worlds:
             dp = world // 4
             r = capture(out_dir, f"scale-{world}", world,
-                        ["--tp", "2", "--pp", "2", "--dp", str(dp), "--steps", "2", "--device", "cuda"],
-                        ["--slots", "8"], sample_host=True, timeout=150)
+                        ["--tp", "2", "--pp", "2", "--dp", str(dp), "--steps", str(a.scale_steps), "--device", "cuda"],
+                        ["--slots", str(a.scale_slots)], sample_host=True, timeout=a.scale_timeout)
             if "gpu_mem_peak" in r:
                 r["device_bytes_per_rank"] = (r["gpu_mem_peak"] - r["gpu_mem_baseline"]) // world
             if r.get("host_peak_rss"):
@@ -318,6 +345,27 @@ def main() -> int:
 
     if want("scale"):
         section("scale", out_dir)(scale)()
+
+    def cpu_scale():
+        """The bundled GPT on CPU at large worlds (issue 6: goal 1,024 ranks on 16 cores)."""
+        out = {}
+        for world in [int(w) for w in a.cpu_worlds.split(",")]:
+            dp = world // 4
+            r = capture(out_dir, f"cpu-{world}", world,
+                        ["--tp", "2", "--pp", "2", "--dp", str(dp), "--steps", "2", "--layers", "2", "--hidden", "32",
+                         "--seq-len", "16", "--device", "cpu"],
+                        ["--slots", str(a.cpu_slots)], sample_host=True, timeout=a.cpu_timeout)
+            if r.get("host_peak_rss"):
+                r["host_rss_per_rank"] = r["host_peak_rss"] // world
+                r["host_pss_per_rank"] = r["host_peak_pss"] // world
+            out[str(world)] = r
+            save(out_dir)
+            if r["rc"] != 0:
+                break
+        return out
+
+    if want("cpu_scale"):
+        section("cpu_scale", out_dir)(cpu_scale)()
     save(out_dir)
     print_table()
     return 0
@@ -327,7 +375,7 @@ def print_table() -> None:
     """One row per capture, then the raw swap and mode figures."""
     print(f"{'capture':<28} {'rc':>3} {'wall s':>8} {'swaps':>6} {'/iter':>6} {'swap s':>7} "
           f"{'GB/s out':>8} {'GB/s in':>8} {'loss vs ref':>11} {'loss vs cpu':>11}")
-    for sec in ("world2", "gpt8", "moe8", "scale"):
+    for sec in ("world2", "gpt8", "moe8", "scale", "cpu_scale"):
         block = RESULTS.get(sec)
         if not isinstance(block, dict):
             continue
