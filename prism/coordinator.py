@@ -166,6 +166,8 @@ class Coordinator:
         self._sock: AsyncSocket | None = None
         self._result: CaptureResult | None = None
         self._failed: dict[int, str] = {}
+        #: Exits seen before the rank's Goodbye was handled: rank -> (code, when).
+        self._exits: dict[int, tuple[int, int]] = {}
         self._t0 = 0
 
     # --- the event loop -----------------------------------------------------
@@ -249,6 +251,7 @@ class Coordinator:
         elif kind == "tick":
             self._on_tick(now)
             await self._rescue(now)
+            await self._judge_exits(now)
 
     async def _send(self, rank_or_identity: int | bytes, msg: P.Message) -> None:
         if isinstance(rank_or_identity, int):
@@ -345,6 +348,24 @@ class Coordinator:
                 self._fail("rank_failed", f"rank {rank} failed:\n{msg.message.rstrip()}", 1)
 
     async def _on_exit(self, rank: int, code: int, now: int) -> None:
+        info = self.ranks.get(rank)
+        if info is None or not info.done:
+            # Its last messages (Goodbye, a failure report) may still be on
+            # the way: the process watcher and the sockets are separate
+            # sources, and under load the exit can be seen first. Judge it
+            # after a grace period.
+            self._exits[rank] = (code, now)
+            return
+        await self._judge_exit(rank, code, now)
+
+    async def _judge_exits(self, now: int) -> None:
+        for rank, (code, seen) in list(self._exits.items()):
+            info = self.ranks.get(rank)
+            if (info is not None and info.done) or now - seen >= EXIT_GRACE_NS:
+                del self._exits[rank]
+                await self._judge_exit(rank, code, now)
+
+    async def _judge_exit(self, rank: int, code: int, now: int) -> None:
         info = self.ranks.get(rank)
         if info is not None and info.done:
             if code != 0 and info.status == "ok" and self._result is None:
@@ -492,6 +513,10 @@ def _raise_open_files_limit(world_size: int) -> None:
 
 def _ranks_text(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:20])) + (f" and {len(ranks) - 20} more" if len(ranks) > 20 else "")
+
+
+#: How long a rank's exit waits for its Goodbye before it counts as a crash.
+EXIT_GRACE_NS = 3_000_000_000
 
 
 def _describe_exit(code: int) -> str:

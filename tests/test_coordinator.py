@@ -193,6 +193,33 @@ async def test_dead_rank_stops_the_others(tmp_path):
     assert set(coord.result.failed_ranks) == {1}
 
 
+async def test_exit_seen_before_the_goodbye_is_not_a_crash(tmp_path):
+    # Under load the process watcher can see a rank's exit (status 0) before
+    # its Goodbye is read from the socket (seen at world 256 on a busy host).
+    procs = FakeProcesses()
+    coord = make(tmp_path, 2, processes=procs)
+
+    async def rank_main(r, endpoint):
+        fr = FakeRank(r, 2, endpoint)
+        await fr.start()
+        res = await fr.all_reduce(np.ones(2, np.float32))
+        assert isinstance(res, P.CollectiveResult), res
+        await fr.sock.send_message(P.SlotRequest(r))
+        await fr.sock.recv_message()
+        if r == 1:
+            procs.exited[1] = 0
+            await trio.sleep(1.0)  # several watcher polls and ticks before the Goodbye
+        await fr.bye()
+        fr.close()
+        procs.exited[r] = 0
+
+    async with trio.open_nursery() as n:
+        endpoint = await n.start(_serve, coord)
+        for r in range(2):
+            n.start_soon(rank_main, r, endpoint)
+    assert coord.result.status == "ok", coord.result.message
+
+
 async def test_version_mismatch_is_refused(tmp_path):
     coord = make(tmp_path, 1)
     async with trio.open_nursery() as n:
