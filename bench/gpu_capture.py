@@ -258,6 +258,7 @@ def main() -> int:
     ap.add_argument("--scale-steps", type=int, default=2)
     ap.add_argument("--scale-timeout", type=float, default=150)
     ap.add_argument("--swap-timeout", type=float, default=150)
+    ap.add_argument("--resident", type=int, default=4, help="--resident for the swapped world-8 captures")
     ap.add_argument("--skip-all-resident", action="store_true",
                     help="moe8: compare the swapped capture with the CPU capture only")
     ap.add_argument("--cpu-worlds", default="256,1024", help="worlds for the cpu_scale section")
@@ -310,8 +311,8 @@ def main() -> int:
             save(out_dir)
 
         for i, g in enumerate(gangs):
-            out[f"resident4_gang_{g}"] = capture(out_dir, f"{kind}-r4-{g}", 8, wl + ["--device", "cuda"],
-                                                 ["--resident", "4", "--gang", g], timeout=a.swap_timeout)
+            out[f"resident{a.resident}_gang_{g}"] = capture(out_dir, f"{kind}-r{a.resident}-{g}", 8, wl + ["--device", "cuda"],
+                                                 ["--resident", str(a.resident), "--gang", g], timeout=a.swap_timeout)
             if i == 0:
                 out["cpu"] = capture(out_dir, f"{kind}-cpu", 8, wl + ["--device", "cpu"], ["--slots", "8"])
             check()

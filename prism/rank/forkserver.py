@@ -21,6 +21,7 @@ tail of its log printed when it exits.
 from __future__ import annotations
 
 import collections
+import gc
 import ctypes
 import os
 import resource
@@ -145,6 +146,10 @@ def serve(spec: dict[str, Any]) -> None:
     pending: dict[int, bytes] = {}
     log_files: dict[int, Any] = {}
     tails: dict[int, collections.deque] = {}
+    # Move everything imported so far (torch, prism) out of the collector's
+    # reach: a child's collections would otherwise write to every tracked
+    # object's header and copy the shared pages (host memory per rank).
+    gc.freeze()
     for rank in range(world):
         r, w = os.pipe()
         pid = os.fork()
