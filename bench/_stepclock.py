@@ -12,10 +12,12 @@ device (``torch.cuda.synchronize``), so a GPU step ends when its kernels end,
 not when the CPU queued them. On CUDA ranks it also writes memory lines:
 ``mem-step STEP NVML_PROCESS_BYTES RESERVED ALLOCATED`` once, after step
 ``PRISM_STEPCLOCK_MEM_STEP`` (default 2; NCCL's buffers exist by then), and
-``mem-exit MAX_ALLOCATED MAX_RESERVED`` when the process exits.
+``mem-peak STEP MAX_ALLOCATED MAX_RESERVED`` after every step (the last one
+counts: the launcher's ranks leave through ``os._exit``, so nothing can be
+written at exit). Under Prism the peak statistics are reset at each step
+boundary, so there the trace's Memory events give the run's peak.
 """
 
-import atexit
 import os
 import runpy
 import sys
@@ -57,18 +59,18 @@ def main() -> None:
         if cuda and count[0] == mem_step:
             log.write(f"mem-step {count[0]} {_nvml_process_bytes()} {torch.cuda.memory_reserved()} "
                       f"{torch.cuda.memory_allocated()}\n")
+        if cuda:
+            log.write(f"mem-peak {count[0]} {torch.cuda.max_memory_allocated()} {torch.cuda.max_memory_reserved()}\n")
         count[0] += 1
 
-    def at_exit() -> None:
-        if torch.cuda.is_initialized():
-            log.write(f"mem-exit {torch.cuda.max_memory_allocated()} {torch.cuda.max_memory_reserved()}\n")
-        log.flush()
-
-    atexit.register(at_exit)
     register_optimizer_step_post_hook(hook)
     if os.environ.get("PRISM_STEPCLOCK_MODE") == "1":
-        # Measures the logical-device mode's cost inside a real (non-Prism) run.
+        # Measures the logical-device mode's cost inside a real (non-Prism)
+        # run. The mode maps every index to in-process device 0, so each rank
+        # must see only its own GPU, as under Prism (CUDA is not initialised yet).
         from prism.rank.devices import LogicalDeviceMode
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("LOCAL_RANK", "0")
 
         LogicalDeviceMode().__enter__()
     cmd = sys.argv[1:]
@@ -81,7 +83,7 @@ def main() -> None:
 
 
 def parse(text: str) -> tuple[list[int], dict[str, list[int]]]:
-    """(step end times in ns, {"mem-step": [...], "mem-exit": [...]}) of one rank's file."""
+    """(step end times in ns, {"mem-step": [...], "mem-peak": [...]}) of one rank's file."""
     ends: list[int] = []
     mem: dict[str, list[int]] = {}
     for line in text.splitlines():

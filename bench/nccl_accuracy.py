@@ -13,7 +13,7 @@ truth
     ``PRISM_STEPCLOCK_SYNC=1`` (each optimizer step's end is taken after
     ``torch.cuda.synchronize``). Iteration time: gap between the job's step
     ends (the last rank's), mean over the steps after ``--warmup``. Memory per
-    rank: ``torch.cuda.max_memory_allocated`` at exit, and NVML's figure for
+    rank: ``torch.cuda.max_memory_allocated`` after the last step, and NVML's figure for
     the process after step 2 against ``memory_reserved`` (what lives outside
     torch's caching allocator: CUDA context, cuBLAS workspaces, NCCL's own
     buffers).
@@ -114,8 +114,8 @@ def read_clocks(d: pathlib.Path, world: int) -> tuple[list[list[int]], list[dict
 
 def mem_summary(mem: dict) -> dict:
     out = {}
-    if "mem-exit" in mem:
-        out["max_allocated"], out["max_reserved"] = mem["mem-exit"][:2]
+    if "mem-peak" in mem:
+        out["max_allocated"], out["max_reserved"] = mem["mem-peak"][1:3]
     if "mem-step" in mem:
         _, nvml, reserved, allocated = mem["mem-step"][:4]
         out.update(nvml_process=nvml, reserved_at_step=reserved, allocated_at_step=allocated)

@@ -233,6 +233,8 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
     if gpu is not None:
         from prism import swap
 
+        if gpu.executor:
+            gpu.executor.close()
         summary = swap.write_report(run_dir, gpu.executor.records if gpu.executor else [], result.steps_done,
                                     gpu.settings)
         print(swap.format_summary(summary) + f" [resident {gpu.resident}/GPU on GPUs {gpu.gpus}, gang {gpu.gang}]",

@@ -20,6 +20,7 @@ takes about 0.6 GiB on an H200, DESIGN.md), not a measurement.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +69,8 @@ class GpuPlan:
         self.policy = GangResidency(self.resident, self.gang_of, self.gpu_of())
         self.executor = swap.SwapExecutor(self.driver or swap.CheckpointDriver(),
                                           pid_of=lambda rank: coordinator.ranks[rank].hello.pid,
-                                          memory_of=telemetry.process_memory)
+                                          memory_of=telemetry.process_memory,
+                                          log=Path(coordinator.run_dir) / "telemetry" / "swaps.jsonl")
         coordinator.scheduler.policy = self.policy
         coordinator.swapper = self.executor
 

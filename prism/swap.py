@@ -128,7 +128,8 @@ class SwapExecutor:
     ``memory_of(pid)`` its GPU memory in bytes (for the GB/s figures)."""
 
     def __init__(self, driver: CheckpointDriver, pid_of: Callable[[int], int],
-                 memory_of: Callable[[int], int] | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 memory_of: Callable[[int], int] | None = None, clock: Callable[[], float] = time.perf_counter,
+                 log: str | os.PathLike[str] | None = None) -> None:
         self.driver = driver
         self.pid_of = pid_of
         self.memory_of = memory_of or (lambda pid: 0)
@@ -136,6 +137,12 @@ class SwapExecutor:
         self.records: list[SwapRecord] = []
         self._out_bytes: dict[int, int] = {}
         self._lock = threading.Lock()
+        #: Each swap is appended here as it happens (``RUN/telemetry/swaps.jsonl``),
+        #: so a capture that is killed keeps what it did.
+        self._log = None
+        if log is not None:
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(log, "a", buffering=1)
 
     def _fail(self, rank: int, pid: int, what: str, step: int, err: Exception) -> SwapError:
         return SwapError(f"swapping rank {rank} (pid {pid}) {what} at step {step} failed: {err}. The capture "
@@ -174,7 +181,14 @@ class SwapExecutor:
     def _record(self, rec: SwapRecord) -> SwapRecord:
         with self._lock:
             self.records.append(rec)
+            if self._log is not None:
+                self._log.write(json.dumps(asdict(rec)) + "\n")
         return rec
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
 
 def summarize(records: Sequence[SwapRecord], steps: int) -> dict:

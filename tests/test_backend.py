@@ -172,3 +172,9 @@ def test_cuda_tensors(tmp_path):
         assert torch.equal(res["p2p"], torch.full((4,), float((r - 1) % 2)))
         mem = [e for e in events(fc, r) if e["k"] == "mem"]
         assert len(mem) == 1 and mem[0]["device"].startswith("cuda:") and mem[0]["peak_allocated"] > 0
+
+
+def test_finished_calls_do_not_keep_tensors_alive(tmp_path):
+    codes, _ = run_world(tmp_path, 2, [str(SCRIPTS / "release_worker.py"), str(tmp_path)], slots=1)
+    assert codes == [0, 0], [log(tmp_path, r) for r in range(2)]
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["freed", "freed"]

@@ -149,6 +149,10 @@ def test_capture_with_swaps_keeps_every_rank_data(tmp_path, monkeypatch, launche
     assert drv.violations == []
     doc = json.loads((tmp_path / "run" / "telemetry" / "swaps.json").read_text())
     assert doc["summary"]["swaps_out"] > 0 and doc["summary"]["swaps_in"] > 0
+    # The same swaps were streamed as they happened (kept if a capture is killed).
+    streamed = [json.loads(line) for line in
+                (tmp_path / "run" / "telemetry" / "swaps.jsonl").read_text().splitlines()]
+    assert streamed == doc["records"]
     assert doc["settings"]["gang"] == gang and doc["settings"]["resident_per_gpu"] == 2
     # Every rank alternates out, in, out, ... (never swapped twice the same way).
     for rank in range(4):

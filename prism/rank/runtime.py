@@ -315,6 +315,10 @@ class RankRuntime:
                 print(f"Prism (rank {self.rank}): completing a call failed; this is a Prism bug, "
                       "please report it with this traceback:", file=sys.stderr)
                 traceback.print_exc()
+            # Drop the finished call before waiting for the next: the handler
+            # holds the op and its output tensors, which would otherwise stay
+            # alive (GPU memory the real run has freed) until the next reply.
+            del handler, fut
 
 
 def _thread_runnable(native_id: int | None) -> bool:
