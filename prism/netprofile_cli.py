@@ -148,22 +148,36 @@ def fit_points(points: Sequence[Point]) -> Fit:
     return Fit(float(base), float(lat), 1.0 / inv_bw if inv_bw > 1e-15 else 1e15)
 
 
-def predict_seconds(fit: Fit, points: Sequence[Point]) -> np.ndarray:
+def fit_per_op(points: Sequence[Point]) -> dict[str, Fit]:
+    """One fit per op that has at least 3 points (gloo's and NCCL's algorithms
+    differ per op, so one set of parameters for all fits them badly)."""
+    by_op: dict[str, list[Point]] = {}
+    for p in points:
+        by_op.setdefault(p.op, []).append(p)
+    return {op: fit_points(pts) for op, pts in by_op.items() if len(pts) >= 3}
+
+
+def predict_seconds(fit: Fit, points: Sequence[Point], per_op: dict[str, Fit] | None = None) -> np.ndarray:
+    """Seconds per point: each op's own fit where ``per_op`` has one, else ``fit``."""
     X = _features(points)
-    return X @ np.array([fit.base_latency, fit.latency, 1.0 / fit.bandwidth])
+    params = np.array([[f.base_latency, f.latency, 1.0 / f.bandwidth]
+                       for f in ((per_op or {}).get(p.op, fit) for p in points)]).reshape(len(points), 3)
+    return np.sum(X * params, axis=1)
 
 
-def relative_errors(fit: Fit, points: Sequence[Point]) -> np.ndarray:
+def relative_errors(fit: Fit, points: Sequence[Point], per_op: dict[str, Fit] | None = None) -> np.ndarray:
     y = np.array([p.seconds for p in points])
-    return np.abs(predict_seconds(fit, points) - y) / y
+    return np.abs(predict_seconds(fit, points, per_op) - y) / y
 
 
 def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, ranks_per_node: int,
-                 command: str) -> str:
-    """The fitted profile as TOML (``parse_profile`` format), measured points in comments."""
-    err = relative_errors(fit, points)
+                 command: str, per_op: dict[str, Fit] | None = None) -> str:
+    """The fitted profile as TOML (``parse_profile`` format), measured points in
+    comments; ``per_op`` fits become ``[ops.NAME]`` tables."""
+    err = relative_errors(fit, points, per_op)
+    one = relative_errors(fit, points)
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    pred = predict_seconds(fit, points)
+    pred = predict_seconds(fit, points, per_op)
     lines = [
         f"# Cost profile fitted by `prism netprofile` on {host}, {date}.",
         f"# Command: {command}",
@@ -171,7 +185,9 @@ def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, 
         "all ranks on this host: the",
         "# inter-node link was NOT measured; it is set equal to the intra-node one.",
         f"# Fit: non-negative least squares on relative error over {len(points)} points;",
-        f"# relative error median {np.median(err):.1%}, max {np.max(err):.1%}.",
+        f"# relative error median {np.median(err):.1%}, max {np.max(err):.1%}"
+        + (f" with per-op parameters ({', '.join(sorted(per_op))}); one set for all ops: median "
+           f"{np.median(one):.1%}, max {np.max(one):.1%}." if per_op else "."),
         "# Measured points (op, ranks, bytes per rank, measured us, fitted us):",
     ]
     for p, t in zip(points, pred):
@@ -196,6 +212,14 @@ def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, 
         f"latency_us = {fit.latency * 1e6:.6g}",
         "",
     ]
+    for op, f in sorted((per_op or {}).items()):
+        lines += [
+            f"[ops.{op}]",
+            f"base_latency_us = {f.base_latency * 1e6:.6g}",
+            f"latency_us = {f.latency * 1e6:.6g}",
+            f"bandwidth_GBps = {f.bandwidth / 1e9:.6g}",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -409,17 +433,26 @@ def main(args: argparse.Namespace) -> int:
           f"sizes {','.join(map(str, sizes))} bytes", file=sys.stderr)
     points = measure(sizes, gsizes, args.ops, backend=backend)
     fit = fit_points(points)
-    err = relative_errors(fit, points)
-    pred = predict_seconds(fit, points)
-    print(f"{'op':<24} {'ranks':>5} {'bytes':>10} {'measured us':>12} {'fitted us':>12} {'rel err':>8}")
+    per_op = fit_per_op(points)
+    one = relative_errors(fit, points)
+    err = relative_errors(fit, points, per_op)
+    pred = predict_seconds(fit, points, per_op)
+    print(f"{'op':<24} {'ranks':>5} {'bytes':>10} {'measured us':>12} {'per-op fit':>12} {'rel err':>8}")
     for p, t, e in zip(points, pred, err):
         print(f"{p.op:<24} {p.n:>5} {p.nbytes:>10} {p.seconds * 1e6:>12.1f} {t * 1e6:>12.1f} {e:>8.1%}")
-    print(f"fit: base latency {fit.base_latency * 1e6:.2f} us, per-step latency {fit.latency * 1e6:.2f} us, "
-          f"bandwidth {fit.bandwidth / 1e9:.3f} GB/s; relative error median {np.median(err):.1%}, "
-          f"max {np.max(err):.1%} over {len(points)} points ({time.monotonic() - t0:.0f} s)")
+    print(f"one fit for all ops: base latency {fit.base_latency * 1e6:.2f} us, per-step latency "
+          f"{fit.latency * 1e6:.2f} us, bandwidth {fit.bandwidth / 1e9:.3f} GB/s; relative error median "
+          f"{np.median(one):.1%}, max {np.max(one):.1%} over {len(points)} points ({time.monotonic() - t0:.0f} s)")
+    for op, f in sorted(per_op.items()):
+        e = [x for p, x in zip(points, err) if p.op == op]
+        print(f"  {op:<24} base {f.base_latency * 1e6:8.2f} us, step {f.latency * 1e6:8.2f} us, "
+              f"{f.bandwidth / 1e9:9.3f} GB/s; error median {np.median(e):.1%}, max {np.max(e):.1%}")
+    print(f"per-op fits (written as [ops.*], used by predict): relative error median {np.median(err):.1%}, "
+          f"max {np.max(err):.1%}")
     command = (f"python -m prism netprofile --backend {backend} --sizes {','.join(map(str, sizes))} "
                f"--group-sizes {','.join(map(str, gsizes))} --ops {','.join(args.ops)}")
-    text = profile_toml(fit, points, host=host, backend=backend, ranks_per_node=cores, command=command)
+    text = profile_toml(fit, points, host=host, backend=backend, ranks_per_node=cores, command=command,
+                        per_op=per_op)
     parse_profile(text, str(out))  # never write what predict cannot read
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
@@ -428,7 +461,9 @@ def main(args: argparse.Namespace) -> int:
         pathlib.Path(args.json).write_text(json.dumps({
             "host": host, "backend": backend, "command": command, "points": [dataclasses.asdict(p) for p in points],
             "fit": {"base_latency_s": fit.base_latency, "latency_s": fit.latency, "bandwidth_Bps": fit.bandwidth},
-            "relative_error": {"median": float(np.median(err)), "max": float(np.max(err))}}, indent=2))
+            "per_op": {op: dataclasses.asdict(f) for op, f in per_op.items()},
+            "relative_error": {"median": float(np.median(one)), "max": float(np.max(one))},
+            "relative_error_per_op_fits": {"median": float(np.median(err)), "max": float(np.max(err))}}, indent=2))
     return 0
 
 

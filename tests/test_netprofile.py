@@ -7,6 +7,7 @@ from prism.core.trace import Manifest
 from prism.netprofile_cli import (
     Fit,
     Point,
+    fit_per_op,
     fit_points,
     fitted_profile_path,
     measure,
@@ -67,6 +68,38 @@ def test_profile_toml_parses_and_predicts_what_the_fit_predicts():
     for p, t in zip(pts, predict_seconds(fit, pts)):
         ns = model.p2p_ns(p.nbytes, 0, 1) if p.op == "send" else model.collective_ns(p.op, p.nbytes, list(range(p.n)))
         assert ns == pytest.approx(t * 1e9, abs=2)
+
+
+def test_per_op_fits_recover_each_ops_parameters_and_round_trip_through_the_profile():
+    truth = {op: Fit(20e-6 + 5e-6 * i, 3e-6 * i, 1e9 * (i + 1)) for i, op in enumerate(OPS)}
+    pts = [q for op, f in truth.items() for q in _points(f) if q.op == op]
+    one = fit_points(pts)
+    per_op = fit_per_op(pts)
+    assert sorted(per_op) == sorted(OPS)
+    for op, f in truth.items():
+        assert per_op[op].bandwidth == pytest.approx(f.bandwidth, rel=1e-6)
+        assert per_op[op].base_latency + per_op[op].latency == pytest.approx(f.base_latency + f.latency, rel=1e-6)
+    assert relative_errors(one, pts, per_op).max() < 1e-6 < relative_errors(one, pts).max()
+    text = profile_toml(one, pts, host="h", backend="nccl", ranks_per_node=4, command="x", per_op=per_op)
+    model = parse_profile(text, "p.toml")
+    assert dict(model.per_op).keys() == set(OPS)
+    for p, t in zip(pts, predict_seconds(one, pts, per_op)):
+        ns = model.p2p_ns(p.nbytes, 0, 1) if p.op == "send" else model.collective_ns(p.op, p.nbytes, list(range(p.n)))
+        assert ns == pytest.approx(t * 1e9, abs=2)
+    # A family member takes its measured op's parameters (recv as send, all_gather as all_gather_into_tensor).
+    assert model.collective_ns("all_gather", 1 << 20, [0, 1]) == model.collective_ns("all_gather_into_tensor",
+                                                                                     1 << 20, [0, 1])
+
+
+def test_profile_op_table_errors_name_the_key():
+    base = 'name = "x"\nranks_per_node = 2\n[intra]\nbandwidth_GBps = 1\nlatency_us = 1\n' \
+           '[inter]\nbandwidth_GBps = 1\nlatency_us = 1\n'
+    with pytest.raises(ValueError, match="'ops.allreduce': unknown op"):
+        parse_profile(base + "[ops.allreduce]\nbase_latency_us = 1\nlatency_us = 1\nbandwidth_GBps = 1\n", "p.toml")
+    with pytest.raises(ValueError, match="missing key 'ops.send.bandwidth_GBps'"):
+        parse_profile(base + "[ops.send]\nbase_latency_us = 1\nlatency_us = 1\n", "p.toml")
+    with pytest.raises(ValueError, match="'ops.send.bandwidth_GBps' has value 0"):
+        parse_profile(base + "[ops.send]\nbase_latency_us = 1\nlatency_us = 1\nbandwidth_GBps = 0\n", "p.toml")
 
 
 def test_fitted_profile_path_honours_the_environment(monkeypatch, tmp_path):

@@ -29,6 +29,12 @@ link, a group spanning nodes uses the inter-node link for every step (the
 slowest link bounds a ring). Contention between concurrent collectives is
 not modelled.
 
+A profile may give an op its own parameters (``[ops.all_reduce]``:
+``base_latency_us``, ``latency_us``, ``bandwidth_GBps``), which replace the
+base latency and the intra-node link for that op's groups inside one node;
+``prism netprofile`` fits them per op, because one set for every op fits
+real backends badly (gloo's and NCCL's algorithms differ per op).
+
 Profiles are TOML files (see ``prism/profiles/``), parsed with ``tomllib``;
 ``ZERO`` costs nothing (for tests).
 """
@@ -75,6 +81,23 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class OpParams:
+    """Fitted parameters of one op family on the intra-node link (``[ops.NAME]``)."""
+
+    #: seconds added once per call
+    base_latency: float
+    #: seconds per algorithm step
+    latency: float
+    #: bytes per second
+    bandwidth: float
+
+
+#: Ops that take the parameters of a measured op of the same shape of traffic.
+PARAM_FAMILY = {"all_reduce_coalesced": "all_reduce", "barrier": "all_reduce", "all_gather": "all_gather_into_tensor",
+                "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single", "recv": "send"}
+
+
+@dataclass(frozen=True, slots=True)
 class CostModel:
     """An alpha-beta communication cost model with a two-level topology."""
 
@@ -90,6 +113,10 @@ class CostModel:
     source: str = ""
     #: free text shown with predictions (e.g. "datasheet figures, not measured here")
     description: str = ""
+    #: op -> parameters replacing (base_latency, intra link) for that op's
+    #: groups within one node (``prism netprofile`` fits them per op); ops of
+    #: ``PARAM_FAMILY`` use their family's
+    per_op: tuple[tuple[str, OpParams], ...] = ()
     _zero: bool = field(default=False, repr=False)
 
     @classmethod
@@ -162,13 +189,23 @@ class CostModel:
             else:  # send / recv
                 steps[m], moved[m] = 1, Sm
         t = self.base_latency + steps * lat + moved / bw
+        if self.per_op:
+            params = dict(self.per_op)
+            for code in np.unique(op).tolist():
+                name = OPS[code]
+                p = params.get(name) or params.get(PARAM_FAMILY.get(name, ""))
+                if p is None:
+                    continue
+                m = (op == code) & ~spans
+                t[m] = p.base_latency + steps[m] * p.latency + moved[m] / p.bandwidth
         t = np.where(n <= 1, 0.0, t)  # a group of one does no communication
         return np.rint(t * 1e9).astype(np.int64)
 
 
 ZERO = CostModel.zero()
 
-_TOP_KEYS = {"name", "description", "ranks_per_node", "base_latency_us", "intra", "inter", "algorithms"}
+_TOP_KEYS = {"name", "description", "ranks_per_node", "base_latency_us", "intra", "inter", "algorithms", "ops"}
+_OP_KEYS = {"base_latency_us", "latency_us", "bandwidth_GBps"}
 _LINK_KEYS = {"bandwidth_GBps", "latency_us"}
 
 
@@ -225,8 +262,25 @@ def parse_profile(text: str, source: str) -> CostModel:
     desc = data.get("description", "")
     if not isinstance(desc, str):
         _bad(source, "description", desc, "a string")
+    ops = data.get("ops", {})
+    if not isinstance(ops, dict):
+        _bad(source, "ops", ops, "a table of [ops.NAME] tables")
+    per_op = []
+    for op, t in sorted(ops.items()):
+        if op not in OP_CODE:
+            raise ProfileError(f"{source}: key 'ops.{op}': unknown op (known: {', '.join(OPS)})")
+        if not isinstance(t, dict):
+            _bad(source, f"ops.{op}", t, "a table")
+        extra = sorted(set(t) - _OP_KEYS)
+        if extra:
+            raise ProfileError(f"{source}: unknown key 'ops.{op}.{extra[0]}' (allowed: {sorted(_OP_KEYS)})")
+        where = f"ops.{op}."
+        per_op.append((op, OpParams(
+            positive(need(t, "base_latency_us", where, (int, float)), where + "base_latency_us", allow_zero=True) * 1e-6,
+            positive(need(t, "latency_us", where, (int, float)), where + "latency_us", allow_zero=True) * 1e-6,
+            positive(need(t, "bandwidth_GBps", where, (int, float)), where + "bandwidth_GBps") * 1e9)))
     return CostModel(name, rpn, link("intra"), link("inter"), base * 1e-6, tuple(sorted(algos.items())),
-                     source=source, description=desc)
+                     source=source, description=desc, per_op=tuple(per_op))
 
 
 def _bad(source: str, key: str, value: Any, expected: str) -> None:

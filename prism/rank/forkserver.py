@@ -37,6 +37,14 @@ import torch
 import prism.rank.bootstrap
 import prism.rank.devices
 
+try:
+    # Every torch.optim optimizer imports torch._dynamo on construction (about
+    # 1.5 s of CPU and tens of MB of Python objects per process): done once
+    # here, the ranks inherit it, shared, instead of each paying for it.
+    import torch._dynamo  # noqa: F401
+except Exception:  # an optional speed-up; a torch without it still works
+    pass
+
 #: Lines of a hidden rank's output replayed on the console when it fails.
 FAILURE_TAIL_LINES = 40
 PR_SET_PDEATHSIG = 1
