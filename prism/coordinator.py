@@ -169,6 +169,8 @@ class Coordinator:
         #: Exits seen before the rank's Goodbye was handled: rank -> (code, when).
         self._exits: dict[int, tuple[int, int]] = {}
         self._t0 = 0
+        #: When the last rank registered (registration stalls end the run).
+        self._last_hello = 0
 
     # --- the event loop -----------------------------------------------------
 
@@ -176,6 +178,7 @@ class Coordinator:
         """Serve until every rank has ended or the capture failed; returns how
         it ended. ``task_status.started`` gets the bound endpoint."""
         self._t0 = self.clock()
+        self._last_hello = self._t0
         self.matcher.last_progress_ns = self._t0
         T.make_run_dir(self.run_dir)
         _raise_open_files_limit(self.world_size)
@@ -330,6 +333,7 @@ class Coordinator:
         # On one host (ipc or loopback) the monotonic clocks are the same one.
         local = self.bound_endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://[::1]"))
         self.ranks[hello.rank] = _RankInfo(identity, hello, writer, clock_offset_ns=0 if local else now - hello.t_ns)
+        self._last_hello = now
         self.by_identity[identity] = hello.rank
         await self._send(identity, P.Welcome(P.PROTOCOL_VERSION, self.run_id, now, self.small_tensor_limit))
 
@@ -387,10 +391,13 @@ class Coordinator:
             steps = [r.step for r in self.ranks.values()] or [-1]
             self.progress.update(now, len(self.ranks), min(steps), max(steps), self.colls_done)
         if now - self.matcher.last_progress_ns < self.quiet_ns or len(self.ranks) < self.world_size:
-            if len(self.ranks) < self.world_size and now - self._t0 > max(self.quiet_ns, 60e9) * 2:
+            # A large world on a small machine takes minutes to start: give up
+            # only when registration stalls, not after a fixed time.
+            if len(self.ranks) < self.world_size and now - self._last_hello > max(self.quiet_ns, 60e9) * 2:
                 missing = sorted(set(range(self.world_size)) - set(self.ranks))
-                self._fail("deadlock", f"only {len(self.ranks)} of {self.world_size} ranks registered; "
-                           f"missing: {_ranks_text(missing)}. Are they launched against {self.bound_endpoint}?", 1)
+                self._fail("deadlock", f"only {len(self.ranks)} of {self.world_size} ranks registered, none in the "
+                           f"last {(now - self._last_hello) / 1e9:.0f} s; missing: {_ranks_text(missing)}. Are they "
+                           f"launched against {self.bound_endpoint}?", 1)
             return
         live = [r for r, info in self.ranks.items() if not info.done]
         report = self.matcher.deadlock_report(live, now)
