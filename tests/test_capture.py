@@ -122,7 +122,15 @@ def _lines(text: str, prefix: str) -> list[str]:
 ])
 def test_zero_modification_same_values_as_gloo(tmp_path, script, ranks_that_print):
     path = str(ROOT / "prism" / "workloads" / script)
-    truth = harness.run_world([path], 4, timeout=240)
+    try:
+        truth = harness.run_world([path], 4, timeout=240)
+    except harness.WorldError as e:
+        # gloo itself sometimes aborts at teardown on a loaded 2-core box
+        # ("exit -6" after the script's last line, as in test_frameworks): the
+        # ground truth gets one more try; Prism never does.
+        if "exit -6" not in str(e):
+            raise
+        truth = harness.run_world([path], 4, timeout=240)
     proc, run_dir = capture(tmp_path, 4, [path], "--slots", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in ranks_that_print:
