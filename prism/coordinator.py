@@ -138,6 +138,7 @@ class Coordinator:
         authenticated: bool = False,
         policy: S.SwapPolicy | None = None,
         swapper: Any = None,
+        register_stall_s: float | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
@@ -147,6 +148,10 @@ class Coordinator:
         self.world_size = world_size
         self.endpoint = endpoint
         self.quiet_ns = int(quiet_s * 1e9)
+        #: Registration fails once no rank has said Hello for this long
+        #: (default: twice the quiet period, at least two minutes).
+        self.register_stall_ns = int((register_stall_s if register_stall_s is not None
+                                      else max(quiet_s, 60.0) * 2) * 1e9)
         self.grace_s = grace_s
         self.small_tensor_limit = small_tensor_limit
         self.run_id = run_id or self.run_dir.name
@@ -393,7 +398,7 @@ class Coordinator:
         if now - self.matcher.last_progress_ns < self.quiet_ns or len(self.ranks) < self.world_size:
             # A large world on a small machine takes minutes to start: give up
             # only when registration stalls, not after a fixed time.
-            if len(self.ranks) < self.world_size and now - self._last_hello > max(self.quiet_ns, 60e9) * 2:
+            if len(self.ranks) < self.world_size and now - self._last_hello > self.register_stall_ns:
                 missing = sorted(set(range(self.world_size)) - set(self.ranks))
                 self._fail("deadlock", f"only {len(self.ranks)} of {self.world_size} ranks registered, none in the "
                            f"last {(now - self._last_hello) / 1e9:.0f} s; missing: {_ranks_text(missing)}. Are they "

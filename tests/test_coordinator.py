@@ -220,6 +220,38 @@ async def test_exit_seen_before_the_goodbye_is_not_a_crash(tmp_path):
     assert coord.result.status == "ok", coord.result.message
 
 
+async def test_registration_fails_only_when_it_stalls(tmp_path):
+    # Ranks keep arriving (each within the stall limit, all of them later than
+    # it): the run goes on. Then one never comes: the run ends, naming it.
+    world = 4
+    coord = make(tmp_path, world, register_stall_s=1.0)
+
+    async def rank_main(r, endpoint):
+        if r == 3:
+            return  # never registers
+        await trio.sleep(0.6 * r)  # rank 2 arrives 1.2 s after the start
+        fr = FakeRank(r, world, endpoint)
+        try:
+            await fr.hello()
+            await trio.sleep(10)  # keeps its connection; cancelled when the run ends
+        finally:
+            fr.close()
+
+    t0 = time.monotonic()
+    async with trio.open_nursery() as n:
+        endpoint = await n.start(_serve_then_cancel, coord, n)
+        for r in range(world):
+            n.start_soon(rank_main, r, endpoint)
+    assert coord.result.status == "deadlock", coord.result.message
+    assert "only 3 of 4 ranks registered" in coord.result.message and "missing: 3" in coord.result.message
+    assert time.monotonic() - t0 > 2.0  # rank 2 came after 1.2 s and did not end the run
+
+
+async def _serve_then_cancel(coord, nursery, *, task_status):
+    coord.result = await coord.run(task_status=task_status)
+    nursery.cancel_scope.cancel()
+
+
 async def test_version_mismatch_is_refused(tmp_path):
     coord = make(tmp_path, 1)
     async with trio.open_nursery() as n:
