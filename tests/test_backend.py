@@ -138,7 +138,8 @@ def test_async_ops_overlap(runs):
     first3 = colls[:3]
     assert len(first3) == 3
     last_issue = max(e["issue_ns"] for e in first3)
-    assert all(e["wait_ns"] >= last_issue or e["end_ns"] >= last_issue for e in first3)
+    # ops_worker holds the other ranks back until rank 0 issued all three.
+    assert all(e["end_ns"] >= last_issue for e in first3)
 
 
 def test_real_coordinator_matches_gloo(runs, tmp_path):

@@ -129,9 +129,17 @@ for w in dist.batch_isend_irecv(ops):
     w.wait()
 res["p2p_batch"] = r2
 
-# async ops overlap: issue three, wait in reverse order
+# async ops overlap: issue three, wait in reverse order. Rank 0 issues its
+# three first and only then lets the others issue theirs (a token on tag 11),
+# so none of its three can complete before all three are issued.
 ts = [base(k=j) for j in range(3)]
+token = torch.zeros(1)
+if rank != 0:
+    dist.recv(token, src=0, tag=11)
 works = [dist.all_reduce(x, async_op=True) for x in ts]
+if rank == 0:
+    for peer in range(1, n):
+        dist.send(token, dst=peer, tag=11)
 for w in reversed(works):
     w.wait()
 res["async_all_reduce"] = ts
