@@ -158,6 +158,8 @@ def run_capture(args: argparse.Namespace, parser_error=None) -> int:
                         rank_memory_gib=args.rank_memory)
     except (GpuPlanError, ValueError) as e:
         parser_error(str(e))
+    for note in gpu.notes if gpu is not None else ():
+        print(f"prism capture: note: {note}", file=sys.stderr)
     slots = gpu.slots if gpu is not None else (args.slots or os.cpu_count() or 1)
     return capture(run_dir, args.world_size, cmd, slots=slots, coordinator=args.coordinator,
                    nproc_per_node=args.nproc_per_node, show_ranks=args.show_ranks,

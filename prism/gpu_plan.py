@@ -49,6 +49,8 @@ class GpuPlan:
     #: The checkpoint driver (default ``prism.swap.CheckpointDriver()``; tests plug in a fake).
     driver: Any = None
     settings: dict = field(default_factory=dict)
+    #: Advice for the user about the chosen options (printed by ``prism capture``).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def swapping(self) -> bool:
@@ -130,6 +132,14 @@ def plan_gpus(world_size: int, layout: dict[str, int], *, uses_cuda: bool, gpus:
         raise GpuPlanError(f"--resident {resident} is less than the gang size {gang_size} (--gang {gang}) times "
                            f"the ranks computing at once per GPU; raise --resident or use --gang 1")
     plan = GpuPlan(chosen, world_size, resident, gang, gang_of, n_slots, why)
+    if gang == "tpxpp" and dp > 1 and resident < per_gpu and resident < 2 * gang_size:
+        # Measured (bench/results/gpu-2026-11-29.md): with one pipeline
+        # resident, every data-parallel all-reduce swaps a whole pipeline out
+        # and another in; the GPT at world 8 did not finish 2 steps in 150 s.
+        plan.notes.append(
+            f"--gang tpxpp with --resident {resident}: only one pipeline ({gang_size} ranks) fits per GPU, so "
+            f"every data-parallel collective swaps a whole pipeline out and another in; use --gang tp, or "
+            f"--resident {2 * gang_size} or more if memory allows")
     plan.settings = {"gpus": chosen, "resident_per_gpu": resident, "ranks_per_gpu": per_gpu, "gang": gang,
                      "gang_size": gang_size, "slots": n_slots, "resident_reason": why,
                      "layout": {"tp": tp, "dp": dp, "pp": pp}}

@@ -26,6 +26,15 @@ def test_explicit_plan_places_ranks_in_blocks_and_swaps_when_not_all_fit():
     assert not all_fit.swapping
 
 
+def test_tpxpp_with_one_resident_pipeline_gets_a_note():
+    lay = {"tp": 2, "pp": 2, "dp": 2}
+    one = plan_gpus(8, lay, uses_cuda=True, gpus="0", resident=4, gang="tpxpp", slots=None)
+    assert len(one.notes) == 1 and "--gang tp, or --resident 8" in one.notes[0]
+    two = plan_gpus(16, {"tp": 2, "pp": 2, "dp": 4}, uses_cuda=True, gpus="0", resident=8, gang="tpxpp", slots=None)
+    assert two.notes == []
+    assert plan_gpus(8, lay, uses_cuda=True, gpus="0", resident=4, gang="tp", slots=None).notes == []
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(resident=1, gang="tp"), "less than the gang size 2"),
     (dict(resident=4, gang="tpxpp", layout={"tp": 2, "pp": 3}), "multiply to the world size"),
