@@ -18,8 +18,6 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
@@ -87,7 +85,6 @@ def main() -> int:
     res["predict"] = p.stdout[-4000:]
     (out / f"diag-{a.config}.json").write_text(json.dumps(res, indent=1, default=str))
     shutil.rmtree(tmp, ignore_errors=True)
-    _ = np
     return 0
 
 
