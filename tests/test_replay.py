@@ -159,12 +159,18 @@ def programs(draw):
     p = Program(world, groups)
     outstanding: list[tuple[int, str]] = []
     n = 0
+    gpu_ranks = draw(st.sets(st.integers(0, world - 1)))  # two-clock compute (GPU ranks)
     for _ in range(draw(st.integers(1, 3))):
         for _ in range(draw(st.integers(1, 12))):
             n += 1
             what = draw(st.sampled_from(["compute", "compute", "coll", "p2p", "wait"]))
             if what == "compute":
-                p.compute(draw(st.integers(0, world - 1)), draw(st.integers(0, 5000)))
+                r = draw(st.integers(0, world - 1))
+                if r in gpu_ranks:
+                    p.compute(r, draw(st.integers(0, 5000)), cpu=draw(st.integers(0, 5000)),
+                              gpu=draw(st.sampled_from([-1, -2, 0, 700, 4000])), join=draw(st.booleans()))
+                else:
+                    p.compute(r, draw(st.integers(0, 5000)))
             elif what == "coll":
                 gid = draw(st.sampled_from(sorted(p.groups)))
                 op = draw(st.sampled_from(["all_reduce", "all_gather_into_tensor", "all_to_all_single", "broadcast"]))
@@ -286,3 +292,48 @@ def test_steppable_keeps_per_node_state_out_of_python_objects():
     s.advance(s.next_event_time() + 5_000_000)
     gc.collect()
     assert len(gc.get_objects()) - before < g.n_nodes // 20
+
+
+# ----------------------------------------------------------- two clocks
+def test_two_clock_compute_overlaps_cpu_issue_with_gpu_work_and_joins():
+    """GPU ranks: the CPU queues work and goes on; a collective waits on the
+    GPU stream only; a join makes the CPU wait for the GPU."""
+    p = Program(2)
+    for r in (0, 1):
+        p.compute(r, 9_999, cpu=1_000, gpu=3_000)  # GPU-bound: ends at 3_000 on the GPU, CPU at 1_000
+    p.coll("world", nbytes=1000)  # UNIT: 1000 ns on the GPU stream: 3_000 .. 4_000
+    for r in (0, 1):
+        p.compute(r, 9_999, cpu=2_500, gpu=100)  # issued 1_000 .. 3_500, GPU starts at 4_000: ends 4_100
+        p.compute(r, 9_999, cpu=1_000, gpu=200, join=True)  # issued 3_500 .. 4_500; GPU 4_100+200; join at 4_500
+        p.compute(r, 9_999, cpu=100, gpu=50)  # CPU 4_500 .. 4_600; GPU max(4_500, 4_500) + 50 -> 4_600
+    p.end_step()
+    g = ExecutionGraph.from_events(p.events)
+    for r in (replay_reference(g, cost_model=UNIT), SteppableReplay(g, cost_model=UNIT).run(),
+              replay_batch(g, cost_model=UNIT)):
+        assert r.rank_end(0).tolist() == [3_000, 4_000, 4_100, 4_500, 4_600, 4_600]
+        assert r.iteration_times.tolist() == [4_600]
+    # given durations replay one clock: the recorded wall times
+    one = replay_reference(g, np.full(g.n_nodes, 10, np.int64), cost_model=UNIT)
+    assert one.rank_end(0).tolist()[:2] == [10, 1010]
+
+
+def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_position():
+    p = Program(1)
+    p.compute(0, 900, cpu=500, gpu=-1)
+    p.compute(0, 900, cpu=600, gpu=-1, join=True)
+    p.end_step()
+    p.compute(0, 2_000, cpu=1_900, gpu=300)  # calibration step: its CPU shares come from step 0
+    p.compute(0, 2_000, cpu=1_950, gpu=-2, join=True)  # discarded measurement
+    p.end_step()
+    p.compute(0, 900, cpu=510, gpu=-1)  # three segments: no step with as many, so by position only
+    p.compute(0, 900, cpu=590, gpu=-1)
+    p.compute(0, 900, cpu=100, gpu=-1, join=True)
+    p.end_step()
+    g = ExecutionGraph.from_events(p.events)
+    c = np.flatnonzero(g.kind == COMPUTE)
+    assert g.cpu[c].tolist() == [500, 600, 500, 600, 510, 590, 100]
+    assert g.gpu[c].tolist() == [300, 900, 300, 2_000, 300, 900, 900]
+    assert g.join[c].tolist() == [False, True, False, True, False, False, True]
+    plain = Program(1)
+    plain.compute(0, 5)
+    assert ExecutionGraph.from_events(plain.events).cpu is None

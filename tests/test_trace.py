@@ -175,7 +175,7 @@ def _manifest_obj(**changes):
 
 
 def test_manifest_newer_major_is_refused_naming_file_and_versions():
-    match = r"RUN/manifest.json was written with PrismTrace 2\.0; this reader knows only major version 1 \(up to 1\.0\)\. Upgrade Prism"
+    match = r"RUN/manifest.json was written with PrismTrace 2\.1; this reader knows only major version 1 \(up to 1\.1\)\. Upgrade Prism"
     with pytest.raises(T.TraceVersionError, match=match):
         T.decode_manifest(_manifest_obj(version=2), file="RUN/manifest.json")
 
@@ -420,7 +420,7 @@ def test_read_run_with_newer_minor_skips_unknown_kinds_and_fields(tmp_path):
     assert run.ranks[0] == rank_events(0)
     assert run.lines[0][3] == 5  # line numbers still point into the file
     msgs = [w.message for w in run.warnings]
-    assert any("written by PrismTrace 1.1" in m for m in msgs)
+    assert any("written by PrismTrace 1.2" in m for m in msgs)
     assert any("skipped records of unknown kind 'future'" in m for m in msgs)
     # With the reader's own minor the same lines are damage.
     T.manifest_path(run_dir).write_bytes(T.encode_manifest(MANIFEST))

@@ -34,6 +34,8 @@ before a compute segment that starts at t; otherwise record order decides.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -133,6 +135,12 @@ class NodeColumns:
     rec_end: np.ndarray  # int64 recorded end
     #: Decoded signatures: (reduce_op, dtype, shapes or None when not compared).
     sig_table: tuple[tuple[str, str, tuple | None], ...]
+    #: Two-clock timing of GPU ranks' COMPUTE rows (docs/GPU-TIMING.md), or
+    #: None when no node has it: CPU share (int64 ns, -1: one-clock node), GPU
+    #: busy time (int64 ns), and whether the segment ends in a CPU-GPU join.
+    cpu: np.ndarray | None = None
+    gpu: np.ndarray | None = None
+    join: np.ndarray | None = None
 
 
 def _range_gather(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -249,6 +257,8 @@ class ExecutionGraph:
                 if isinstance(ev, Compute):
                     b.add(r, COMPUTE, dur=ev.end_ns - ev.start_ns, step=ev.step,
                           rec_start=ev.start_ns, rec_end=ev.end_ns)
+                    if ev.cpu_ns >= 0:
+                        b.clocks[len(b.rows) - 1] = (ev.cpu_ns, ev.gpu_ns, ev.join)
                 elif sub == 1:
                     b.add(r, WAIT, wait_of=row_of_event[i], step=ev.step,
                           rec_start=ev.wait_ns, rec_end=ev.end_ns)
@@ -274,6 +284,9 @@ class ExecutionGraph:
         gids = sorted(groups, key=lambda g: (len(groups[g]) != world, g))
         gindex = {g: k for k, g in enumerate(gids)}
         cols, p2p_sig = b.finish(gindex, tuple(sorted(sigs, key=sigs.get)))
+        if b.clocks:
+            cpu, gpu, join = two_clock_columns(cols, b.clocks)
+            cols = dataclasses.replace(cols, cpu=cpu, gpu=gpu, join=join)
         p2p_table = tuple(sorted(b.p2p_sigs, key=b.p2p_sigs.get))
         return cls.from_columns(world, tuple(Group(g, groups[g]) for g in gids), cols,
                                 p2p_sig=p2p_sig, p2p_sig_table=p2p_table)
@@ -320,6 +333,18 @@ class ExecutionGraph:
         self.step = cols.step.astype(np.int32, copy=False)
         self.rec_start = cols.rec_start.astype(np.int64, copy=False)
         self.rec_end = cols.rec_end.astype(np.int64, copy=False)
+        self.cpu = self.gpu = self.join = None
+        if cols.cpu is not None:
+            self.cpu = np.asarray(cols.cpu, np.int64)
+            self.gpu = np.asarray(cols.gpu, np.int64)
+            self.join = np.asarray(cols.join, bool)
+            if not (self.cpu.shape == self.gpu.shape == self.join.shape == (n,)):
+                raise GraphError("cpu, gpu and join columns need one entry per node (a Prism bug: please report it)")
+            two = (self.kind == COMPUTE) & (self.cpu >= 0)
+            if not two.any():
+                self.cpu = self.gpu = self.join = None
+            elif np.any(two & (self.gpu < 0)):
+                raise GraphError("a two-clock compute node has no GPU time (a Prism bug: please report it)")
         self.group_size = np.array([len(gr.ranks) for gr in groups], dtype=np.int64)
         self.ref = np.full(n, -1, dtype=np.int64)
         self._match_collectives(cols.sig)
@@ -627,11 +652,13 @@ def _short(xs: Iterable[int], limit: int = 16) -> str:
 class _ColumnBuilder:
     """Row-by-row accumulation of NodeColumns for ``from_events``."""
 
-    __slots__ = ("rows", "p2p_sigs")
+    __slots__ = ("rows", "p2p_sigs", "clocks")
 
     def __init__(self) -> None:
         self.rows: list[tuple] = []
         self.p2p_sigs: dict[tuple, int] = {}
+        #: row -> (cpu_ns, gpu_ns, join) of GPU compute segments
+        self.clocks: dict[int, tuple[int, int, bool]] = {}
 
     def add(self, rank, kind, *, dur=0, is_async=False, group="", seq=0, op=-1, sig=-1, peer=-1, tag=0,
             nbytes=0, wait_of=-1, step=0, rec_start=0, rec_end=0, shape_sig=None) -> int:
@@ -652,3 +679,56 @@ class _ColumnBuilder:
             rec_start=arr(13, np.int64), rec_end=arr(14, np.int64), sig_table=sig_table,
         )
         return nc, arr(15, np.int64)
+
+
+def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bool]]
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-node CPU share, GPU busy time and join flag for the replay's two
+    clocks (docs/GPU-TIMING.md), from the recorded ``(cpu_ns, gpu_ns, join)``
+    of GPU compute segments.
+
+    GPU time is measured on calibration steps only. A segment elsewhere takes
+    the GPU time of the segment at the same position in a calibration step of
+    the same rank (preferring steps with as many segments; the median over
+    them), and a calibration step's segment takes its CPU share from the
+    other steps the same way (the calibration holds the GPU back, which
+    inflates the wall time of segments that wait for it). A segment without
+    any calibrated counterpart gets its wall time as GPU time, which replays
+    it as the one-clock model would.
+    """
+    n = len(cols.rank)
+    cpu = np.full(n, -1, np.int64)
+    gpu = np.full(n, -1, np.int64)
+    join = np.zeros(n, bool)
+    # (rank, step) -> rows of that step's two-clock segments, in order
+    by_step: dict[tuple[int, int], list[int]] = {}
+    for row in sorted(clocks):
+        by_step.setdefault((int(cols.rank[row]), int(cols.step[row])), []).append(row)
+    calib: dict[int, dict[tuple[int, int], list[int]]] = {}  # rank -> (count, index) -> gpu values
+    calib_any: dict[int, dict[int, list[int]]] = {}  # rank -> index -> gpu values
+    plain: dict[int, dict[tuple[int, int], list[int]]] = {}  # rank -> (count, index) -> cpu values
+    calibration = {key: any(clocks[row][1] != -1 for row in rows) for key, rows in by_step.items()}
+    for (r, st), rows in by_step.items():
+        for i, row in enumerate(rows):
+            c, g, _ = clocks[row]
+            if g >= 0:
+                calib.setdefault(r, {}).setdefault((len(rows), i), []).append(g)
+                calib_any.setdefault(r, {}).setdefault(i, []).append(g)
+            elif not calibration[r, st]:
+                plain.setdefault(r, {}).setdefault((len(rows), i), []).append(c)
+    for (r, st), rows in by_step.items():
+        cal, cal_any, pl = calib.get(r, {}), calib_any.get(r, {}), plain.get(r, {})
+        for i, row in enumerate(rows):
+            c, g, j = clocks[row]
+            join[row] = j
+            key = (len(rows), i)
+            if calibration[r, st]:
+                other = pl.get(key)
+                if other:
+                    c = int(np.median(other))
+            if g < 0:  # -1: not a calibration step; -2: its measurement was discarded
+                vals = cal.get(key) or cal_any.get(i)
+                g = int(np.median(vals)) if vals else int(cols.dur[row])
+            cpu[row] = max(c, 0)
+            gpu[row] = max(g, 0)
+    return cpu, gpu, join

@@ -5,7 +5,14 @@ recorded ``end - start``) and a communication ``CostModel``, replay computes
 the start and end of every node on every rank. One semantics, three engines:
 
 * a rank runs its nodes in program order, starting at time 0;
-* ``COMPUTE`` takes its duration;
+* ``COMPUTE`` takes its duration; on GPU ranks (two-clock nodes, see
+  docs/GPU-TIMING.md) the rank's time is its GPU stream and the rank also
+  has a CPU clock ``c``: a node with CPU share ``cpu`` and GPU time ``gpu``
+  started at ``t`` ends at ``max(max(t, c) + gpu, c + cpu)`` and moves the
+  CPU clock to ``c + cpu``, or to the node's end when it ends in a join
+  (the script waited for the GPU); a one-clock node moves the CPU clock to
+  its end too. Communication runs on the GPU stream and never holds the CPU
+  clock, as with NCCL;
 * ``COLL``: the rank *arrives* at its start; the instance completes at the
   latest member arrival plus the modelled time, and every member's
   participation ends then. A blocking call holds the rank until then; an async
@@ -77,13 +84,30 @@ class Costs:
     inst: np.ndarray  # per collective instance
     msg: np.ndarray  # per p2p message
     model: CostModel
+    #: Two-clock compute (GPU ranks; docs/GPU-TIMING.md): per node the CPU
+    #: share (-1: a one-clock node, which takes ``dur``), the GPU busy time and
+    #: whether the CPU joins the GPU at its end. None: every node is one-clock.
+    cpu: np.ndarray | None = None
+    gpu: np.ndarray | None = None
+    join: np.ndarray | None = None
+
+    @property
+    def two_clock(self) -> bool:
+        return self.cpu is not None
 
     @classmethod
     def of(cls, graph: ExecutionGraph, durations: np.ndarray | None = None,
            cost_model: CostModel = ZERO) -> Costs:
-        """Resolve defaults: recorded durations, costs from ``cost_model``."""
+        """Resolve defaults: recorded durations, costs from ``cost_model``.
+
+        A graph with two-clock compute nodes replays them with two clocks
+        unless ``durations`` is given, which replaces every compute node's
+        time by one duration (what-if studies scale those)."""
         if durations is None:
             dur = graph.dur
+            if graph.cpu is not None:
+                return cls(dur, cost_model.instance_costs(graph), cost_model.message_costs(graph), cost_model,
+                           graph.cpu, graph.gpu, graph.join)
         else:
             dur = np.asarray(durations)
             if dur.shape != (graph.n_nodes,):
@@ -349,6 +373,10 @@ def replay_reference(graph: ExecutionGraph, durations: np.ndarray | None = None,
     ref = graph.ref.tolist()
     wait_of = graph.wait_of.tolist()
     dur = costs.dur.tolist()
+    two = costs.two_clock
+    if two:
+        cpu_of, gpu_of, join_of = costs.cpu.tolist(), costs.gpu.tolist(), costs.join.tolist()
+    clk = [0] * graph.world_size  # per rank: the CPU clock (two-clock nodes only)
     icost = costs.inst.tolist()
     mcost = costs.msg.tolist()
     msg_send = graph.msg_send.tolist()
@@ -379,7 +407,19 @@ def replay_reference(graph: ExecutionGraph, durations: np.ndarray | None = None,
         wake: list[tuple[int, int]] = []  # (time, node whose rank resumes)
         cont = -1  # when this rank continues (-1: blocked)
         if k == 0:  # COMPUTE
-            end[nd] = cont = t + dur[nd]
+            if two and cpu_of[nd] >= 0:
+                # t is the rank's GPU stream; clk[r] its CPU, which issued the work
+                s = clk[r]
+                e = (t if t > s else s) + gpu_of[nd]
+                ca = s + cpu_of[nd]
+                if ca > e:
+                    e = ca
+                clk[r] = e if join_of[nd] else ca
+                end[nd] = cont = e
+            else:
+                end[nd] = cont = t + dur[nd]
+                if clk[r] < cont:  # a one-clock node holds both clocks
+                    clk[r] = cont
         elif k == 5:  # ITER
             end[nd] = cont = t
         elif k == 1:  # COLL
@@ -460,8 +500,11 @@ class SteppableReplay:
 
     def __init__(self, graph: ExecutionGraph, durations: np.ndarray | None = None,
                  cost_model: CostModel = ZERO) -> None:
+        self._setup(graph, Costs.of(graph, durations, cost_model))
+
+    def _setup(self, graph: ExecutionGraph, costs: Costs) -> None:
         self.graph = graph
-        self.costs = Costs.of(graph, durations, cost_model)
+        self.costs = costs
         n = graph.n_nodes
         q = lambda a: array("q", np.ascontiguousarray(a, dtype=np.int64).tobytes())  # noqa: E731
         self._kind = array("b", graph.kind.tobytes())
@@ -470,6 +513,12 @@ class SteppableReplay:
         self._ref = q(graph.ref)
         self._wait_of = q(graph.wait_of)
         self._dur = q(self.costs.dur)
+        self._two = self.costs.two_clock
+        if self._two:
+            self._cpu = q(self.costs.cpu)
+            self._gpu = q(self.costs.gpu)
+            self._join = array("b", self.costs.join.astype(np.int8).tobytes())
+        self._clk = array("q", bytes(8 * graph.world_size))
         self._icost = q(self.costs.inst)
         self._mcost = q(self.costs.msg)
         self._msg_send = q(graph.msg_send)
@@ -556,7 +605,18 @@ class SteppableReplay:
         start[nd] = t
         cont = -1
         if k == COMPUTE:
-            end[nd] = cont = t + self._dur[nd]
+            if self._two and self._cpu[nd] >= 0:
+                s = self._clk[r]
+                e = (t if t > s else s) + self._gpu[nd]
+                ca = s + self._cpu[nd]
+                if ca > e:
+                    e = ca
+                self._clk[r] = e if self._join[nd] else ca
+                end[nd] = cont = e
+            else:
+                end[nd] = cont = t + self._dur[nd]
+                if self._clk[r] < cont:  # a one-clock node holds both clocks
+                    self._clk[r] = cont
         elif k == ITER:
             end[nd] = cont = t
         elif k == COLL:
@@ -675,8 +735,15 @@ def replay_batch(graph: ExecutionGraph, durations: np.ndarray | None = None,
 
     Gives exactly the timelines of ``replay_reference`` and ``SteppableReplay``.
     The first call on a graph builds a small static plan (cached on the graph).
+    A graph with two-clock compute nodes (GPU captures) is replayed by the
+    event loop instead: a node's end then depends on its rank's CPU clock as
+    well as on its start, so segments are no longer offsets from their start.
     """
     costs = Costs.of(graph, durations, cost_model)
+    if costs.two_clock:
+        eng = SteppableReplay.__new__(SteppableReplay)
+        eng._setup(graph, costs)
+        return eng.run()
     p = _plan(graph)
     g, w = graph, graph.waves
     kind, ref, slot = g.kind, g.ref, g.slot

@@ -93,7 +93,14 @@ __all__ = [
 TRACE_VERSION = 1
 #: Minor version: a newer minor only adds optional fields and event kinds, so
 #: older readers skip what they do not know (see ``docs/TRACE.md``).
-TRACE_VERSION_MINOR = 0
+TRACE_VERSION_MINOR = 1
+#: Fields added by a minor version, with the minor that added them: a file of an
+#: older minor lacks them and gets the field's default (docs/TRACE.md).
+_ADDED_IN_MINOR: dict[tuple[str, str], int] = {
+    ("compute", "cpu_ns"): 1,
+    ("compute", "gpu_ns"): 1,
+    ("compute", "join"): 1,
+}
 #: Tensors up to this many bytes have their values kept (the small-tensor
 #: store) so replay can return them exactly: MoE token counts, split sizes,
 #: loss and grad-norm scalars.
@@ -193,6 +200,19 @@ class Compute:
     end_ns: int
     #: Iteration (0-based) in which the segment ran.
     step: int
+    #: GPU ranks only (PrismTrace 1.1), -1 elsewhere: the CPU's share of the
+    #: segment, from its start to where the rank began waiting for the GPU
+    #: (Prism's own per-call overhead removed); ``end_ns - start_ns`` also
+    #: holds that wait. See docs/GPU-TIMING.md.
+    cpu_ns: int = -1
+    #: GPU busy time of the kernels the segment queued, measured on
+    #: calibration steps only; -1 elsewhere, -2 on a calibration step whose
+    #: measurement was discarded (the GPU ran out of queued work).
+    gpu_ns: int = -1
+    #: The segment ended where the script waited for the GPU (``.item()``,
+    #: a copy to host, ``torch.cuda.synchronize``, the step's end): the
+    #: CPU resumes only when the GPU is idle.
+    join: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -592,7 +612,8 @@ def _encode_obj(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _decode_obj(schema: _Schema, obj: dict[str, Any], *, ignore_unknown: bool) -> Any:
+def _decode_obj(schema: _Schema, obj: dict[str, Any], *, ignore_unknown: bool,
+                minor: int = TRACE_VERSION_MINOR) -> Any:
     kind = schema.cls.KIND
     kwargs: dict[str, Any] = {}
     for name, plain, (_, _, dec) in zip(schema.names, schema.plain, schema.convs):
@@ -602,8 +623,10 @@ def _decode_obj(schema: _Schema, obj: dict[str, Any], *, ignore_unknown: bool) -
             continue
         if v is _MISSING:
             # Writers write every field, defaults included, so a missing one is
-            # damage. (A future minor that adds a field must teach this decoder
-            # to fill its default for older files; see docs/TRACE.md.)
+            # damage, unless the file's minor predates the field (it then
+            # gets the field's default; see docs/TRACE.md).
+            if _ADDED_IN_MINOR.get((kind, name), 0) > minor:
+                continue
             raise TraceFormatError(f"{kind} record is missing field {name!r}", field=name)
         try:
             kwargs[name] = dec(v)
@@ -650,13 +673,16 @@ def encode_event(ev: Event) -> bytes:
     return orjson.dumps(_encode_obj(ev))
 
 
-def decode_event(data: bytes | str | dict[str, Any], *, ignore_unknown: bool = False) -> Event:
+def decode_event(data: bytes | str | dict[str, Any], *, ignore_unknown: bool = False,
+                 minor: int = TRACE_VERSION_MINOR) -> Event:
     """Parse one record (a JSON line, or an already parsed object).
 
     Strict: an unknown kind (``UnknownKindError``), a missing or extra field
     or a value of the wrong type raises ``TraceFormatError`` naming the field
     and the value. ``ignore_unknown=True`` drops extra fields; readers pass it
-    only for files whose manifest has a newer minor version than they know.
+    only for files whose manifest has a newer minor version than they know;
+    ``minor`` is the file's minor version (fields added after it get their
+    defaults).
     """
     obj = _load(data)
     kind = obj.get("k")
@@ -670,7 +696,7 @@ def decode_event(data: bytes | str | dict[str, Any], *, ignore_unknown: bool = F
             field="k",
             value=kind,
         )
-    return _decode_obj(_SCHEMAS[cls], obj, ignore_unknown=ignore_unknown)
+    return _decode_obj(_SCHEMAS[cls], obj, ignore_unknown=ignore_unknown, minor=minor)
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
@@ -907,7 +933,8 @@ class RankTrace:
     warnings: list[TraceWarning]
 
 
-def read_rank_file(path: str | os.PathLike[str], *, ignore_unknown: bool = False) -> RankTrace:
+def read_rank_file(path: str | os.PathLike[str], *, ignore_unknown: bool = False,
+                   minor: int = TRACE_VERSION_MINOR) -> RankTrace:
     """Read one rank file; damage is reported, never raised.
 
     Reading stops at the first line that is torn (no final newline), empty,
@@ -933,7 +960,7 @@ def read_rank_file(path: str | os.PathLike[str], *, ignore_unknown: bool = False
         try:
             if not raw.strip():
                 raise TraceFormatError("empty line")
-            ev = decode_event(raw, ignore_unknown=ignore_unknown)
+            ev = decode_event(raw, ignore_unknown=ignore_unknown, minor=minor)
         except UnknownKindError as e:
             if not ignore_unknown:
                 warnings.append(TraceWarning(str(p), i, f"{e}; stopped reading here"))
@@ -1033,7 +1060,7 @@ def read_run(run_dir: str | os.PathLike[str]) -> Run:
         if rank is None:
             warnings.append(TraceWarning(str(f), 0, "not a rank file (expected rank-NNNNNN.jsonl); ignored"))
             continue
-        rt = read_rank_file(f, ignore_unknown=newer)
+        rt = read_rank_file(f, ignore_unknown=newer, minor=manifest.version_minor)
         ranks[rank] = rt.events
         lines[rank] = rt.lines
         warnings.extend(rt.warnings)
