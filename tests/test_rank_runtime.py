@@ -146,3 +146,54 @@ def test_an_optimizer_that_never_steps_falls_back_to_the_repeat_rule(rt):
     assert _iters(rt) == [(0, 100), (1, 200)]
     tracker.flush_pending()
     assert _iters(rt) == [(0, 100), (1, 200), (2, 300)]
+
+
+class FakeGpuTiming:
+    """Stands in for prism.rank.gputime.GpuTiming: close() pretends the GPU
+    took ``tail`` ns to drain, and the segment's GPU work ``gpu`` ns."""
+
+    def __init__(self):
+        self.now = 0
+        self.opened = []
+        self.on_script_sync = None
+
+    def open(self, step):
+        self.opened.append(step)
+
+    def disarm(self):
+        pass
+
+    def close(self, start, script_join):
+        cpu_end = self.now
+        end = cpu_end + (0 if script_join else 300)
+        return cpu_end, end, (end if script_join else cpu_end) - start - 7, 111 if self.opened[-1] == 1 else -1
+
+
+def test_gpu_rank_segments_carry_two_clocks_and_joins(rt):
+    r = rt.recorder
+    fake = FakeGpuTiming()
+    r.attach_gpu(fake)
+    r.start_segment(1_000)
+    fake.now = 2_000
+    assert r.comm_enter() == 2_300  # the call starts after the GPU drained
+    r.comm_exit(3_000)
+    fake.now = 3_500
+    fake.on_script_sync(3_500)  # the script waited for the GPU (e.g. .item())
+    fake.now = 4_000
+    assert r.end_step(3_900) == 4_300  # the step ends when the GPU is idle
+    fake.now = 5_000
+    r.comm_enter(4_900, settle=False)  # the stall monitor, for the main thread
+    r.comm_exit(6_000)
+    fake.now = 9_000
+    r.finish(9_999, "ok")
+    comp = [(e["start_ns"], e["end_ns"], e["step"], e["cpu_ns"], e["gpu_ns"], e["join"])
+            for e in rt.client.events() if e["k"] == "compute"]
+    assert comp == [
+        (1_000, 2_300, 0, 993, -1, False),
+        (3_000, 3_500, 0, 493, -1, True),
+        (3_500, 4_300, 0, 493, -1, True),
+        (4_300, 4_900, 1, 600, -1, False),  # no wait for the GPU: its share is the wall time
+        (6_000, 9_300, 1, 2_993, 111, False),  # step 1 calibrated
+    ]
+    assert [e["end_ns"] for e in rt.client.events() if e["k"] == "iter"] == [4_300]
+    assert fake.opened[:4] == [0, 0, 0, 1]

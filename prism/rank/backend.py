@@ -208,11 +208,10 @@ class _Op:
     def wait(self) -> None:
         if not self.done.is_set():
             rt = _rt.current()
-            t = time.monotonic_ns()
+            t = rt.recorder.comm_enter()
             with self.lock:
                 if self.wait_ns is None and not self.done.is_set():
                     self.wait_ns = t
-            rt.recorder.comm_enter(t)
             try:
                 rt.block_on(self.done, self.wait_key, t)
             finally:
@@ -398,10 +397,10 @@ class PrismProcessGroup(dist.ProcessGroup):
         out_splits: Sequence[int] = (),
     ) -> PrismWork:
         rt = _rt.current()
-        _settle([*inputs, *outputs])
-        t0 = time.monotonic_ns()
+        if rt.recorder.gpu is None:
+            _settle([*inputs, *outputs])
         rt.ensure_slot()
-        rt.recorder.comm_enter(t0)
+        t0 = rt.recorder.comm_enter()
         try:
             with self._seq_lock:
                 seq = self._seq
@@ -635,11 +634,11 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> PrismWork:
         rt = _rt.current()
-        _settle(tensors)
-        t0 = time.monotonic_ns()
+        if rt.recorder.gpu is None:
+            _settle(tensors)
         blocking = _caller_is_blocking("send")
         rt.ensure_slot()
-        rt.recorder.comm_enter(t0)
+        t0 = rt.recorder.comm_enter()
         try:
             (t,) = tensors
             peer = self.global_ranks[dst]
@@ -668,11 +667,11 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> PrismWork:
         rt = _rt.current()
-        _settle(tensors)
-        t0 = time.monotonic_ns()
+        if rt.recorder.gpu is None:
+            _settle(tensors)
         blocking = _caller_is_blocking("recv")
         rt.ensure_slot()
-        rt.recorder.comm_enter(t0)
+        t0 = rt.recorder.comm_enter()
         try:
             (t,) = tensors
             peer = self.global_ranks[src]

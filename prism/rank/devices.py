@@ -72,6 +72,11 @@ class _Logical:
         self.mode: LogicalDeviceMode | None = None
 
 
+def mode() -> LogicalDeviceMode | None:
+    """The rewrite mode pushed on the script's thread, if installed."""
+    return getattr(_state, "mode", None) if _state is not None else None
+
+
 def installed() -> bool:
     """Whether logical devices are installed in this process."""
     return _state is not None
@@ -155,7 +160,11 @@ class LogicalDeviceMode(TorchFunctionMode):
     ``torch.device``/``"cuda:N"`` positional, an int first argument of
     ``Tensor.to``/``Tensor.cuda``) to in-process device 0."""
 
+    #: Calls seen (prism.rank.gputime removes their cost from the CPU share).
+    calls = 0
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
         if func is torch.device:
             # torch.device(...) reaches modes too; a device object keeps its
             # logical index until it is used.

@@ -52,6 +52,8 @@ class RankRecorder:
         self._in_comm = 0
         self._segment_start: int | None = None
         self.closed = False
+        #: GPU ranks: per-segment two-clock timing (``attach_gpu``).
+        self.gpu: Any = None
 
     # --- events ------------------------------------------------------------
 
@@ -93,40 +95,87 @@ class RankRecorder:
 
     # --- compute segments -------------------------------------------------
 
+    def attach_gpu(self, gpu: Any) -> None:
+        """Record two clocks per segment with ``gpu`` (a ``prism.rank.gputime.GpuTiming``)."""
+        self.gpu = gpu
+        gpu.on_script_sync = self.script_sync
+
+    def _open(self, t_ns: int) -> None:
+        self._segment_start = t_ns
+        if self.gpu is not None:
+            self.gpu.open(self.step)
+
     def start_segment(self, t_ns: int) -> None:
         """User code starts running with a slot (after init)."""
         with self._lock:
             if self._in_comm == 0:
-                self._segment_start = t_ns
+                self._open(t_ns)
 
-    def comm_enter(self, t_ns: int) -> None:
-        """A communication call (issue or wait) starts: the segment ends."""
+    def comm_enter(self, t_ns: int | None = None, *, settle: bool = True) -> int:
+        """A communication call (issue or wait) starts: the segment ends.
+
+        On a GPU rank the GPU's queued work is waited for first (``settle``;
+        the stall monitor, which acts for the main thread at a past time,
+        passes False). Returns the call's start: ``t_ns``, or when omitted
+        the time after that wait."""
         with self._lock:
             if self._in_comm == 0:
-                self._close_segment(t_ns)
+                t_ns = self._close_segment(t_ns, settle=settle)
+            elif t_ns is None:
+                t_ns = time.monotonic_ns()
             self._in_comm += 1
+            return t_ns
 
     def comm_exit(self, t_ns: int) -> None:
         """A communication call returns to user code."""
         with self._lock:
             self._in_comm -= 1
             if self._in_comm == 0:
-                self._segment_start = t_ns
+                self._open(t_ns)
 
-    def end_step(self, end_ns: int) -> None:
-        """The iteration ended at ``end_ns``: emit it and cut the segment."""
+    def script_sync(self, t_ns: int) -> None:
+        """The script waited for the GPU (GPU ranks): cut a joining segment."""
         with self._lock:
-            if self._in_comm == 0 and self._segment_start is not None:
-                self._close_segment(end_ns)
-                self._segment_start = end_ns
+            if self._in_comm == 0 and self._segment_start is not None and not self.closed:
+                end = self._close_segment(t_ns, script_join=True)
+                self._open(end)
+
+    def end_step(self, end_ns: int) -> int:
+        """The iteration ended at ``end_ns``: emit it and cut the segment.
+
+        On a GPU rank the step ends when its GPU work does (as a step clock
+        that synchronises the device sees it); returns the end used."""
+        with self._lock:
+            cut = self._in_comm == 0 and self._segment_start is not None
+            if cut:
+                end_ns = self._close_segment(end_ns if self.gpu is None else None, step_end=True)
             self.emit(trace.Iteration(step=self.step, end_ns=end_ns))
             self.step += 1
+            if cut:
+                self._open(end_ns)
             self._flush_locked()
+            return end_ns
 
-    def _close_segment(self, t_ns: int) -> None:
+    def _close_segment(self, t_ns: int | None, *, settle: bool = True, script_join: bool = False,
+                       step_end: bool = False) -> int:
         start, self._segment_start = self._segment_start, None
-        if start is not None and t_ns > start:
-            self.emit(trace.Compute(start_ns=start, end_ns=t_ns, step=self.step))
+        gpu = self.gpu
+        if gpu is None or start is None:
+            if t_ns is None:
+                t_ns = time.monotonic_ns()
+            if start is not None and t_ns > start:
+                self.emit(trace.Compute(start_ns=start, end_ns=t_ns, step=self.step))
+            return t_ns
+        if settle or script_join:
+            _, end, cpu_ns, gpu_ns = gpu.close(start, script_join)
+        else:
+            end = t_ns if t_ns is not None else time.monotonic_ns()
+            cpu_ns, gpu_ns = max(end - start, 0), -1
+            gpu.disarm()
+        if end > start:
+            self.emit(trace.Compute(start_ns=start, end_ns=end, step=self.step, cpu_ns=cpu_ns, gpu_ns=gpu_ns,
+                                    join=script_join or step_end))
+        return end
 
     def finish(self, t_ns: int, status: str, message: str = "") -> None:
         """Close the last segment, emit RankEnd and flush; later events are dropped."""

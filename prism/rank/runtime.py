@@ -155,6 +155,15 @@ class RankRuntime:
                 start_ns=t,
             )
         )
+        from prism.rank import devices
+
+        if devices.installed():
+            from prism.rank import gputime
+
+            timing = gputime.from_env(devices.mode())
+            if timing is not None:
+                timing.install()
+                self.recorder.attach_gpu(timing)
         with self._slot_lock:
             self._acquire_locked()
         self.recorder.start_segment(time.monotonic_ns())
@@ -291,7 +300,7 @@ class RankRuntime:
                 op = next(iter(self._pending.values()))
                 self._implicit = True
                 self._holds_slot = False
-                self.recorder.comm_enter(idle_since)
+                self.recorder.comm_enter(idle_since, settle=False)
                 with op.lock:
                     if op.wait_ns is None:
                         # The main thread may have gone idle before this op was issued.
@@ -398,8 +407,8 @@ class _StepTracker:
         self._pending_end = None
         rec = self.runtime.recorder
         step = rec.step
+        end_ns = rec.end_step(end_ns)
         sample = _cuda_memory_sample(end_ns, step)
-        rec.end_step(end_ns)
         if sample is not None:
             rec.emit(sample)
 

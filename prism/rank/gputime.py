@@ -1,0 +1,243 @@
+"""Two-clock timing of a GPU rank's compute segments (docs/GPU-TIMING.md).
+
+A real NCCL run never waits for the GPU at a collective: the CPU queues the
+next kernels while the GPU runs the current ones. A capture must (it copies
+CUDA tensors to host), so each segment's wall time is CPU issue time plus the
+GPU's tail. This module gives the recorder, per segment:
+
+- ``cpu_ns``: from the segment's start to where the rank began waiting for
+  the GPU, minus Prism's own per-call cost (the logical-device
+  ``TorchFunctionMode``: its calls are counted and its per-call overhead is
+  measured once, in this process, against the same loop without the mode);
+- ``gpu_ns``: the GPU's busy time for the segment's kernels, on calibration
+  steps only (``PRISM_GPU_CALIBRATE``, default steps 1 and 2). At the start
+  of such a segment the GPU is idle (the capture drained it), so a spin kernel
+  (``torch.cuda._sleep``) is queued first, longer than the CPU will take to
+  issue the segment, then a timing event: the segment's kernels then run back
+  to back and the event pair around them measures their busy time without
+  the gaps in which the GPU waited for the CPU. If the spin ended before the
+  CPU finished issuing (the event had completed when the segment closed), the
+  measurement is discarded (``-2``) and later spins are longer;
+- ``join``: the segment ended where the script waited for the GPU:
+  ``torch.cuda.synchronize``, and every operation torch's sync debug mode
+  reports (``.item()``, ``.tolist()``, copies to host, ``nonzero``...; the
+  mode is set to ``warn`` and the warnings are taken here, not shown), and
+  the step's end.
+
+Only ranks that drive a GPU use it; CPU ranks keep one clock.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: Steps whose segments are calibrated ("1,2"; "" or "none": none).
+CALIBRATE_ENV = "PRISM_GPU_CALIBRATE"
+DEFAULT_CALIBRATE = "1,2"
+#: Set to 0 to record one clock on GPU ranks (as before PrismTrace 1.1).
+TWO_CLOCK_ENV = "PRISM_GPU_TWO_CLOCK"
+
+_SYNC_MESSAGE = "called a synchronizing CUDA operation"
+#: Spin bounds (ns) for a calibrated segment.
+MIN_SPIN_NS = 500_000
+MAX_SPIN_NS = 500_000_000
+
+
+def parse_steps(text: str) -> frozenset[int]:
+    text = text.strip()
+    if text in ("", "none"):
+        return frozenset()
+    out = set()
+    for part in text.split(","):
+        part = part.strip()
+        if "-" in part:
+            a, b = part.split("-", 1)
+            out.update(range(int(a), int(b) + 1))
+        elif part:
+            out.add(int(part))
+    if any(s < 0 for s in out):
+        raise ValueError(f"{CALIBRATE_ENV}={text!r}: steps are 0-based and >= 0")
+    return frozenset(out)
+
+
+class GpuTiming:
+    """Per-segment CPU share, GPU busy time and joins for one rank's recorder.
+
+    ``open(step)`` at a segment's start, ``close(script_join)`` at its end
+    (returns ``(cpu_end_ns, end_ns, cpu_ns_correction, gpu_ns)``), called by
+    the recorder under its lock. ``on_script_sync`` is set by the recorder: it
+    is called after the script waited for the GPU.
+    """
+
+    def __init__(self, calibrate: frozenset[int], mode: Any = None) -> None:
+        self.calibrate = calibrate
+        self.mode = mode  # LogicalDeviceMode with a ``calls`` counter, or None
+        self.per_call_ns = 0.0
+        self.on_script_sync: Callable[[int], None] | None = None
+        self._sync = torch.cuda.synchronize  # the original, for Prism's own waits
+        self._ns_per_cycle: float | None = None
+        self._armed: Any = None  # the event after the spin, on a calibrated segment
+        self._calls0 = 0
+        self._longest_ns = 0  # longest segment wall seen: sizes the spins
+        self._factor = 2.0
+        self.discarded = 0
+        self.measured = 0
+        self._local = threading.local()
+        #: Only the script's main thread makes joins (the completion thread's
+        #: copies into CUDA outputs also synchronise).
+        self._main = threading.get_ident()
+
+    # --- set-up --------------------------------------------------------------
+
+    def install(self) -> None:
+        """Measure the mode's per-call cost and hook the script's GPU waits."""
+        if self.mode is not None:
+            self.per_call_ns = measure_mode_overhead(self.mode)
+        orig = torch.cuda.synchronize
+        timing = self
+
+        def synchronize(device: Any = None) -> None:
+            orig(device)
+            timing._script_synced()
+
+        synchronize.__doc__ = orig.__doc__
+        synchronize.__wrapped__ = orig  # type: ignore[attr-defined]
+        torch.cuda.synchronize = synchronize
+        # torch's sync debug mode warns at every synchronising op (after it
+        # returns to Python); take those warnings as join points.
+        warnings.filterwarnings("always", message=_SYNC_MESSAGE)
+        shown = warnings.showwarning
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if _SYNC_MESSAGE in str(message):
+                timing._script_synced()
+                return
+            shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
+        self._set_debug_mode()
+
+    def _set_debug_mode(self) -> None:
+        try:
+            torch.cuda.set_sync_debug_mode("warn")
+        except Exception:  # noqa: BLE001 (older torch or no CUDA: joins then come from synchronize only)
+            pass
+
+    def _script_synced(self) -> None:
+        if threading.get_ident() != self._main or getattr(self._local, "internal", False):
+            return
+        cb = self.on_script_sync
+        if cb is not None:
+            cb(time.monotonic_ns())
+
+    # --- segments --------------------------------------------------------------
+
+    def open(self, step: int) -> None:
+        if self.mode is not None:
+            self._calls0 = self.mode.calls
+        self._armed = None
+        if step not in self.calibrate or not torch.cuda.is_initialized():
+            return
+        self._local.internal = True
+        try:
+            if self._ns_per_cycle is None:
+                self._ns_per_cycle = self._measure_clock()
+            spin = min(max(int(self._longest_ns * self._factor), MIN_SPIN_NS), MAX_SPIN_NS)
+            torch.cuda._sleep(max(int(spin / self._ns_per_cycle), 1))
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._armed = ev
+        finally:
+            self._local.internal = False
+
+    def disarm(self) -> None:
+        self._armed = None
+
+    def close(self, start_ns: int, script_join: bool) -> tuple[int, int, int, int]:
+        """End the segment: wait for the GPU; returns (cpu_end, end, cpu_ns, gpu_ns)."""
+        cpu_end = time.monotonic_ns()
+        calls = (self.mode.calls - self._calls0) if self.mode is not None else 0
+        gpu_ns = -1
+        if not torch.cuda.is_initialized():
+            end = cpu_end
+        else:
+            self._local.internal = True
+            try:
+                a, self._armed = self._armed, None
+                b = None
+                starved = False
+                if a is not None:
+                    b = torch.cuda.Event(enable_timing=True)
+                    b.record()
+                    # the spin ended before the CPU issued everything: gaps
+                    starved = not script_join and a.query()
+                self._sync()
+                end = time.monotonic_ns()
+                if a is not None:
+                    if starved:
+                        gpu_ns = -2
+                        self.discarded += 1
+                        self._factor *= 2
+                    else:
+                        gpu_ns = int(a.elapsed_time(b) * 1e6)
+                        self.measured += 1
+            finally:
+                self._local.internal = False
+        wall_cpu = (end if script_join else cpu_end) - start_ns
+        if gpu_ns == -1 or gpu_ns == -2:
+            self._longest_ns = max(self._longest_ns, end - start_ns)
+        cpu_ns = max(int(wall_cpu - calls * self.per_call_ns), 0)
+        return cpu_end, end, cpu_ns, gpu_ns
+
+    def _measure_clock(self) -> float:
+        """ns per ``torch.cuda._sleep`` cycle on this GPU."""
+        cycles = 2_000_000
+        best = None
+        for _ in range(3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(cycles)
+            b.record()
+            b.synchronize()
+            ns = a.elapsed_time(b) * 1e6 / cycles
+            best = ns if best is None else min(best, ns)
+        return max(best or 0.5, 0.05)
+
+
+def measure_mode_overhead(mode: Any, n: int = 1000, rounds: int = 5) -> float:
+    """ns that one torch call costs with ``mode`` pushed on this thread versus
+    the same call with it popped (median of interleaved rounds; >= 0)."""
+    from torch.overrides import _pop_mode_temporarily
+
+    calls = mode.calls
+    x = torch.zeros(4)
+    add = torch.add
+
+    def loop() -> int:
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            add(x, 1)
+        return time.perf_counter_ns() - t0
+
+    with_mode, without = [], []
+    for _ in range(rounds):
+        with_mode.append(loop())
+        with _pop_mode_temporarily():
+            without.append(loop())
+    mode.calls = calls  # the probe's calls are not the script's
+    return max((statistics.median(with_mode) - statistics.median(without)) / n, 0.0)
+
+
+def from_env(mode: Any) -> GpuTiming | None:
+    """The rank's GpuTiming, or None when two clocks are switched off."""
+    if os.environ.get(TWO_CLOCK_ENV, "1") == "0":
+        return None
+    return GpuTiming(parse_steps(os.environ.get(CALIBRATE_ENV, DEFAULT_CALIBRATE)), mode)

@@ -1,0 +1,93 @@
+"""prism.rank.gputime: calibration steps, the mode's per-call cost, joins from
+the script's GPU waits, and (on a GPU) the busy time of a calibrated segment."""
+
+import time
+import warnings
+
+import pytest
+import torch
+
+from prism.rank import gputime
+from prism.rank.devices import LogicalDeviceMode
+
+
+def test_parse_steps():
+    assert gputime.parse_steps("1,2") == {1, 2}
+    assert gputime.parse_steps(" 0-3, 7 ") == {0, 1, 2, 3, 7}
+    assert gputime.parse_steps("") == gputime.parse_steps("none") == frozenset()
+    with pytest.raises(ValueError):
+        gputime.parse_steps("x")
+
+
+def test_mode_overhead_is_measured_and_the_probe_is_not_counted():
+    mode = LogicalDeviceMode()
+    with mode:
+        x = torch.ones(3)
+        torch.add(x, 1)
+        assert mode.calls >= 2
+        before = mode.calls
+        per_call = gputime.measure_mode_overhead(mode, n=300, rounds=3)
+        assert mode.calls == before
+    # A Python-level mode costs something per call, and far less than a millisecond.
+    assert 0 <= per_call < 1e6
+
+
+def test_script_waits_become_joins_only_on_the_main_thread(monkeypatch):
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    t = gputime.GpuTiming(frozenset(), None)
+    t.install()
+    seen = []
+    t.on_script_sync = seen.append
+    torch.cuda.synchronize()
+    warnings.warn("called a synchronizing CUDA operation (Triggered internally)", UserWarning)
+    warnings.warn("called a synchronizing CUDA operation (Triggered internally)", UserWarning)  # every time
+    import threading
+
+    th = threading.Thread(target=torch.cuda.synchronize)
+    th.start()
+    th.join()
+    assert len(seen) == 3
+    with pytest.warns(UserWarning, match="something else"):
+        warnings.warn("something else", UserWarning)
+
+
+def test_cpu_share_without_cuda_is_the_wall_time_less_the_mode_cost():
+    mode = LogicalDeviceMode()
+    t = gputime.GpuTiming(frozenset({0}), mode)
+    t.per_call_ns = 1_000.0
+    start = time.monotonic_ns()
+    t.open(0)
+    mode.calls += 50
+    cpu_end, end, cpu_ns, gpu_ns = t.close(start, False)
+    assert gpu_ns == -1 and end == cpu_end
+    assert cpu_ns == max(cpu_end - start - 50_000, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: measures GPU busy time")
+def test_calibrated_segment_measures_gpu_busy_time_not_issue_gaps():
+    a = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    # what 8 matmuls take back to back
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        e0.record()
+        for _ in range(8):
+            a @ a
+        e1.record()
+        e1.synchronize()
+    busy = e0.elapsed_time(e1) * 1e6
+    t = gputime.GpuTiming(frozenset({0}), None)
+    t._longest_ns = 20_000_000  # spins of 40 ms
+    start = time.monotonic_ns()
+    t.open(0)
+    for _ in range(8):
+        a @ a
+        time.sleep(0.002)  # a slow CPU: 16 ms of gaps a plain event pair would count
+    cpu_end, end, cpu_ns, gpu_ns = t.close(start, False)
+    assert gpu_ns > 0, "the spin should have covered the issue time"
+    assert abs(gpu_ns - busy) < 0.25 * busy + 100_000, (gpu_ns, busy)
+    assert cpu_ns >= 16_000_000 and end >= cpu_end
