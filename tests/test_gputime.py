@@ -81,7 +81,7 @@ def test_calibrated_segment_measures_gpu_busy_time_not_issue_gaps():
         e1.synchronize()
     busy = e0.elapsed_time(e1) * 1e6
     t = gputime.GpuTiming(frozenset({0}), None)
-    t._longest_ns = 20_000_000  # spins of 40 ms
+    t._walls_prev = [20_000_000]  # a spin of 40 ms
     start = time.monotonic_ns()
     t.open(0)
     for _ in range(8):

@@ -48,7 +48,7 @@ TWO_CLOCK_ENV = "PRISM_GPU_TWO_CLOCK"
 _SYNC_MESSAGE = "called a synchronizing CUDA operation"
 #: Spin bounds (ns) for a calibrated segment.
 MIN_SPIN_NS = 500_000
-MAX_SPIN_NS = 500_000_000
+MAX_SPIN_NS = 200_000_000
 
 
 def parse_steps(text: str) -> frozenset[int]:
@@ -86,7 +86,11 @@ class GpuTiming:
         self._ns_per_cycle: float | None = None
         self._armed: Any = None  # the event after the spin, on a calibrated segment
         self._calls0 = 0
-        self._longest_ns = 0  # longest segment wall seen: sizes the spins
+        # Spins are sized from the wall time of the segment at the same
+        # position in the last step that was not calibrated.
+        self._step = -1
+        self._walls: list[int] = []  # this step's segment walls, in order
+        self._walls_prev: list[int] = []
         self._factor = 2.0
         self.discarded = 0
         self.measured = 0
@@ -144,13 +148,21 @@ class GpuTiming:
         if self.mode is not None:
             self._calls0 = self.mode.calls
         self._armed = None
+        if step != self._step:
+            if self._walls and self._step not in self.calibrate:
+                self._walls_prev = self._walls
+            self._walls = []
+            self._step = step
         if step not in self.calibrate or not torch.cuda.is_initialized():
             return
         self._local.internal = True
         try:
             if self._ns_per_cycle is None:
                 self._ns_per_cycle = self._measure_clock()
-            spin = min(max(int(self._longest_ns * self._factor), MIN_SPIN_NS), MAX_SPIN_NS)
+            prev = self._walls_prev
+            pos = len(self._walls)
+            base = prev[pos] if pos < len(prev) else max(prev, default=0)
+            spin = min(max(int(base * self._factor), MIN_SPIN_NS), MAX_SPIN_NS)
             torch.cuda._sleep(max(int(spin / self._ns_per_cycle), 1))
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -192,8 +204,7 @@ class GpuTiming:
             finally:
                 self._local.internal = False
         wall_cpu = (end if script_join else cpu_end) - start_ns
-        if gpu_ns == -1 or gpu_ns == -2:
-            self._longest_ns = max(self._longest_ns, end - start_ns)
+        self._walls.append(end - start_ns)
         cpu_ns = max(int(wall_cpu - calls * self.per_call_ns), 0)
         return cpu_end, end, cpu_ns, gpu_ns
 
