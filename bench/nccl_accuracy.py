@@ -162,6 +162,10 @@ def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpu
     peaks = {r: max((e.peak_allocated for e in evs if isinstance(e, T.Memory)), default=None)
              for r, evs in events.items()}
     _, mems = read_clocks(clocks, world)
+    keep = os.environ.get("NCCL_ACCURACY_KEEP")
+    if keep:  # the capture's trace for later study (rank files, manifest, telemetry)
+        dst = pathlib.Path(keep) / f"{'-'.join(cmd[-12:]).replace('/', '_')[:60]}-{n_gpus}gpu-{d.name}"
+        shutil.copytree(run, dst, ignore=shutil.ignore_patterns("logs"))
     out = {"graph": ExecutionGraph.from_events(events), "wall_s": wall,
            "memory": [{**mem_summary(mems[r]), "trace_peak_allocated": peaks.get(r)} for r in range(world)],
            "resident": plan.settings if plan is not None else None}
@@ -207,6 +211,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--net", default=None, help="cost profile (default: the fitted NCCL profile of this host)")
     ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--keep-runs", default=None, metavar="DIR", help="copy each Prism capture's trace into DIR")
     ap.add_argument("--budget", type=float, default=None, metavar="S",
                     help="stop starting new configurations after S seconds (results so far are kept)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -215,6 +220,9 @@ def main() -> int:
 
     t_start = time.monotonic()
     gpus = torch.cuda.device_count() if a.device == "cuda" else 0
+    if a.keep_runs:
+        os.environ["NCCL_ACCURACY_KEEP"] = a.keep_runs
+        pathlib.Path(a.keep_runs).mkdir(parents=True, exist_ok=True)
     world = a.world or (gpus if a.device == "cuda" else 2)
     if a.device == "cuda" and world > gpus:
         sys.exit(f"--world {world} needs one GPU per rank for the NCCL ground truth; {gpus} here")
