@@ -62,6 +62,9 @@ from torch._C._distributed_c10d import ReduceOp
 from prism.core import protocol, trace
 from prism.core.matcher import wait_key_coll, wait_key_p2p
 from prism.rank import runtime as _rt
+
+# torch.frombuffer on the coordinator's read-only frames (see _from_payload).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 from prism.rank.joined import JoinedOp
 from prism.rank.runtime import PrismRankError
 
@@ -136,10 +139,11 @@ def _from_payload(buf: Any, like: torch.Tensor, where: str) -> torch.Tensor:
         )
     if expected == 0:
         return torch.empty(like.shape, dtype=like.dtype)
-    with warnings.catch_warnings():
-        # Read-only frames: the tensor is only read (copied into the output).
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(view, dtype=torch.uint8)
+    # Read-only frames: the tensor is only read (copied into the output); the
+    # warning torch gives for that is filtered once, at import (a
+    # catch_warnings here would swap the process's filters from the completion
+    # thread while the main thread's warnings are being handled).
+    flat = torch.frombuffer(view, dtype=torch.uint8)
     return flat.view(like.dtype).reshape(like.shape)
 
 
