@@ -15,9 +15,11 @@ How (Python-level interception, chosen over a preloaded ``libcudart`` shim):
   other memory statistics use) are replaced in ``torch.cuda`` and
   ``torch.cuda.memory``. The script sees logical values (``device_count()`` is
   ``nproc_per_node``; ``current_device()`` is the last logical index it
-  selected); callers inside torch (other than ``torch.distributed``, whose
-  ``DeviceMesh`` sizes hosts by ``device_count``) keep getting in-process
-  values, because they feed them straight to C++.
+  selected); callers inside torch keep getting in-process values, because
+  they feed them straight to C++, except ``device_count`` called from
+  ``torch.distributed`` (``DeviceMesh`` sizes hosts by it). FSDP2 builds its
+  device from ``current_device()`` and checks parameters against it, so
+  ``torch.distributed`` gets the in-process ``current_device``.
 - Explicit device arguments (``tensor.to(5)``, ``.to("cuda:5")``,
   ``.cuda(5)``, ``torch.zeros(..., device=torch.device("cuda", 5))``) are
   rewritten to ``cuda:0`` by a ``TorchFunctionMode`` pushed on the script's
@@ -279,7 +281,10 @@ def _patch_torch_cuda() -> None:
             orig_set(0)
 
     def current_device() -> int:
-        if _from_torch_internals():
+        # Every torch caller gets the in-process index, torch.distributed
+        # included: FSDP2 builds its device from it and checks parameters
+        # against it (only device_count is logical there, for DeviceMesh).
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("torch."):
             return orig_current()
         orig_current()  # initialises CUDA as the original would
         return _state.current
