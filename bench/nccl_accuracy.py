@@ -165,7 +165,7 @@ def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpu
     keep = os.environ.get("NCCL_ACCURACY_KEEP")
     if keep:  # the capture's trace for later study (rank files, manifest, telemetry)
         dst = pathlib.Path(keep) / f"{'-'.join(cmd[-12:]).replace('/', '_')[:60]}-{n_gpus}gpu-{d.name}"
-        shutil.copytree(run, dst, ignore=shutil.ignore_patterns("logs"))
+        shutil.copytree(run, dst, ignore=shutil.ignore_patterns("logs", "*.sock"))
     out = {"graph": ExecutionGraph.from_events(events), "wall_s": wall,
            "memory": [{**mem_summary(mems[r]), "trace_peak_allocated": peaks.get(r)} for r in range(world)],
            "resident": plan.settings if plan is not None else None}

@@ -66,6 +66,33 @@ def test_cpu_share_without_cuda_is_the_wall_time_less_the_mode_cost():
     assert cpu_ns == max(cpu_end - start - 50_000, 0)
 
 
+def test_ranks_sharing_a_gpu_take_turns(tmp_path):
+    import threading
+
+    path = str(tmp_path / "gpu.lock")
+    a = gputime.GpuTiming(frozenset(), None, path)
+    b = gputime.GpuTiming(frozenset(), None, path)
+    a.open(0)  # rank a computes a segment
+    a.acquire()  # its completion thread copies in: re-entrant within the process
+    got = threading.Event()
+
+    def other():
+        b.open(0)
+        got.set()
+
+    th = threading.Thread(target=other)
+    th.start()
+    assert not got.wait(0.2)  # rank b waits for the GPU
+    a.release()
+    assert not got.wait(0.1)  # a's segment still holds it
+    a.close(time.monotonic_ns(), False)
+    assert got.wait(5)
+    th.join()
+    b.close(time.monotonic_ns(), False)
+    a.open(0)  # free again
+    a.close(time.monotonic_ns(), False)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: measures GPU busy time")
 def test_calibrated_segment_measures_gpu_busy_time_not_issue_gaps():

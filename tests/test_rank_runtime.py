@@ -159,6 +159,7 @@ class FakeGpuTiming:
 
     def open(self, step):
         self.opened.append(step)
+        return 0
 
     def disarm(self):
         pass

@@ -325,15 +325,18 @@ def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_position():
     p.compute(0, 2_000, cpu=1_900, gpu=300)  # calibration step: its CPU shares come from step 0
     p.compute(0, 2_000, cpu=1_950, gpu=-2, join=True)  # discarded measurement
     p.end_step()
+    p.compute(0, 2_000, cpu=1_900, gpu=450)  # a second calibration: the smaller GPU time wins
+    p.compute(0, 2_000, cpu=1_950, gpu=-2, join=True)
+    p.end_step()
     p.compute(0, 900, cpu=510, gpu=-1)  # three segments: no step with as many, so by position only
     p.compute(0, 900, cpu=590, gpu=-1)
     p.compute(0, 900, cpu=100, gpu=-1, join=True)
     p.end_step()
     g = ExecutionGraph.from_events(p.events)
     c = np.flatnonzero(g.kind == COMPUTE)
-    assert g.cpu[c].tolist() == [500, 600, 500, 600, 510, 590, 100]
-    assert g.gpu[c].tolist() == [300, 900, 300, 2_000, 300, 900, 900]
-    assert g.join[c].tolist() == [False, True, False, True, False, False, True]
+    assert g.cpu[c].tolist() == [500, 600, 500, 600, 500, 600, 510, 590, 100]
+    assert g.gpu[c].tolist() == [300, 900, 300, 2_000, 450, 2_000, 300, 900, 900]
+    assert g.join[c].tolist() == [False, True, False, True, False, True, False, False, True]
     plain = Program(1)
     plain.compute(0, 5)
     assert ExecutionGraph.from_events(plain.events).cpu is None

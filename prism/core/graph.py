@@ -689,10 +689,12 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bo
 
     GPU time is measured on calibration steps only. A segment elsewhere takes
     the GPU time of the segment at the same position in a calibration step of
-    the same rank (preferring steps with as many segments; the median over
-    them), and a calibration step's segment takes its CPU share from the
-    other steps the same way (the calibration holds the GPU back, which
-    inflates the wall time of segments that wait for it). A segment without
+    the same rank (preferring steps with as many segments; the smallest
+    measurement, as what disturbs one, another process's work on a shared GPU
+    or clocks still rising, only adds time), and a calibration step's segment
+    takes its CPU share from the other steps the same way (the median; the
+    calibration holds the GPU back, which inflates the wall time of segments
+    that wait for it). A segment without
     any calibrated counterpart gets its wall time as GPU time, which replays
     it as the one-clock model would.
     """
@@ -728,7 +730,7 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bo
                     c = int(np.median(other))
             if g < 0:  # -1: not a calibration step; -2: its measurement was discarded
                 vals = cal.get(key) or cal_any.get(i)
-                g = int(np.median(vals)) if vals else int(cols.dur[row])
+                g = min(vals) if vals else int(cols.dur[row])
             cpu[row] = max(c, 0)
             gpu[row] = max(g, 0)
     return cpu, gpu, join

@@ -232,10 +232,16 @@ class _Op:
         except BaseException as e:  # no slot to be had: the coordinator failed
             error = error or e
         if error is None and payloads is not None:
+            gpu = rt.recorder.gpu
+            if gpu is not None:
+                gpu.acquire()  # GPU ranks sharing a GPU take turns, copies included
             try:
                 self._copy_out(payloads)
             except BaseException as e:
                 error = e
+            finally:
+                if gpu is not None:
+                    gpu.release()
         with self.lock:
             self.end_ns = arrived
             # A wait that began after the reply arrived (while this thread took

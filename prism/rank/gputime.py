@@ -18,6 +18,11 @@ GPU's tail. This module gives the recorder, per segment:
   the gaps in which the GPU waited for the CPU. If the spin ended before the
   CPU finished issuing (the event had completed when the segment closed), the
   measurement is discarded (``-2``) and later spins are longer;
+- exclusive GPU: ranks that share a physical GPU take turns on it (a
+  per-GPU ``flock``, held while the rank computes a segment and while its
+  completion thread copies results in), so no segment's times include
+  another process's kernels or copies time-sliced in (``PRISM_GPU_EXCLUSIVE=0``
+  turns it off);
 - ``join``: the segment ended where the script waited for the GPU:
   ``torch.cuda.synchronize``, and every operation torch's sync debug mode
   reports (``.item()``, ``.tolist()``, copies to host, ``nonzero``...; the
@@ -29,8 +34,10 @@ Only ranks that drive a GPU use it; CPU ranks keep one clock.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import statistics
+import tempfile
 import threading
 import time
 import warnings
@@ -41,9 +48,11 @@ import torch
 
 #: Steps whose segments are calibrated ("1,2"; "" or "none": none).
 CALIBRATE_ENV = "PRISM_GPU_CALIBRATE"
-DEFAULT_CALIBRATE = "1,2"
+DEFAULT_CALIBRATE = "2,3"
 #: Set to 0 to record one clock on GPU ranks (as before PrismTrace 1.1).
 TWO_CLOCK_ENV = "PRISM_GPU_TWO_CLOCK"
+#: Set to 0 to let ranks that share a GPU run GPU work at the same time.
+EXCLUSIVE_ENV = "PRISM_GPU_EXCLUSIVE"
 
 _SYNC_MESSAGE = "called a synchronizing CUDA operation"
 #: Spin bounds (ns) for a calibrated segment.
@@ -77,7 +86,7 @@ class GpuTiming:
     is called after the script waited for the GPU.
     """
 
-    def __init__(self, calibrate: frozenset[int], mode: Any = None) -> None:
+    def __init__(self, calibrate: frozenset[int], mode: Any = None, exclusive: str | None = None) -> None:
         self.calibrate = calibrate
         self.mode = mode  # LogicalDeviceMode with a ``calls`` counter, or None
         self.per_call_ns = 0.0
@@ -85,6 +94,7 @@ class GpuTiming:
         self._sync = torch.cuda.synchronize  # the original, for Prism's own waits
         self._ns_per_cycle: float | None = None
         self._armed: Any = None  # the event after the spin, on a calibrated segment
+        self._segment_open = False
         self._calls0 = 0
         # Spins are sized from the wall time of the segment at the same
         # position in the last step that was not calibrated.
@@ -98,6 +108,12 @@ class GpuTiming:
         #: Only the script's main thread makes joins (the completion thread's
         #: copies into CUDA outputs also synchronise).
         self._main = threading.get_ident()
+        # exclusive use of the physical GPU: a process-wide hold count over a flock
+        self._fd: int | None = None
+        self._hold = 0
+        self._mutex = threading.Lock()
+        if exclusive:
+            self._fd = os.open(exclusive, os.O_RDWR | os.O_CREAT, 0o666)
 
     # --- set-up --------------------------------------------------------------
 
@@ -142,9 +158,37 @@ class GpuTiming:
         if cb is not None:
             cb(time.monotonic_ns())
 
+    # --- exclusive GPU -----------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Take this process's turn on its GPU (re-entrant across threads)."""
+        if self._fd is None:
+            return
+        with self._mutex:
+            if self._hold == 0:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._hold += 1
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with self._mutex:
+            if self._hold > 0:
+                self._hold -= 1
+                if self._hold == 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+
     # --- segments --------------------------------------------------------------
 
-    def open(self, step: int) -> None:
+    def open(self, step: int) -> int:
+        """A segment starts; returns when it may (after the GPU turn)."""
+        self.acquire()
+        self._segment_open = True
+        t = time.monotonic_ns()
+        self._open_calibration(step)
+        return t
+
+    def _open_calibration(self, step: int) -> None:
         if self.mode is not None:
             self._calls0 = self.mode.calls
         self._armed = None
@@ -172,6 +216,12 @@ class GpuTiming:
 
     def disarm(self) -> None:
         self._armed = None
+        self._end_segment()
+
+    def _end_segment(self) -> None:
+        if self._segment_open:
+            self._segment_open = False
+            self.release()
 
     def close(self, start_ns: int, script_join: bool) -> tuple[int, int, int, int]:
         """End the segment: wait for the GPU; returns (cpu_end, end, cpu_ns, gpu_ns)."""
@@ -203,6 +253,7 @@ class GpuTiming:
                         self.measured += 1
             finally:
                 self._local.internal = False
+        self._end_segment()
         wall_cpu = (end if script_join else cpu_end) - start_ns
         self._walls.append(end - start_ns)
         cpu_ns = max(int(wall_cpu - calls * self.per_call_ns), 0)
@@ -251,4 +302,9 @@ def from_env(mode: Any) -> GpuTiming | None:
     """The rank's GpuTiming, or None when two clocks are switched off."""
     if os.environ.get(TWO_CLOCK_ENV, "1") == "0":
         return None
-    return GpuTiming(parse_steps(os.environ.get(CALIBRATE_ENV, DEFAULT_CALIBRATE)), mode)
+    exclusive = None
+    if os.environ.get(EXCLUSIVE_ENV, "1") != "0":
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() or "0"  # the machine's id of this rank's GPU
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        exclusive = os.path.join(base, f"prism-gpu-{os.getuid()}-{gpu.replace('/', '_')}.lock")
+    return GpuTiming(parse_steps(os.environ.get(CALIBRATE_ENV, DEFAULT_CALIBRATE)), mode, exclusive)

@@ -101,9 +101,10 @@ class RankRecorder:
         gpu.on_script_sync = self.script_sync
 
     def _open(self, t_ns: int) -> None:
-        self._segment_start = t_ns
         if self.gpu is not None:
-            self.gpu.open(self.step)
+            # waits for the rank's turn on a shared GPU; the segment starts then
+            t_ns = max(t_ns, self.gpu.open(self.step))
+        self._segment_start = t_ns
 
     def start_segment(self, t_ns: int) -> None:
         """User code starts running with a slot (after init)."""

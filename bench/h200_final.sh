@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 7, third call of the session on `nvidia-h200-x4`, after the fixes the
+# kept traces of h200_diag.sh pointed at (calibration on steps 2-3 with the
+# smallest measurement kept, ranks sharing a GPU take turns on it, FSDP2's
+# device under logical devices). One run each, traces kept:
+# GPT tp2 dp2 on 1 and 2 GPUs, FSDP2 and MoE on 2 GPUs.
+#
+#   bash bench/h200_final.sh
+set -u
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+OUT=${OUT:-/tmp/prism-out}
+mkdir -p "$OUT/r/keep"
+NET=bench/results/nccl-h200x4-profile.toml
+taskset -c 0-31 timeout 40 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gputime.py 2>&1 | tail -4 \
+  > "$OUT/r/gpu-tests.txt"
+tail -2 "$OUT/r/gpu-tests.txt"
+run() {  # name timeout gpus config
+  taskset -c 0-31 timeout "$2" python3 bench/nccl_accuracy.py --out-dir "$OUT/r/$1" --configs "$4" --capture-gpus "$3" \
+    --runs 1 --steps 8 --warmup 3 --net "$NET" --keep-runs "$OUT/r/keep" 2>&1 | grep -v "^prism: captured\|^\[" \
+    > "$OUT/r/$1.txt"
+  grep -A3 "^config" "$OUT/r/$1.txt" | head -4; grep "FAILED\|Error" "$OUT/r/$1.txt" | head -3
+}
+run gpt 150 1,2 gpt-tp2-dp2
+run fsdp2 100 2 fsdp2
+run moe 140 2 moe-tp2-dp2-ep2
+du -sh "$OUT/r/keep"
+tar czf "$OUT/results.tgz" -C "$OUT" r
