@@ -317,7 +317,7 @@ def test_two_clock_compute_overlaps_cpu_issue_with_gpu_work_and_joins():
     assert one.rank_end(0).tolist()[:2] == [10, 1010]
 
 
-def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_position():
+def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_counterpart():
     p = Program(1)
     p.compute(0, 900, cpu=500, gpu=-1)
     p.compute(0, 900, cpu=600, gpu=-1, join=True)
@@ -334,7 +334,8 @@ def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_position():
     p.end_step()
     g = ExecutionGraph.from_events(p.events)
     c = np.flatnonzero(g.kind == COMPUTE)
-    assert g.cpu[c].tolist() == [500, 600, 500, 600, 500, 600, 510, 590, 100]
+    # the step-end joins are one kind of segment: a calibration step takes their median (600, 100)
+    assert g.cpu[c].tolist() == [500, 600, 500, 350, 500, 350, 510, 590, 100]
     assert g.gpu[c].tolist() == [300, 900, 300, 2_000, 450, 2_000, 300, 900, 900]
     assert g.join[c].tolist() == [False, True, False, True, False, True, False, False, True]
     plain = Program(1)

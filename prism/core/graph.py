@@ -688,15 +688,18 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bo
     of GPU compute segments.
 
     GPU time is measured on calibration steps only. A segment elsewhere takes
-    the GPU time of the segment at the same position in a calibration step of
-    the same rank (preferring steps with as many segments; the smallest
-    measurement, as what disturbs one, another process's work on a shared GPU
-    or clocks still rising, only adds time), and a calibration step's segment
-    takes its CPU share from the other steps the same way (the median; the
-    calibration holds the GPU back, which inflates the wall time of segments
-    that wait for it). A segment without
-    any calibrated counterpart gets its wall time as GPU time, which replays
-    it as the one-clock model would.
+    the GPU time of its counterpart in the calibration steps of the same rank:
+    a segment is known by what ended it (a join, or the next call's kind,
+    group and op) and by how many segments of that kind came before it in its
+    step; the match is tried with the step's count of such segments, then
+    without it, then by plain position (data-dependent steps, MoE, differ in
+    their number of joins). Of several matches the smallest is taken: what
+    disturbs a measurement (another process's work on a shared GPU, clocks
+    still rising) only adds time. A calibration step's segment takes its CPU
+    share from the other steps the same way (the median; the calibration
+    holds the GPU back, which inflates the wall time of segments that wait for
+    it). A segment without any counterpart keeps its wall time as GPU time,
+    which replays it as the one-clock model would.
     """
     n = len(cols.rank)
     cpu = np.full(n, -1, np.int64)
@@ -706,30 +709,56 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bo
     by_step: dict[tuple[int, int], list[int]] = {}
     for row in sorted(clocks):
         by_step.setdefault((int(cols.rank[row]), int(cols.step[row])), []).append(row)
-    calib: dict[int, dict[tuple[int, int], list[int]]] = {}  # rank -> (count, index) -> gpu values
-    calib_any: dict[int, dict[int, list[int]]] = {}  # rank -> index -> gpu values
-    plain: dict[int, dict[tuple[int, int], list[int]]] = {}  # rank -> (count, index) -> cpu values
+
+    def keys(rows: list[int]) -> list[tuple]:
+        sigs = []
+        for row in rows:
+            nxt = row + 1
+            if nxt < n and cols.rank[nxt] == cols.rank[row]:
+                sigs.append((clocks[row][2], int(cols.kind[nxt]), int(cols.group[nxt]), int(cols.op[nxt])))
+            else:
+                sigs.append((clocks[row][2], -1, -1, -1))
+        total: dict[tuple, int] = {}
+        for sg in sigs:
+            total[sg] = total.get(sg, 0) + 1
+        seen: dict[tuple, int] = {}
+        out = []
+        for i, sg in enumerate(sigs):
+            k = seen.get(sg, 0)
+            seen[sg] = k + 1
+            out.append((("a", sg, k, total[sg]), ("b", sg, k), ("c", i)))
+        return out
+
+    step_keys = {key: keys(rows) for key, rows in by_step.items()}
     calibration = {key: any(clocks[row][1] != -1 for row in rows) for key, rows in by_step.items()}
+    measured: dict[tuple, list[int]] = {}  # (rank, match key) -> GPU times from calibration steps
+    plain: dict[tuple, list[int]] = {}  # (rank, match key) -> CPU shares from the other steps
     for (r, st), rows in by_step.items():
-        for i, row in enumerate(rows):
+        for row, ks in zip(rows, step_keys[r, st]):
             c, g, _ = clocks[row]
-            if g >= 0:
-                calib.setdefault(r, {}).setdefault((len(rows), i), []).append(g)
-                calib_any.setdefault(r, {}).setdefault(i, []).append(g)
-            elif not calibration[r, st]:
-                plain.setdefault(r, {}).setdefault((len(rows), i), []).append(c)
+            for k in ks:
+                if g >= 0:
+                    measured.setdefault((r, k), []).append(g)
+                elif not calibration[r, st]:
+                    plain.setdefault((r, k), []).append(c)
+
+    def first(table: dict[tuple, list[int]], r: int, ks: tuple) -> list[int] | None:
+        for k in ks:
+            vals = table.get((r, k))
+            if vals:
+                return vals
+        return None
+
     for (r, st), rows in by_step.items():
-        cal, cal_any, pl = calib.get(r, {}), calib_any.get(r, {}), plain.get(r, {})
-        for i, row in enumerate(rows):
+        for row, ks in zip(rows, step_keys[r, st]):
             c, g, j = clocks[row]
             join[row] = j
-            key = (len(rows), i)
             if calibration[r, st]:
-                other = pl.get(key)
+                other = first(plain, r, ks)
                 if other:
                     c = int(np.median(other))
             if g < 0:  # -1: not a calibration step; -2: its measurement was discarded
-                vals = cal.get(key) or cal_any.get(i)
+                vals = first(measured, r, ks)
                 g = min(vals) if vals else int(cols.dur[row])
             cpu[row] = max(c, 0)
             gpu[row] = max(g, 0)
