@@ -121,6 +121,10 @@ def format_report(result: ReplayResult, warmup: int) -> str:
     lines.append(f"cost profile: {model.name} ({model.source}){': ' + model.description if model.description else ''}")
     lines.append(f"world size {g.world_size}, {g.n_nodes:,} nodes, {g.n_instances:,} collective instances, "
                  f"{g.n_messages:,} p2p messages")
+    if result.costs.two_clock:
+        two = int(((g.kind == 0) & (g.cpu >= 0)).sum())
+        lines.append(f"GPU timing: two clocks for {two:,} compute segments (CPU issue and GPU busy time; "
+                     "docs/GPU-TIMING.md)")
     b = result.breakdown()
     lines.append("per-rank breakdown (whole run)   mean          min          max (rank)")
     for key in ("compute", "communication", "waiting", "total"):

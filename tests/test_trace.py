@@ -719,3 +719,12 @@ def test_killed_writer_leaves_whole_lines_and_at_most_one_torn(tmp_path, flush_e
     assert rt.events == [Compute(i, i + 1, 0) for i in range(len(rt.events))]
     assert len(rt.warnings) == 1
     assert rt.warnings[0].line == len(rt.events) + 1
+
+
+def test_compute_records_of_minor_0_get_the_1_1_defaults():
+    line = b'{"k":"compute","start_ns":5,"end_ns":9,"step":1}'
+    assert T.decode_event(line, minor=0) == T.Compute(5, 9, 1, -1, -1, False)
+    with pytest.raises(T.TraceFormatError, match="missing field 'cpu_ns'"):
+        T.decode_event(line)  # a 1.1 writer writes every field
+    two = T.Compute(5, 9, 1, cpu_ns=3, gpu_ns=2, join=True)
+    assert T.decode_event(T.encode_event(two)) == two

@@ -349,6 +349,7 @@ class ReplayResult:
             "iteration_times_ns": times.tolist(),
             "mean_iteration_time_ns": self.mean_iteration_time(warmup) if len(times) > warmup else None,
             "makespan_ns": self.makespan_ns,
+            "two_clock": self.costs.two_clock,
             "cost_model": {"name": self.costs.model.name, "source": self.costs.model.source,
                            "description": self.costs.model.description},
             "breakdown_ns": {key: {"mean": float(v.mean()), "min": int(v.min()), "max": int(v.max()),
