@@ -23,7 +23,8 @@ from prism.core.graph import ExecutionGraph, GraphError
 from prism.core.replay import Costs, ReplayError, replay_batch
 from prism.core.timeline import Timeline, chrome_trace, predicted_timeline, recorded_timeline
 from prism.core.trace import Event, Memory, RankStart
-from prism.predict_cli import DEFAULT_PROFILE, RunReadError, load_run_events
+from prism import predict_cli
+from prism.predict_cli import DEFAULT_PROFILE, RunReadError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"prism report: {e}", file=sys.stderr)
         return 2
     try:
-        ranks = load_run_events(args.run)
+        ranks = predict_cli.load_run_events(args.run)  # looked up at call time
         tl = build_timeline(ranks, args.net, args.recorded)
     except (ProfileError, RunReadError) as e:
         print(f"prism report: {e}", file=sys.stderr)
