@@ -118,3 +118,26 @@ def test_calibrated_segment_measures_gpu_busy_time_not_issue_gaps():
     assert gpu_ns > 0, "the spin should have covered the issue time"
     assert abs(gpu_ns - busy) < 0.25 * busy + 100_000, (gpu_ns, busy)
     assert cpu_ns >= 16_000_000 and end >= cpu_end
+
+
+def test_a_join_segments_cpu_share_ends_where_the_waiting_call_began():
+    mode = LogicalDeviceMode()
+    t = gputime.GpuTiming(frozenset(), mode)
+    closed = []
+    start = time.monotonic_ns()
+    t.on_script_sync = lambda now: closed.append(t.close(start, True))
+    t.open(0)
+    mode.call_ns = start + 1_000  # the .item() began 1 us into the segment, then waited
+    time.sleep(0.01)
+    t._script_synced()
+    cpu_end, end, cpu_ns, gpu_ns = closed[-1]
+    assert cpu_ns == 1_000 and end - start >= 10_000_000
+    # a stamp from before the segment (the wait came from outside the mode): the wall time
+    t.open(0)
+    mode.call_ns = start - 5
+    t._script_synced()
+    assert closed[-1][2] == closed[-1][1] - start
+    # torch.cuda.synchronize stamps its own start
+    t.open(0)
+    t._script_synced(start + 2_000)
+    assert closed[-1][2] == 2_000

@@ -48,6 +48,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -155,6 +156,7 @@ def rewrite_device(obj: Any) -> Any:
 
 
 _INT_DEVICE_FIRST = {torch.Tensor.to, torch.Tensor.cuda}
+_monotonic_ns = time.monotonic_ns
 
 
 class LogicalDeviceMode(TorchFunctionMode):
@@ -164,9 +166,14 @@ class LogicalDeviceMode(TorchFunctionMode):
 
     #: Calls seen (prism.rank.gputime removes their cost from the CPU share).
     calls = 0
+    #: When the last call through the mode started (a wait for the GPU inside
+    #: it began no earlier: prism.rank.gputime's join segments end their CPU
+    #: share there).
+    call_ns = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.calls += 1
+        self.call_ns = _monotonic_ns()
         if func is torch.device:
             # torch.device(...) reaches modes too; a device object keeps its
             # logical index until it is used.

@@ -27,7 +27,10 @@ GPU's tail. This module gives the recorder, per segment:
   ``torch.cuda.synchronize``, and every operation torch's sync debug mode
   reports (``.item()``, ``.tolist()``, copies to host, ``nonzero``...; the
   mode is set to ``warn`` and the warnings are taken here, not shown), and
-  the step's end.
+  the step's end. A join segment's CPU share ends where the waiting call
+  began (``torch.cuda.synchronize``: its call; a sync debug warning: the
+  start of the last torch call through the logical-device mode, which the
+  mode stamps), else at the wait's end.
 
 Only ranks that drive a GPU use it; CPU ranks keep one clock.
 """
@@ -95,6 +98,7 @@ class GpuTiming:
         self._ns_per_cycle: float | None = None
         self._armed: Any = None  # the event after the spin, on a calibrated segment
         self._segment_open = False
+        self._issue_end: int | None = None  # of the script's wait that ends the segment
         self._calls0 = 0
         # Spins are sized from the wall time of the segment at the same
         # position in the last step that was not calibrated.
@@ -125,8 +129,9 @@ class GpuTiming:
         timing = self
 
         def synchronize(device: Any = None) -> None:
+            t0 = time.monotonic_ns()
             orig(device)
-            timing._script_synced()
+            timing._script_synced(t0)
 
         synchronize.__doc__ = orig.__doc__
         synchronize.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -151,11 +156,17 @@ class GpuTiming:
         except Exception:  # noqa: BLE001 (older torch or no CUDA: joins then come from synchronize only)
             pass
 
-    def _script_synced(self) -> None:
+    def _script_synced(self, issue_end: int | None = None) -> None:
+        """The script waited for the GPU; ``issue_end``: when the waiting call
+        began (a sync debug warning arrives after the op: then the start of
+        the last torch call through the mode, which is that op or holds it)."""
         if threading.get_ident() != self._main or getattr(self._local, "internal", False):
             return
         cb = self.on_script_sync
         if cb is not None:
+            if issue_end is None and self.mode is not None:
+                issue_end = self.mode.call_ns
+            self._issue_end = issue_end
             cb(time.monotonic_ns())
 
     # --- exclusive GPU -----------------------------------------------------------
@@ -254,7 +265,13 @@ class GpuTiming:
             finally:
                 self._local.internal = False
         self._end_segment()
-        wall_cpu = (end if script_join else cpu_end) - start_ns
+        issue_end, self._issue_end = self._issue_end, None
+        if not script_join:
+            wall_cpu = cpu_end - start_ns
+        elif issue_end is not None and start_ns <= issue_end <= cpu_end:
+            wall_cpu = issue_end - start_ns  # the CPU's share ends where the waiting call began
+        else:
+            wall_cpu = end - start_ns  # unknown: the wait for its own kernels stays in
         self._walls.append(end - start_ns)
         cpu_ns = max(int(wall_cpu - calls * self.per_call_ns), 0)
         return cpu_end, end, cpu_ns, gpu_ns
