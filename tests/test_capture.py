@@ -16,6 +16,7 @@ import pytest
 
 from prism.core import trace as T
 from prism.workloads import harness
+from tests.truth import gloo_world
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,15 +123,7 @@ def _lines(text: str, prefix: str) -> list[str]:
 ])
 def test_zero_modification_same_values_as_gloo(tmp_path, script, ranks_that_print):
     path = str(ROOT / "prism" / "workloads" / script)
-    try:
-        truth = harness.run_world([path], 4, timeout=240)
-    except harness.WorldError as e:
-        # gloo itself sometimes aborts at teardown on a loaded 2-core box
-        # ("exit -6" after the script's last line, as in test_frameworks): the
-        # ground truth gets one more try; Prism never does.
-        if "exit -6" not in str(e):
-            raise
-        truth = harness.run_world([path], 4, timeout=240)
+    truth = gloo_world([path], 4, timeout=240)  # retried on gloo's own teardown abort only
     proc, run_dir = capture(tmp_path, 4, [path], "--slots", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in ranks_that_print:
@@ -147,7 +140,7 @@ def test_zero_modification_same_values_as_gloo(tmp_path, script, ranks_that_prin
 
 def test_gpt_losses_equal_gloo(tmp_path):
     args = ["-m", "prism.workloads.gpt", "--tp", "2", "--steps", "3", "--layers", "2"]
-    truth = harness.run_world(args, 2, timeout=240)
+    truth = gloo_world(args, 2, timeout=240)
     proc, run_dir = capture(tmp_path, 2, args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = harness.parse_losses(truth[0].stdout)

@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 
 from prism.core import trace as T
-from prism.workloads.harness import WorldError, parse_losses, run_world
+from prism.workloads.harness import parse_losses
+from tests.truth import gloo_world
 
 ROOT = Path(__file__).resolve().parents[1]
 FW = ROOT / "prism" / "workloads" / "frameworks"
@@ -69,15 +70,8 @@ class Runs:
         key = ("gloo", script, args)
         if key not in self.cache:
             argv = [_script(script), *args]
-            try:
-                results = run_world(argv, WORLD, cwd=str(ROOT), timeout=300, env=CPU_ONLY)
-            except WorldError as e:
-                # gloo itself sometimes aborts at teardown on this box ("terminate
-                # called without an active exception", exit -6, after the script's
-                # last line); the ground truth gets one more try, Prism never does.
-                if "exit -6" not in str(e):
-                    raise
-                results = run_world(argv, WORLD, cwd=str(ROOT), timeout=300, env=CPU_ONLY)
+            # retried on gloo's own teardown abort only (tests/truth.py)
+            results = gloo_world(argv, WORLD, cwd=str(ROOT), timeout=300, env=CPU_ONLY)
             self.cache[key] = {r.rank: r.stdout for r in results}
         return self.cache[key]
 
