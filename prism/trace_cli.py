@@ -104,12 +104,50 @@ def _summary(args: argparse.Namespace) -> int:
             )
         )
     _table(gheader, grows, left=frozenset({0, 3, 5}))
+    _gpu_timing(run)
     if run.warnings:
         print()
         print(f"{len(run.warnings)} warning(s):")
         for w in run.warnings:
             print(f"  {w}")
     return 0
+
+
+def _gpu_timing(run: T.Run) -> None:
+    """Two-clock segments of GPU ranks (docs/GPU-TIMING.md), per rank: mean
+    per step (step 0 left out) of the segments' wall time and CPU share on
+    uncalibrated steps, their GPU busy time on calibration steps, joins."""
+    rows = []
+    for rank, events in run.ranks.items():
+        segs = [ev for ev in events if type(ev) is T.Compute and ev.cpu_ns >= 0 and ev.step > 0]
+        if not segs:
+            continue
+        by_step: dict[int, list[T.Compute]] = defaultdict(list)
+        for ev in segs:
+            by_step[ev.step].append(ev)
+        calib = sorted(st for st, evs in by_step.items() if any(ev.gpu_ns != -1 for ev in evs))
+        plain = [evs for st, evs in by_step.items() if st not in calib]
+        cal = [by_step[st] for st in calib]
+
+        def per_step(groups: list[list[T.Compute]], f) -> str:
+            return f"{sum(f(ev) for evs in groups for ev in evs) / len(groups) / 1e6:.2f}" if groups else "-"
+
+        rows.append((
+            rank,
+            per_step(plain, lambda ev: ev.end_ns - ev.start_ns),
+            per_step(plain, lambda ev: ev.cpu_ns),
+            per_step(cal, lambda ev: max(ev.gpu_ns, 0)),
+            f"{sum(len(evs) for evs in by_step.values()) / len(by_step):.0f}",
+            f"{sum(ev.join for ev in segs) / len(by_step):.0f}",
+            ",".join(map(str, calib)) or "-",
+            sum(ev.gpu_ns == -2 for ev in segs),
+        ))
+    if not rows:
+        return
+    print()
+    print("GPU timing (two clocks; ms per step, step 0 left out; docs/GPU-TIMING.md):")
+    _table(("rank", "wall", "cpu", "gpu (calibrated)", "segments", "joins", "calibration steps", "discarded"),
+           rows, left=frozenset({6}))
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[object, ...]], left: frozenset[int]) -> None:

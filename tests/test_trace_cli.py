@@ -6,7 +6,7 @@ import dataclasses
 import subprocess
 import sys
 
-from tests.test_trace import FIRST_COLL, W, rank_events, write_sample_run
+from tests.test_trace import FIRST_COLL, MANIFEST, W, rank_events, write_sample_run
 
 from prism import cli
 from prism.core import trace as T
@@ -90,3 +90,26 @@ def test_compact_ranks():
     assert compact_ranks([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
     assert compact_ranks([5]) == "5"
     assert compact_ranks([]) == ""
+
+
+def test_summary_shows_the_two_clocks_of_gpu_ranks(tmp_path, capsys):
+    plain = write_sample_run(tmp_path / "plain")
+    assert cli.main(["trace", "summary", str(plain)]) == 0
+    assert "GPU timing" not in capsys.readouterr().out  # CPU ranks: one clock, no section
+
+    def gpu(ev):  # step 1 is a calibration step on rank 0
+        if type(ev) is not T.Compute:
+            return ev
+        calibrated = ev.step == 1
+        return dataclasses.replace(ev, cpu_ns=(ev.end_ns - ev.start_ns) // 2,
+                                   gpu_ns=3_000_000 if calibrated else -1, join=True)
+
+    events = {r: [gpu(ev) for ev in rank_events(r)] if r == 0 else rank_events(r) for r in range(W)}
+    run_dir = T.write_run(tmp_path / "gpu", MANIFEST, events)
+    assert cli.main(["trace", "summary", str(run_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    i = next(k for k, line in enumerate(out) if line.startswith("GPU timing"))
+    assert out[i + 1].split()[:3] == ["rank", "wall", "cpu"]
+    row = out[i + 2].split()
+    assert row[0] == "0" and row[1] == "-" and row[3] == "3.00" and row[5] == "1" and row[6] == "1"
+    assert len(out) == i + 3  # only the GPU rank
