@@ -8,10 +8,7 @@
 # Each step is bounded so the whole stays inside one 10-minute call; each
 # writes its output under $OUT.
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-OUT=${OUT:-/tmp/prism-out}
+. bench/device_env.sh || exit 1
 mkdir -p "$OUT"
 export PRISM_PROFILE_DIR=$OUT/profiles
 { date -u; nproc; python3 -c "import sys, torch; print(sys.version); print('torch', torch.__version__)"; } \

@@ -3,14 +3,12 @@
 # kept traces of h200_diag.sh pointed at (calibration on steps 2-3 with the
 # smallest measurement kept, ranks sharing a GPU take turns on it, FSDP2's
 # device under logical devices). One run each, traces kept:
-# GPT tp2 dp2 on 1 and 2 GPUs, FSDP2 and MoE on 2 GPUs.
+# GPT tp2 dp2 on 1 and 2 GPUs, FSDP2 and MoE on 2 GPUs. KEEP_RUNS picks other
+# runs ("name timeout_s gpus config;..."; bench/h200_diag.sh is one such list).
 #
 #   bash bench/h200_final.sh
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-OUT=${OUT:-/tmp/prism-out}
+. bench/device_env.sh || exit 1
 mkdir -p "$OUT/r/keep"
 NET=bench/results/nccl-h200x4-profile.toml
 taskset -c 0-31 timeout 40 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gputime.py 2>&1 | tail -4 \
@@ -22,8 +20,10 @@ run() {  # name timeout gpus config
     > "$OUT/r/$1.txt"
   grep -A3 "^config" "$OUT/r/$1.txt" | head -4; grep "FAILED\|Error" "$OUT/r/$1.txt" | head -3
 }
-run gpt 150 1,2 gpt-tp2-dp2
-run fsdp2 100 2 fsdp2
-run moe 140 2 moe-tp2-dp2-ep2
+IFS=';' read -ra runs <<< "${KEEP_RUNS:-gpt 150 1,2 gpt-tp2-dp2;fsdp2 100 2 fsdp2;moe 140 2 moe-tp2-dp2-ep2}"
+for spec in "${runs[@]}"; do
+  # shellcheck disable=SC2086 (the fields split on purpose)
+  run $spec
+done
 du -sh "$OUT/r/keep"
 tar czf "$OUT/results.tgz" -C "$OUT" r

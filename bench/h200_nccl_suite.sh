@@ -9,10 +9,7 @@
 # Background, pinned to cores 16-31: tests/test_frameworks.py on CPU tensors
 # (the machine's torch 2.11 is the point).
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-OUT=${OUT:-/tmp/prism-out}
+. bench/device_env.sh || exit 1
 mkdir -p "$OUT"
 export PRISM_PROFILE_DIR=$OUT/profiles
 { date -u; nproc; nvidia-smi -L; nvidia-smi topo -m;

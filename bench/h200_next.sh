@@ -15,10 +15,7 @@
 #    per rank at world 64 on the development VM).
 # Outputs are bundled into $OUT/results.tgz (the device tool returns few files).
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-OUT=${OUT:-/tmp/prism-out}
+. bench/device_env.sh || exit 1
 mkdir -p "$OUT/r/moe" "$OUT/r/gang16" "$OUT/r/cpu"
 ( CUDA_VISIBLE_DEVICES= taskset -c 8-31 timeout 520 python3 bench/gpu_capture.py --out-dir "$OUT/r/cpu" \
     --only cpu_scale --cpu-worlds 1024 --cpu-slots 16 --cpu-timeout 500 --runs-dir /tmp/cs > "$OUT/r/cpu/log.txt" 2>&1 ) &

@@ -13,10 +13,7 @@
 #    GPUs (2 runs each), then GPT tp2 dp2 captured on 1 GPU (1 run).
 # Everything is also bundled into $OUT/results.tgz.
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-OUT=${OUT:-/tmp/prism-out}
+. bench/device_env.sh || exit 1
 mkdir -p "$OUT/r"
 export PRISM_PROFILE_DIR=$OUT/r/profiles
 { date -u; nproc; nvidia-smi -L; nvidia-smi topo -m;
