@@ -83,10 +83,12 @@ def parse_steps(text: str) -> frozenset[int]:
 class GpuTiming:
     """Per-segment CPU share, GPU busy time and joins for one rank's recorder.
 
-    ``open(step)`` at a segment's start, ``close(script_join)`` at its end
-    (returns ``(cpu_end_ns, end_ns, cpu_ns_correction, gpu_ns)``), called by
-    the recorder under its lock. ``on_script_sync`` is set by the recorder: it
-    is called after the script waited for the GPU.
+    ``open(step)`` at a segment's start (waits for the rank's turn on its GPU,
+    returns when the segment starts), ``close(start_ns, script_join)`` at its
+    end (waits for the GPU; returns ``(cpu_end_ns, end_ns, cpu_ns, gpu_ns)``),
+    ``disarm()`` for a segment closed without waiting; called by the recorder
+    under its lock. ``on_script_sync`` is set by the recorder: it is called
+    after the script waited for the GPU.
     """
 
     def __init__(self, calibrate: frozenset[int], mode: Any = None, exclusive: str | None = None) -> None:
@@ -106,8 +108,6 @@ class GpuTiming:
         self._walls: list[int] = []  # this step's segment walls, in order
         self._walls_prev: list[int] = []
         self._factor = 2.0
-        self.discarded = 0
-        self.measured = 0
         self._local = threading.local()
         #: Only the script's main thread makes joins (the completion thread's
         #: copies into CUDA outputs also synchronise).
@@ -196,10 +196,11 @@ class GpuTiming:
         self.acquire()
         self._segment_open = True
         t = time.monotonic_ns()
-        self._open_calibration(step)
+        self._begin(step)
         return t
 
-    def _open_calibration(self, step: int) -> None:
+    def _begin(self, step: int) -> None:
+        """Per-segment bookkeeping; on a calibration step, the spin and its event."""
         if self.mode is not None:
             self._calls0 = self.mode.calls
         self._armed = None
@@ -257,11 +258,9 @@ class GpuTiming:
                 if a is not None:
                     if starved:
                         gpu_ns = -2
-                        self.discarded += 1
                         self._factor *= 2
                     else:
                         gpu_ns = int(a.elapsed_time(b) * 1e6)
-                        self.measured += 1
             finally:
                 self._local.internal = False
         self._end_segment()
