@@ -74,6 +74,10 @@ def add_capture_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks swapped together: 1, the TP group, or TP x PP (a pipeline); default tp")
     g.add_argument("--rank-memory", type=float, default=2.0, metavar="GIB",
                    help="estimated GPU memory per rank for the default --resident (default 2)")
+    g.add_argument("--simulate-swaps", type=float, default=None, nargs="?", const=0.0, metavar="SECONDS",
+                   help="CPU dry run of --resident/--gang: ranks run on CPU as if they shared GPU 0 (or --gpus); "
+                        "a swapped-out rank is stopped (SIGSTOP) until swapped in, optionally SECONDS per swap; "
+                        "reports the swaps per iteration the GPU capture would make")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- SCRIPT ARGS, or -- -m MODULE ARGS")
     p.set_defaults(func=run_capture)
@@ -152,12 +156,27 @@ def run_capture(args: argparse.Namespace, parser_error=None) -> int:
         parser_error(f"run directory {run_dir} already holds a capture; choose another --out")
     from prism.gpu_plan import GpuPlanError, plan_gpus
 
+    simulate = getattr(args, "simulate_swaps", None)
+    if simulate is not None:
+        if _device_kind(cmd) == "cuda":
+            parser_error("--simulate-swaps runs the ranks on CPU, but the command uses cuda; give the script "
+                         "--device cpu (the swaps are decided the same way)")
+        if args.resident is None:
+            parser_error("--simulate-swaps needs --resident K (how many ranks the GPU would hold)")
+        if simulate < 0:
+            parser_error(f"--simulate-swaps {simulate}: seconds per swap must be 0 or more")
     try:
         gpu = plan_gpus(args.world_size, dict(_layout(cmd)), uses_cuda=_device_kind(cmd) == "cuda",
-                        gpus=args.gpus, resident=args.resident, gang=args.gang, slots=args.slots,
-                        rank_memory_gib=args.rank_memory)
+                        gpus=args.gpus or ("0" if simulate is not None else None), resident=args.resident,
+                        gang=args.gang, slots=args.slots, rank_memory_gib=args.rank_memory)
     except (GpuPlanError, ValueError) as e:
         parser_error(str(e))
+    if simulate is not None and gpu is not None:
+        from prism.swap import SimulatedDriver
+
+        gpu.driver = SimulatedDriver(simulate)
+        gpu.simulated = True
+        gpu.settings["simulated"] = {"driver": "SIGSTOP/SIGCONT", "seconds_per_swap": simulate}
     for note in gpu.notes if gpu is not None else ():
         print(f"prism capture: note: {note}", file=sys.stderr)
     slots = gpu.slots if gpu is not None else (args.slots or os.cpu_count() or 1)
@@ -207,7 +226,7 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
             return 2
     from prism.telemetry import GpuSampler
 
-    sampler = GpuSampler(run_dir, gpu.gpus if gpu is not None else None)
+    sampler = GpuSampler(run_dir, gpu.gpus if gpu is not None and not gpu.simulated else None)
     sampler.start()
 
     async def main():
@@ -239,7 +258,8 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
             gpu.executor.close()
         summary = swap.write_report(run_dir, gpu.executor.records if gpu.executor else [], result.steps_done,
                                     gpu.settings)
-        print(swap.format_summary(summary) + f" [resident {gpu.resident}/GPU on GPUs {gpu.gpus}, gang {gpu.gang}]",
+        where = "simulated on CPU" if gpu.simulated else f"on GPUs {gpu.gpus}"
+        print(swap.format_summary(summary) + f" [resident {gpu.resident}/GPU {where}, gang {gpu.gang}]",
               file=sys.stderr)
     return _report(result, run_dir)
 

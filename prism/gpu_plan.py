@@ -49,6 +49,8 @@ class GpuPlan:
     #: The checkpoint driver (default ``prism.swap.CheckpointDriver()``; tests plug in a fake).
     driver: Any = None
     settings: dict = field(default_factory=dict)
+    #: A CPU dry run (``--simulate-swaps``): no GPU is given to the ranks.
+    simulated: bool = False
     #: Advice for the user about the chosen options (printed by ``prism capture``).
     notes: list[str] = field(default_factory=list)
 
@@ -57,7 +59,7 @@ class GpuPlan:
         return self.resident < math.ceil(self.world_size / len(self.gpus))
 
     def env(self) -> dict[str, str]:
-        return {D.GPUS_ENV: ",".join(map(str, self.gpus))}
+        return {} if self.simulated else {D.GPUS_ENV: ",".join(map(str, self.gpus))}
 
     def gpu_of(self) -> dict[int, int]:
         return {r: D.choose_gpu(r, self.world_size, self.gpus) for r in range(self.world_size)}

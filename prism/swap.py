@@ -20,6 +20,7 @@ answers ``cuCheckpointProcessGetState`` with an error for it, and the swap is
 recorded as ``skipped``.
 
 Public API: ``CheckpointDriver`` (ctypes binding; ``available()``),
+``SimulatedDriver`` (SIGSTOP/SIGCONT, for ``--simulate-swaps`` on CPU),
 ``SwapExecutor(driver, pid_of, memory_of=None)`` with ``swap_out(rank,
 step)``/``swap_in(rank, step)`` and ``records``; ``SwapRecord``;
 ``SwapError``; ``summarize(records, steps)`` and ``write_report(run_dir,
@@ -31,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -105,6 +107,45 @@ class CheckpointDriver:
 
     def unlock(self, pid: int) -> None:
         self._check("cuCheckpointProcessUnlock", self._cuda.cuCheckpointProcessUnlock(ctypes.c_int(pid), None), pid=pid)
+
+
+class SimulatedDriver:
+    """A stand-in for the checkpoint API on machines without a GPU
+    (``prism capture --simulate-swaps``): "checkpointing" a process stops it
+    outright (SIGSTOP, host threads included, stricter than the driver, which
+    only blocks CUDA calls) until it is "restored" (SIGCONT). It runs the
+    swap policy on real rank processes, so a CPU capture shows the swaps per
+    iteration a GPU capture would make with the same options (not their
+    cost: ``seconds`` is the signal's latency plus ``delay_s``)."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.states: dict[int, str] = {}
+
+    def state(self, pid: int) -> str | None:
+        return self.states.get(pid, "running")
+
+    def _signal(self, call: str, pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            raise SwapError(f"{call}(pid {pid}) failed: no such process (the rank exited)") from None
+        if self.delay_s:
+            time.sleep(self.delay_s)
+
+    def lock(self, pid: int, timeout_ms: int = LOCK_TIMEOUT_MS) -> None:
+        self.states[pid] = "locked"
+
+    def checkpoint(self, pid: int) -> None:
+        self._signal("checkpoint", pid, signal.SIGSTOP)
+        self.states[pid] = "checkpointed"
+
+    def restore(self, pid: int) -> None:
+        self._signal("restore", pid, signal.SIGCONT)
+        self.states[pid] = "locked"
+
+    def unlock(self, pid: int) -> None:
+        self.states[pid] = "running"
 
 
 @dataclass(frozen=True, slots=True)
