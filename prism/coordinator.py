@@ -315,7 +315,17 @@ class Coordinator:
         elif isinstance(msg, P.SlotRequest):
             await self._actions(self.scheduler.request(rank))
         elif isinstance(msg, P.SlotRelease):
+            returning = getattr(self.scheduler.policy, "returning", None)
+            if returning is not None and self.matcher.waiting_for(rank) is None:
+                # What it waits for completed while its Wait and release were
+                # on their way: it asks again once it has taken the data in,
+                # and must not be swapped out before (it could not ask).
+                returning(rank)
             await self._actions(self.scheduler.release(rank))
+        elif isinstance(msg, P.Taken):
+            taken = getattr(self.scheduler.policy, "taken", None)
+            if taken is not None:
+                await self._actions(taken(rank, self.scheduler))
         elif isinstance(msg, P.Heartbeat):
             info.step = max(info.step, msg.step)
         elif isinstance(msg, P.Goodbye):
@@ -340,7 +350,8 @@ class Coordinator:
         self.ranks[hello.rank] = _RankInfo(identity, hello, writer, clock_offset_ns=0 if local else now - hello.t_ns)
         self._last_hello = now
         self.by_identity[identity] = hello.rank
-        await self._send(identity, P.Welcome(P.PROTOCOL_VERSION, self.run_id, now, self.small_tensor_limit))
+        await self._send(identity, P.Welcome(P.PROTOCOL_VERSION, self.run_id, now, self.small_tensor_limit,
+                                                  swapping=self.swapper is not None))
 
     async def _on_goodbye(self, rank: int, msg: P.Goodbye, now: int) -> None:
         info = self.ranks[rank]
@@ -474,8 +485,14 @@ class Coordinator:
         if wake is None or self._result is not None or quiet < RESCUE_QUIET_NS:
             return
         self._last_swap_ns = now
+        is_resident = getattr(self.scheduler.policy, "is_resident", lambda rank: True)
         for rank in range(self.world_size):
-            if (actions := wake(rank, self.scheduler)):
+            # Only checkpointed ranks that wait for no known operation (those
+            # come back when their data arrives). A rescued rank is not pinned:
+            # if it has nothing to do after all, it may go out again.
+            if is_resident(rank) or self.matcher.waiting_for(rank) is not None:
+                continue
+            if (actions := wake(rank, self.scheduler, pin=False)):
                 log.info("rescue: restoring rank %d after %.1f s without progress", rank, quiet / 1e9)
                 await self._actions(actions)
 

@@ -73,17 +73,40 @@ def test_wake_restores_a_checkpointed_blocked_rank_and_pins_it():
     assert p.retry(s) == []
 
 
-def test_pinned_rank_is_evicted_last_and_its_wake_requeued():
+def test_grant_waits_for_a_pinned_rank_to_take_its_data():
     s, p = _sched(2, 1)
     s.request(0), s.request(1)
     assert s.release(0) == [SwapOut(0), Grant(1)]
     s.release(1)
     assert p.wake(0, s) == [SwapOut(1), SwapIn(0)]
-    # Only the pinned rank can make room for 1's grant.
+    # Only the pinned rank could make room for 1: the slot is held back
+    # (evicting 0 before it took its data in would swap it straight back).
+    assert s.request(1) == []
+    # 0 took its data in and still waits: now 1 goes.
+    assert p.taken(0, s) == [SwapOut(0), SwapIn(1), Grant(1)]
+    assert 0 not in p.pinned and p.retry(s) == []
+
+
+def test_held_back_grant_goes_to_the_pinned_rank_when_it_asks():
+    s, p = _sched(2, 1)
+    s.request(0), s.request(1)
+    s.release(0), s.release(1)
+    assert p.wake(0, s) == [SwapOut(1), SwapIn(0)]
+    assert s.request(1) == []
+    # 0 asks for a slot (its wait ended): it is resident and goes first.
+    assert s.request(0) == [Grant(0)]
+    assert s.release(0) == [SwapOut(0), SwapIn(1), Grant(1)]
+
+
+def test_rescue_wake_does_not_pin():
+    s, p = _sched(2, 1)
+    s.request(0), s.request(1)
+    s.release(0), s.release(1)
+    assert p.wake(0, s, pin=False) == [SwapOut(1), SwapIn(0)]
+    assert p.pinned == set()
+    # A resident rank's rescue changes nothing.
+    assert p.wake(0, s, pin=False) == [] and p.pinned == set()
     assert s.request(1) == [SwapOut(0), SwapIn(1), Grant(1)]
-    assert p.retry(s) == []  # 1 runs
-    s.release(1)
-    assert p.retry(s) == [SwapOut(1), SwapIn(0)]
 
 
 def test_wake_waits_when_nothing_can_go():
@@ -99,11 +122,12 @@ def test_wake_waits_when_nothing_can_go():
     assert p.retry(s) == [SwapOut(2), SwapIn(0)]
 
 
-def test_no_room_for_a_grant_is_reported():
+def test_no_room_for_a_grant_waits_for_the_running_rank():
     s, p = _sched(2, 1, slots=2)
     s.request(0)
-    with pytest.raises(SchedulerError, match="no room on GPU 0"):
-        s.request(1)
+    # A free slot but no room on the GPU: 1 waits for 0 to block.
+    assert s.request(1) == [] and s.waiting == (1,)
+    assert s.release(0) == [SwapOut(0), Grant(1)]
 
 
 def test_finished_rank_leaves_without_a_swap():
@@ -113,18 +137,26 @@ def test_finished_rank_leaves_without_a_swap():
     assert p.resident() == [1]
 
 
-def test_resident_ranks_are_granted_first_with_bounded_bypass():
+def test_resident_ranks_are_granted_first():
     s, p = _sched(3, 2)
-    p.max_bypass = 2
     s.request(0), s.request(1)
     s.release(0)  # 1 runs; 0 and 1 resident
     s.request(2), s.request(0)  # queue: 2 (not resident), 0 (resident)
-    assert s.release(1) == [Grant(0)]  # 0 passes 2 (once)
+    assert s.release(1) == [Grant(0)]  # 0 passes 2
     s.request(1)
-    assert s.release(0) == [Grant(1)]  # twice
-    s.request(0)
-    # 2 has been passed over max_bypass times: it goes now, the LRU rank 0 makes room.
+    assert s.release(0) == [Grant(1)]  # and again
+    # No resident rank waits: 2 goes, the least recently granted 0 makes room.
     assert s.release(1) == [SwapOut(0), Grant(2)]
+
+
+def test_idle_gang_is_evicted_before_one_waiting_for_a_slot():
+    s, p = _sched(3, 2)
+    s.request(0), s.request(1)
+    s.release(0)  # 1 runs; 0 blocked
+    s.request(2), s.request(0)  # 0 resident again: it is waiting, not idle
+    assert s.release(1) == [Grant(0)]
+    # 1 is blocked (idle), 0 runs: 2's grant evicts 1, not a waiting rank.
+    assert s.release(0) == [SwapOut(1), Grant(2)]
 
 
 def test_data_to_a_resident_blocked_rank_pins_it():

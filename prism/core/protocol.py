@@ -168,6 +168,16 @@ class SlotRelease:
 
 
 @dataclass(frozen=True, slots=True)
+class Taken:
+    """The rank took delivered data in but still waits (for another call):
+    it does not need its GPU until it asks for a slot. Sent only when the
+    coordinator swaps ranks (``Welcome.swapping``)."""
+
+    TYPE: ClassVar[str] = "taken"
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat:
     TYPE: ClassVar[str] = "hb"
     rank: int
@@ -199,6 +209,8 @@ class Welcome:
     t_ns: int
     #: Tensors up to this many bytes have their values recorded.
     small_tensor_limit: int
+    #: Ranks are swapped out of their GPU while blocked: say ``Taken``.
+    swapping: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +276,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     TraceRecords,
     SlotRequest,
     SlotRelease,
+    Taken,
     Heartbeat,
     Goodbye,
     Welcome,
@@ -277,7 +290,7 @@ _BY_TYPE: dict[str, type] = {m.TYPE: m for m in MESSAGE_TYPES}
 
 Message = (
     Hello | GroupCreate | CollectiveArrive | Send | RecvPost | Wait | TraceRecords
-    | SlotRequest | SlotRelease | Heartbeat | Goodbye | Welcome | CollectiveResult
+    | SlotRequest | SlotRelease | Taken | Heartbeat | Goodbye | Welcome | CollectiveResult
     | P2PData | SlotGrant | Error | Shutdown
 )
 

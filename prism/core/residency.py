@@ -14,22 +14,28 @@ calls block until it is restored, and a rank copies delivered data onto its
 GPU before it asks for a slot again, so a checkpointed rank that receives
 data must be restored without waiting for its request, or it never makes
 one. A woken rank (resident or brought back) is *pinned* (evicted only when nothing else can go) until
-it is granted or blocks again; if room cannot be made at once the wake waits
+it is granted, blocks again, or says it took the data in and still waits
+(``taken(rank)``: the coordinator calls it on the rank's ``Taken``); if room cannot be made at once the wake waits
 in a queue that ``retry(sched)`` serves after every scheduler event.
 
 Choosing what to evict: the least recently granted gang on that GPU whose
-resident members are neither running nor pinned; failing that, one with a
-pinned member, for a grant only (that member's wake is queued again, so it
-comes back); a gang with a running member is never evicted. A rank granted for the first time has
-no saved state and needs no ``SwapIn``.
+resident members are all blocked (none running, pinned or waiting for a
+slot); failing that, for a grant only, one with members waiting for a slot,
+then one with a pinned member (that member's wake is queued again, so it
+comes back); a gang with a running member is never evicted. A rank granted
+for the first time has no saved state and needs no ``SwapIn``.
 
 Granting order (``pick``, which the scheduler consults): a waiting rank that
-is already resident goes before the first in line, so a gang finishes its
-work between two collectives before the GPU changes hands; the first in line
-is passed over at most ``max_bypass`` times in a row.
+is already resident goes first, so a gang finishes its work between two
+collectives before the GPU changes hands; then the first in line whose gang
+fits without evicting a pinned rank; otherwise the slot is held back until
+the pinned ranks ask for it or say ``Taken`` (the policy pokes the
+scheduler). A resident gang leaves the GPU when all its ranks block, so
+every waiting rank is granted in the end.
 
 Public API: ``GangResidency(max_resident, gang_of=None, gpu_of=None)`` with
-the ``SwapPolicy`` hooks, ``wake(rank, sched)``, ``retry(sched)``,
+the ``SwapPolicy`` hooks, ``pick``, ``wake(rank, sched, pin=True)``,
+``taken(rank, sched)``, ``returning(rank)``, ``retry(sched)``,
 ``resident(gpu=None)``; ``megatron_gangs(world_size, tp, dp, pp, kind)``.
 """
 
@@ -69,7 +75,7 @@ class GangResidency:
     """
 
     def __init__(self, max_resident: int, gang_of: Mapping[int, int] | None = None,
-                 gpu_of: Mapping[int, int] | None = None, max_bypass: int = 8) -> None:
+                 gpu_of: Mapping[int, int] | None = None) -> None:
         if max_resident < 1:
             raise ValueError(f"--resident must be at least 1, got {max_resident}")
         self.max_resident = max_resident
@@ -90,8 +96,7 @@ class GangResidency:
         self._resident: dict[int, OrderedDict[int, None]] = {}
         self.pinned: set[int] = set()
         self._wakes: deque[int] = deque()
-        self.max_bypass = max_bypass
-        self._bypassed: dict[int, int] = {}
+        self._returning: set[int] = set()
 
     # --- queries -------------------------------------------------------------
 
@@ -128,8 +133,19 @@ class GangResidency:
         return actions
 
     def on_release(self, rank: int, sched: Scheduler) -> list[Action]:
-        self.pinned.discard(rank)
+        if rank in self._returning:
+            # Its wait ended before it released (the result crossed the
+            # release): it asks again at once, so it keeps its GPU.
+            self._returning.discard(rank)
+            self.pinned.add(rank)
+        else:
+            self.pinned.discard(rank)
         return []
+
+    def returning(self, rank: int) -> None:
+        """``rank`` is about to release its slot although what it waits for
+        has already completed: pin it when it does."""
+        self._returning.add(rank)
 
     def on_finish(self, rank: int, sched: Scheduler) -> list[Action]:
         # A finished rank's memory is freed when its process exits: no swap.
@@ -139,38 +155,66 @@ class GangResidency:
             self._wakes.remove(rank)
         return []
 
-    def pick(self, queue, sched: Scheduler) -> int:
-        """Which waiting rank to grant: the first one that is resident (no swap
-        needed), unless the first in line has been passed over ``max_bypass``
-        times already (so every rank is granted in the end)."""
-        head = queue[0]
-        if self.is_resident(head) or self._bypassed.get(head, 0) >= self.max_bypass:
-            self._bypassed.pop(head, None)
-            return 0
+    def pick(self, queue, sched: Scheduler) -> int | None:
+        """Which waiting rank to grant: the first one that is resident (no
+        swap needed); else the first whose gang can come in without evicting
+        a pinned rank (one that just got data and is about to ask for a slot:
+        evicting it now would swap it straight back); else none for now (the
+        pinned ranks ask, or say ``Taken``, and the coordinator pokes the
+        scheduler). Every rank is granted in the end: a resident gang leaves
+        the GPU when all of its ranks block."""
         for i, rank in enumerate(queue):
             if self.is_resident(rank):
-                self._bypassed[head] = self._bypassed.get(head, 0) + 1
                 return i
-        self._bypassed.pop(head, None)
-        return 0
+        for i, rank in enumerate(queue):
+            if self._fits_without_pinned(rank, sched):
+                return i
+        return None
+
+    def _fits_without_pinned(self, rank: int, sched: Scheduler) -> bool:
+        gpu = self._gpu(rank)
+        res = self._resident.get(gpu, OrderedDict())
+        own = self.gang_of.get(rank, ("rank", rank))
+        need = 1 + sum(1 for m in self._gang(rank) if m != rank and m not in res and m in sched.started
+                       and sched.state(m) != RankState.FINISHED)
+        free = self.max_resident - len(res)
+        if free >= need:
+            return True
+        for m in res:
+            if (self.gang_of.get(m, ("rank", m)) != own and m not in self.pinned
+                    and sched.state(m) != RankState.RUNNING
+                    and not any(x in self.pinned or sched.state(x) == RankState.RUNNING
+                                for x in self._gang(m) if x in res)):
+                free += 1
+        return free >= 1
 
     # --- wakes -------------------------------------------------------------
 
-    def wake(self, rank: int, sched: Scheduler) -> list[Action]:
-        """Data was delivered to ``rank``: bring it back if it is checkpointed."""
+    def wake(self, rank: int, sched: Scheduler, pin: bool = True) -> list[Action]:
+        """Data was delivered to ``rank``: bring it back if it is checkpointed.
+        ``pin=False`` (the coordinator's rescue of a rank that may still have
+        work): bring it back if there is room now, without pinning it."""
         if sched.state(rank) != RankState.BLOCKED or rank not in sched.started:
             return []
         if self.is_resident(rank):
-            # It needs its GPU to take the data in: not the next one to go.
-            self.pinned.add(rank)
+            if pin:
+                # It needs its GPU to take the data in: not the next one to go.
+                self.pinned.add(rank)
             return []
         actions = self._bring_in(rank, sched, for_grant=False)
         if actions is None:
-            if rank not in self._wakes:
+            if pin and rank not in self._wakes:
                 self._wakes.append(rank)
             return []
-        self.pinned.add(rank)
+        if pin:
+            self.pinned.add(rank)
         return actions
+
+    def taken(self, rank: int, sched: Scheduler) -> list[Action]:
+        """``rank`` took its data in and still waits: it may go again (and
+        a grant held back for it may go ahead)."""
+        self.pinned.discard(rank)
+        return sched.poke()
 
     def retry(self, sched: Scheduler) -> list[Action]:
         """Serve the queued wakes that fit now."""
@@ -211,11 +255,15 @@ class GangResidency:
         return actions
 
     def _victims(self, gpu: int, rank: int, sched: Scheduler, *, allow_pinned: bool) -> list[int] | None:
-        """The resident members of the gang to evict, or None. Only a grant may
-        evict a pinned rank: two wakes evicting each other would never end."""
+        """The resident members of the gang to evict, or None. A gang with a
+        running member never goes. An idle gang (every member blocked) goes
+        first; a gang with members waiting for a slot only for a grant (they
+        would be swapped straight back in; a wake waits for an idle gang
+        instead). Only a grant may evict a pinned rank: two wakes evicting
+        each other would never end."""
         res = self._resident[gpu]
         own = self.gang_of.get(rank, ("rank", rank))
-        fallback = None
+        busy = pinned = None
         seen: set = set()
         for r in res:
             gang = self.gang_of.get(r, ("rank", r))
@@ -223,10 +271,16 @@ class GangResidency:
                 continue
             seen.add(gang)
             members = [m for m in res if self.gang_of.get(m, ("rank", m)) == gang]
-            if any(sched.state(m) == RankState.RUNNING for m in members):
+            states = [sched.state(m) for m in members]
+            if RankState.RUNNING in states:
                 continue
             if any(m in self.pinned for m in members):
-                fallback = fallback or members
+                pinned = pinned or members
+                continue
+            if RankState.WAITING in states:
+                busy = busy or members
                 continue
             return members
-        return fallback if allow_pinned else None
+        if not allow_pinned:
+            return None
+        return busy or pinned

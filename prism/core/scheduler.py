@@ -224,12 +224,21 @@ class Scheduler:
         self._state[rank] = RankState.FINISHED
         return self.policy.on_finish(rank, self) + self._fill()
 
+    def poke(self) -> list[Action]:
+        """Grant free slots again (the policy's state changed: a rank it held
+        the GPU for no longer needs it)."""
+        return self._fill()
+
     def _fill(self) -> list[Action]:
         actions: list[Action] = []
         while self._queue and len(self.running) < self.slots:
             # A policy may grant out of FIFO order (GangResidency: resident ranks first, bounded).
             pick = getattr(self.policy, "pick", None)
             i = pick(self._queue, self) if pick is not None else 0
+            if i is None:
+                # The policy holds the slot back (GangResidency: room is
+                # about to be asked for by ranks it keeps); ``poke`` retries.
+                break
             rank = self._queue[i]
             del self._queue[i]
             actions += self.policy.before_grant(rank, self)

@@ -118,6 +118,8 @@ class RankRuntime:
         self._slot_lock = threading.Lock()
         self._holds_slot = False
         self._blocked = 0
+        #: What the main thread waits for in ``block_on`` (None: not waiting).
+        self._awaited: threading.Event | None = None
         self._completions: queue.SimpleQueue = queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete_loop, name="prism-completer", daemon=True)
         self._pseq: dict[tuple[int, int, int], int] = {}
@@ -202,6 +204,7 @@ class RankRuntime:
         self.client.send(protocol.Wait(rank=self.rank, what=what, t_ns=t_ns))
         with self._slot_lock:
             self._blocked += 1
+            self._awaited = done
             if self._holds_slot:
                 self.client.send(protocol.SlotRelease(rank=self.rank))
                 self._holds_slot = False
@@ -210,6 +213,7 @@ class RankRuntime:
         finally:
             with self._slot_lock:
                 self._blocked -= 1
+                self._awaited = None
                 if not self._holds_slot:
                     self._acquire_locked()
                 self._pending_cond.notify()
@@ -335,10 +339,23 @@ class RankRuntime:
                 print(f"Prism (rank {self.rank}): completing a call failed; this is a Prism bug, "
                       "please report it with this traceback:", file=sys.stderr)
                 traceback.print_exc()
+            if self.welcome.swapping:
+                self._say_taken()
             # Drop the finished call before waiting for the next: the handler
             # holds the op and its output tensors, which would otherwise stay
             # alive (GPU memory the real run has freed) until the next reply.
             del handler, fut
+
+
+    def _say_taken(self) -> None:
+        """After a delivery: if the main thread still waits (for another
+        call), tell the coordinator the data is in, so this rank's GPU state
+        may be swapped out again (it was brought back to take the data)."""
+        with self._slot_lock:
+            waiting = (self._awaited is not None and not self._awaited.is_set() and not self._holds_slot
+                       and not self._finished)
+        if waiting:
+            self.client.send(protocol.Taken(rank=self.rank))
 
 
 def _thread_runnable(native_id: int | None) -> bool:
