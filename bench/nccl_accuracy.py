@@ -154,7 +154,10 @@ def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpu
                          resident=None, gang=None, slots=None)
     slots = plan.slots if plan is not None else world
     t0 = time.monotonic()
-    status = capture(run, world, [STEPCLOCK, *cmd], slots=slots, show_ranks=(), progress="off", gpu=plan)
+    # One node of `world` GPUs, as the truth run has: on as many GPUs as ranks
+    # the logical devices are the physical ones (no remapping, no mode).
+    status = capture(run, world, [STEPCLOCK, *cmd], slots=slots, show_ranks=(), progress="off", gpu=plan,
+                     nproc_per_node=world)
     wall = time.monotonic() - t0
     if status != 0:
         raise RuntimeError(f"prism capture on {n_gpus} GPU(s) failed with status {status}; kept {run}")

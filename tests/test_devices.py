@@ -121,3 +121,38 @@ def test_every_call_with_logical_devices(rank):
     assert out["sum"] == 12.0
     assert "device 8 does not exist on this emulated node, which has 8" in out["bad_index"]
     assert out["mesh"] == "cuda" and out["current_after_mesh"] == rank
+
+
+_IDENTITY_PROBE = """
+import json, os, sys, torch
+torch.cuda.device_count = lambda: 2  # a node of 2 GPUs, without touching CUDA
+torch.cuda.is_initialized = lambda: False
+from prism.rank import devices
+set_before = torch.cuda.set_device
+phys = devices.install(int(sys.argv[1]), 2, int(sys.argv[2]), gpus=[0, 1])
+print(json.dumps({"physical": phys, "mode": devices.mode() is not None,
+                  "patched": torch.cuda.set_device is not set_before,
+                  "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                  "physical_name": devices.physical_name("cuda:1")}))
+"""
+
+
+@pytest.mark.parametrize("rank,nproc,identity_env,remapped", [
+    (1, 2, None, False),  # 2 ranks, 2 GPUs, own numbering: nothing to remap
+    (0, 2, None, False),
+    (1, 8, None, True),   # a node of 8 emulated on 2 GPUs: remap
+    (1, 2, "0", True),    # forced
+])
+def test_logical_devices_are_left_alone_when_they_are_the_physical_ones(rank, nproc, identity_env, remapped):
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    e.pop("CUDA_VISIBLE_DEVICES", None)
+    e.pop(devices.PHYSICAL_ENV, None)
+    if identity_env is not None:
+        e[devices.IDENTITY_ENV] = identity_env
+    proc = subprocess.run([sys.executable, "-c", _IDENTITY_PROBE, str(rank), str(nproc)], env=e,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["physical"] == rank and out["physical_name"] == f"cuda:{rank}"
+    assert out["mode"] is remapped and out["patched"] is remapped
+    assert out["visible"] == (str(rank) if remapped else None)

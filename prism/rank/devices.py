@@ -30,6 +30,11 @@ A libcudart shim would also relabel tensors (``t.device`` would print
 devices through the driver API, NVML and the caching allocator too, so every
 path would need shimming; the Python route touches only what scripts call.
 
+When each rank's logical index is its physical GPU and the node has as many
+GPUs as ranks (``prism capture --gpus 0,1 --nproc-per-node 2`` at world 2),
+nothing is patched: the rank runs as in the real job (``PRISM_LOGICAL_IDENTITY=0``
+remaps anyway).
+
 Limits (documented, not hidden): ``tensor.device`` and ``tensor.get_device()``
 show ``cuda:0``; the rewrite mode is thread-local, so device arguments given
 in threads the script starts are not rewritten (``set_device`` and friends
@@ -57,6 +62,8 @@ from torch.overrides import TorchFunctionMode
 
 #: One physical GPU for this rank ("3" or "cuda:3"); wins over ``GPUS_ENV``.
 PHYSICAL_ENV = "PRISM_PHYSICAL_DEVICE"
+#: "0": always remap, even when logical and physical indices coincide.
+IDENTITY_ENV = "PRISM_LOGICAL_IDENTITY"
 #: Comma-separated physical GPUs shared by the run (``prism capture --gpus``);
 #: ranks are assigned to them in contiguous blocks.
 GPUS_ENV = "PRISM_GPUS"
@@ -234,6 +241,15 @@ def install(rank: int, world_size: int, nproc_per_node: int, gpus: Sequence[int]
         if gpus is None:
             gpus = parse_gpus(env[GPUS_ENV]) if env.get(GPUS_ENV) else list(range(torch.cuda.device_count()))
         physical = choose_gpu(rank, world_size, gpus)
+    if (physical == rank % nproc_per_node and torch.cuda.device_count() == nproc_per_node
+            and env.get(IDENTITY_ENV, "1") != "0"):
+        # One GPU per rank with the script's own numbering (a capture on as
+        # many GPUs per node as the node has ranks): every index already
+        # names the right device. Nothing is patched and no mode is pushed,
+        # so the rank runs exactly as in the real job, at the same CPU cost.
+        env[PHYSICAL_ENV] = str(physical)
+        _state = _Logical(nproc_per_node, physical, physical)
+        return physical
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible:
         entries = [v for v in visible.split(",") if v.strip()]
