@@ -11,8 +11,12 @@
 #    release, and rescues only ranks that wait for nothing known).
 # 2. Cores 8-15 meanwhile: the same three with --simulate-swaps on CPU (the
 #    policy's swaps per iteration without a GPU), to compare with 1.
-# 3. GPU tests last (logical devices incl. the current_device change for
-#    torch.distributed, swap, GPU timing).
+# 3. With GPU_TESTS=1, the GPU tests last (logical devices incl. the
+#    current_device change for torch.distributed, swap, GPU timing).
+# First call, 2026-11-29 22:10 UTC: every swapped capture hung after 3-6
+# swaps (a checkpointed rank's completion thread held the GPU turn of
+# prism.rank.gputime; turns are now off while swapping); the second call
+# measures the same with that fixed.
 # Outputs are bundled into $OUT/results.tgz.
 set -u
 . bench/device_env.sh || exit 1
@@ -25,12 +29,15 @@ mkdir -p "$OUT/r"
     echo "exit $?" >> "$OUT/r/sim-$g.txt"
     cp /tmp/sim-$g/telemetry/swaps.json "$OUT/r/sim-$g-swaps.json" 2>/dev/null
   done ) &
-taskset -c 0-7 timeout 450 python3 bench/gpu_capture.py --out-dir "$OUT/r" --only gpt8 --gangs tpxpp,tp,1 \
-  --gpus 0 --resident 4 --swap-timeout 125 --runs-dir /tmp/g8 > "$OUT/r/gpt8-log.txt" 2>&1
+taskset -c 0-7 timeout "${GPT8_TIMEOUT:-500}" python3 bench/gpu_capture.py --out-dir "$OUT/r" --only gpt8 \
+  --gangs tpxpp,tp,1 --gpus 0 --resident 4 --swap-timeout "${SWAP_TIMEOUT:-150}" --runs-dir /tmp/g8 \
+  > "$OUT/r/gpt8-log.txt" 2>&1
 for g in tpxpp tp 1; do cp /tmp/g8/gpt8-r4-$g/telemetry/swaps.jsonl "$OUT/r/gpt8-$g-swaps.jsonl" 2>/dev/null; done
 wait
-taskset -c 0-7 timeout 100 python3 -m pytest -q -m gpu tests/test_devices.py tests/test_swap.py tests/test_gputime.py \
-  > "$OUT/r/gpu-tests.txt" 2>&1
-echo "exit $?" >> "$OUT/r/gpu-tests.txt"
+if [ "${GPU_TESTS:-0}" = 1 ]; then
+  taskset -c 0-7 timeout 100 python3 -m pytest -q -m gpu tests/test_devices.py tests/test_swap.py tests/test_gputime.py \
+    > "$OUT/r/gpu-tests.txt" 2>&1
+  echo "exit $?" >> "$OUT/r/gpu-tests.txt"
+fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
-tail -12 "$OUT/r/gpt8-log.txt"; tail -2 "$OUT"/r/sim-*.txt; tail -5 "$OUT/r/gpu-tests.txt"
+tail -n 12 "$OUT/r/gpt8-log.txt"; tail -n 2 "$OUT"/r/sim-*.txt; tail -n 5 "$OUT/r/gpu-tests.txt" 2>/dev/null

@@ -257,7 +257,7 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
         if gpu.executor:
             gpu.executor.close()
         summary = swap.write_report(run_dir, gpu.executor.records if gpu.executor else [], result.steps_done,
-                                    gpu.settings)
+                                    gpu.settings, rescues=coord.rescues)
         where = "simulated on CPU" if gpu.simulated else f"on GPUs {gpu.gpus}"
         print(swap.format_summary(summary) + f" [resident {gpu.resident}/GPU {where}, gang {gpu.gang}]",
               file=sys.stderr)

@@ -164,6 +164,8 @@ class Coordinator:
         #: Carries out SwapOut/SwapIn (``prism.swap.SwapExecutor``); None on CPU.
         self.swapper = swapper
         self._last_swap_ns = 0
+        #: Ranks restored by ``_rescue`` (each after a quiet spell).
+        self.rescues = 0
         self.ranks: dict[int, _RankInfo] = {}
         self.by_identity: dict[bytes, int] = {}
         self.colls_done = 0
@@ -493,6 +495,7 @@ class Coordinator:
             if is_resident(rank) or self.matcher.waiting_for(rank) is not None:
                 continue
             if (actions := wake(rank, self.scheduler, pin=False)):
+                self.rescues += 1
                 log.info("rescue: restoring rank %d after %.1f s without progress", rank, quiet / 1e9)
                 await self._actions(actions)
 

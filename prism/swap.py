@@ -255,10 +255,12 @@ def summarize(records: Sequence[SwapRecord], steps: int) -> dict:
 
 
 def write_report(run_dir: str | os.PathLike[str], records: Sequence[SwapRecord], steps: int,
-                 settings: dict | None = None) -> dict:
+                 settings: dict | None = None, rescues: int = 0) -> dict:
     """Write ``RUN/telemetry/swaps.json`` (summary, settings and every swap);
-    returns the summary."""
+    returns the summary. ``rescues``: ranks the coordinator restored after a
+    quiet spell (each such spell cost ``RESCUE_QUIET_NS``)."""
     summary = summarize(records, steps)
+    summary["rescues"] = rescues
     path = Path(run_dir) / "telemetry"
     path.mkdir(parents=True, exist_ok=True)
     doc = {"summary": summary, "settings": settings or {}, "records": [asdict(r) for r in records]}
@@ -273,4 +275,5 @@ def format_summary(summary: dict) -> str:
 
     return (f"prism: {summary['swaps']} swaps ({summary['swaps_out']} out, {summary['swaps_in']} in), "
             f"{summary['swaps_per_iteration']} per iteration, {summary['seconds_total']:.2f} s swapping "
-            f"(out {rate(summary['gb_per_s_out'])}, in {rate(summary['gb_per_s_in'])})")
+            f"(out {rate(summary['gb_per_s_out'])}, in {rate(summary['gb_per_s_in'])})"
+            + (f"; {summary['rescues']} ranks restored after a quiet spell" if summary.get("rescues") else ""))

@@ -141,3 +141,19 @@ def test_a_join_segments_cpu_share_ends_where_the_waiting_call_began():
     t.open(0)
     t._script_synced(start + 2_000)
     assert closed[-1][2] == 2_000
+
+
+def test_ranks_take_turns_per_physical_gpu_and_not_while_swapping(monkeypatch):
+    monkeypatch.delenv(gputime.EXCLUSIVE_ENV, raising=False)
+    monkeypatch.delenv(gputime.TWO_CLOCK_ENV, raising=False)
+    # One GPU per rank in the script's numbering: CUDA_VISIBLE_DEVICES is not
+    # set, the physical GPU names the turn (two GPUs, two separate turns).
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    names = set()
+    for phys in ("0", "1"):
+        monkeypatch.setenv("PRISM_PHYSICAL_DEVICE", phys)
+        t = gputime.from_env(None)
+        names.add(t.exclusive)
+    assert len(names) == 2 and all(n.endswith(("-0.lock", "-1.lock")) for n in names)
+    # Swapping: no turns (a checkpointed rank's copy would hold its turn).
+    assert gputime.from_env(None, swapping=True).exclusive is None

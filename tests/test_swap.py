@@ -8,7 +8,6 @@ every rank's data survives (the losses)."""
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -166,19 +165,6 @@ def test_capture_with_swaps_keeps_every_rank_data(tmp_path, monkeypatch, launche
     assert len(got) == 2 and got == pytest.approx(want, rel=1e-5)
 
 
-class StopDriver(FakeDriver):
-    """Stricter than the CUDA driver: a checkpointed process stops outright
-    (SIGSTOP), host threads included, until it is restored (SIGCONT)."""
-
-    def checkpoint(self, pid):
-        super().checkpoint(pid)
-        os.kill(pid, signal.SIGSTOP)
-
-    def restore(self, pid):
-        super().restore(pid)
-        os.kill(pid, signal.SIGCONT)
-
-
 @pytest.fixture
 def launched(monkeypatch):
     """The rank processes each capture launched, reaped afterwards (a capture
@@ -201,12 +187,14 @@ def launched(monkeypatch):
 
 @pytest.mark.slow
 def test_capture_survives_ranks_stopped_outright(tmp_path, monkeypatch, launched):
-    # Data reaching a stopped rank wakes it; a rank stopped while it still had
+    # Stricter than the CUDA driver: a checkpointed process stops outright
+    # (SIGSTOP), host threads included, until it is restored (SIGCONT). Data
+    # reaching a stopped rank wakes it; a rank stopped while it still had
     # work (released by the stall monitor, not blocked) is restored by the
     # coordinator's rescue after a quiet spell.
     monkeypatch.chdir(ROOT)
     code = capture(tmp_path / "run", 4, GPT, slots=1, progress="off", show_ranks=(), quiet_s=60,
-                   gpu=_plan(StopDriver()))
+                   gpu=_plan(swap.SimulatedDriver()))
     assert code == 0
     got = parse_losses((tmp_path / "run" / "logs" / "rank-000002.log").read_text())
     assert len(got) == 2
@@ -248,3 +236,40 @@ def test_checkpoint_driver_round_trip_keeps_data():
         holder.wait()
         holder.stdin.close()
         holder.stdout.close()
+
+
+@pytest.mark.parametrize("gang", ["1", "tpxpp"])
+def test_simulated_swaps_on_cpu_finish_without_rescues(tmp_path, gang):
+    # World 8 on "one GPU" holding 4: gang 1 hung until the rescue (rank
+    # stopped between its release and the result it had already been sent),
+    # tpxpp swapped whole pipelines back and forth (200 swaps per iteration)
+    # before the policy held grants back for ranks that had just received data.
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "prism", "capture", "-n", "8", "--resident", "4", "--gang", gang,
+           "--simulate-swaps", "--out", str(run), "--progress", "off", "--show-ranks", "none", "--",
+           "-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--dp", "2", "--steps", "2", "--layers", "2"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((run / "telemetry" / "swaps.json").read_text())
+    s = doc["summary"]
+    assert s["swaps_out"] > 0 and s["swaps_out"] == s["swaps_in"]
+    assert doc["settings"]["simulated"]["driver"] == "SIGSTOP/SIGCONT"
+    assert f"gang {gang}]" in proc.stderr and "simulated on CPU" in proc.stderr
+    # Every rank is stopped and continued in turn, never twice the same way.
+    for rank in range(8):
+        dirs = [r["direction"] for r in doc["records"] if r["rank"] == rank and r["status"] == "ok"]
+        assert dirs == ["out", "in"] * (len(dirs) // 2) + ["out"] * (len(dirs) % 2), (rank, dirs)
+    # No quiet spell needed a rescue (each costs 5 s; the capture takes ~4 s here).
+    assert s["rescues"] == 0
+
+
+def test_simulate_swaps_rejects_a_cuda_command_and_a_missing_resident(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    base = [sys.executable, "-m", "prism", "capture", "-n", "2", "--out", str(tmp_path / "r"), "--simulate-swaps"]
+    p = subprocess.run(base + ["--resident", "1", "--", "-m", "prism.workloads.gpt", "--dp", "2", "--device", "cuda"],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode != 0 and "runs the ranks on CPU, but the command uses cuda" in p.stderr
+    p = subprocess.run(base + ["--", "-m", "prism.workloads.gpt", "--dp", "2"],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode != 0 and "--simulate-swaps needs --resident K" in p.stderr

@@ -114,9 +114,12 @@ class GpuTiming:
         self._main = threading.get_ident()
         # exclusive use of the physical GPU: a process-wide hold count over a flock
         self._fd: int | None = None
+        #: The lock file behind the turns on the GPU, or None.
+        self.exclusive: str | None = None
         self._hold = 0
         self._mutex = threading.Lock()
         if exclusive:
+            self.exclusive = exclusive
             self._fd = os.open(exclusive, os.O_RDWR | os.O_CREAT, 0o666)
 
     # --- set-up --------------------------------------------------------------
@@ -314,13 +317,21 @@ def measure_mode_overhead(mode: Any, n: int = 1000, rounds: int = 5) -> float:
     return max((statistics.median(with_mode) - statistics.median(without)) / n, 0.0)
 
 
-def from_env(mode: Any) -> GpuTiming | None:
-    """The rank's GpuTiming, or None when two clocks are switched off."""
+def from_env(mode: Any, swapping: bool = False) -> GpuTiming | None:
+    """The rank's GpuTiming, or None when two clocks are switched off.
+
+    No turns on the GPU when the coordinator swaps ranks: a checkpointed
+    rank's completion thread would take its turn, block in its copy onto the
+    GPU until restored and keep every other rank of that GPU waiting, the
+    ones that would have to block for it to be restored included."""
     if os.environ.get(TWO_CLOCK_ENV, "1") == "0":
         return None
     exclusive = None
-    if os.environ.get(EXCLUSIVE_ENV, "1") != "0":
-        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() or "0"  # the machine's id of this rank's GPU
+    if os.environ.get(EXCLUSIVE_ENV, "1") != "0" and not swapping:
+        # The machine's id of this rank's GPU (with one GPU per rank in the
+        # script's own numbering, CUDA_VISIBLE_DEVICES is left unset).
+        gpu = (os.environ.get("PRISM_PHYSICAL_DEVICE", "").strip()
+               or os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() or "0")
         base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         exclusive = os.path.join(base, f"prism-gpu-{os.getuid()}-{gpu.replace('/', '_')}.lock")
     return GpuTiming(parse_steps(os.environ.get(CALIBRATE_ENV, DEFAULT_CALIBRATE)), mode, exclusive)

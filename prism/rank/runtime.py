@@ -162,7 +162,7 @@ class RankRuntime:
         if devices.installed():
             from prism.rank import gputime
 
-            timing = gputime.from_env(devices.mode())
+            timing = gputime.from_env(devices.mode(), swapping=self.welcome.swapping)
             if timing is not None:
                 timing.install()
                 self.recorder.attach_gpu(timing)
