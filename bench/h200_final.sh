@@ -16,7 +16,7 @@ taskset -c 0-31 timeout 40 python3 -m pytest -q -p no:cacheprovider -m gpu tests
 tail -2 "$OUT/r/gpu-tests.txt"
 run() {  # name timeout gpus config
   taskset -c 0-31 timeout "$2" python3 bench/nccl_accuracy.py --out-dir "$OUT/r/$1" --configs "$4" --capture-gpus "$3" \
-    --runs 1 --steps 8 --warmup 3 --net "$NET" --keep-runs "$OUT/r/keep" 2>&1 | grep -v "^prism: captured\|^\[" \
+    --runs "${RUNS:-1}" --steps 8 --warmup 3 --net "$NET" --keep-runs "$OUT/r/keep" 2>&1 | grep -v "^prism: captured\|^\[" \
     > "$OUT/r/$1.txt"
   grep -A3 "^config" "$OUT/r/$1.txt" | head -4; grep "FAILED\|Error" "$OUT/r/$1.txt" | head -3
 }
