@@ -134,14 +134,15 @@ def plan_gpus(world_size: int, layout: dict[str, int], *, uses_cuda: bool, gpus:
         raise GpuPlanError(f"--resident {resident} is less than the gang size {gang_size} (--gang {gang}) times "
                            f"the ranks computing at once per GPU; raise --resident or use --gang 1")
     plan = GpuPlan(chosen, world_size, resident, gang, gang_of, n_slots, why)
-    if gang == "tpxpp" and dp > 1 and resident < per_gpu and resident < 2 * gang_size:
-        # Measured (bench/results/gpu-2026-11-29.md): with one pipeline
-        # resident, every data-parallel all-reduce swaps a whole pipeline out
-        # and another in; the GPT at world 8 did not finish 2 steps in 150 s.
+    ep = layout.get("ep", 1)
+    if gang == "tpxpp" and ep > 1 and resident < per_gpu:
+        # Simulated (--simulate-swaps, GPT MoE tp2 pp2 dp2 ep2, world 8): each
+        # all-to-all across pipelines swaps a whole pipeline; 249 swaps per
+        # iteration at --resident 4 against 112 with TP gangs, 846 vs 92 at 6.
         plan.notes.append(
-            f"--gang tpxpp with --resident {resident}: only one pipeline ({gang_size} ranks) fits per GPU, so "
-            f"every data-parallel collective swaps a whole pipeline out and another in; use --gang tp, or "
-            f"--resident {2 * gang_size} or more if memory allows")
+            f"--gang tpxpp with expert parallelism (--ep {ep}): every all-to-all between pipelines swaps a "
+            f"whole pipeline out and another in; --gang tp swapped 2-9x less in a simulated MoE capture "
+            f"(try both with --simulate-swaps on CPU first)")
     plan.settings = {"gpus": chosen, "resident_per_gpu": resident, "ranks_per_gpu": per_gpu, "gang": gang,
                      "gang_size": gang_size, "slots": n_slots, "resident_reason": why,
                      "layout": {"tp": tp, "dp": dp, "pp": pp}}
