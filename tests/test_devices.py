@@ -127,11 +127,13 @@ _IDENTITY_PROBE = """
 import json, os, sys, torch
 torch.cuda.device_count = lambda: 2  # a node of 2 GPUs, without touching CUDA
 torch.cuda.is_initialized = lambda: False
+selected = []
+torch.cuda.set_device = selected.append
 from prism.rank import devices
 set_before = torch.cuda.set_device
 phys = devices.install(int(sys.argv[1]), 2, int(sys.argv[2]), gpus=[0, 1])
 print(json.dumps({"physical": phys, "mode": devices.mode() is not None,
-                  "patched": torch.cuda.set_device is not set_before,
+                  "patched": torch.cuda.set_device is not set_before, "selected": selected,
                   "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
                   "physical_name": devices.physical_name("cuda:1")}))
 """
@@ -156,3 +158,5 @@ def test_logical_devices_are_left_alone_when_they_are_the_physical_ones(rank, np
     assert out["physical"] == rank and out["physical_name"] == f"cuda:{rank}"
     assert out["mode"] is remapped and out["patched"] is remapped
     assert out["visible"] == (str(rank) if remapped else None)
+    # Without remapping the rank starts on its own GPU (no context on GPU 0).
+    assert out["selected"] == ([] if remapped else [rank])

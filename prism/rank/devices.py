@@ -32,8 +32,10 @@ path would need shimming; the Python route touches only what scripts call.
 
 When each rank's logical index is its physical GPU and the node has as many
 GPUs as ranks (``prism capture --gpus 0,1 --nproc-per-node 2`` at world 2),
-nothing is patched: the rank runs as in the real job (``PRISM_LOGICAL_IDENTITY=0``
-remaps anyway).
+nothing is patched: the rank runs as in the real job, except that its
+current device starts as its own GPU rather than 0 (so Prism's calls before
+the script's ``set_device`` open no context on GPU 0); ``PRISM_LOGICAL_IDENTITY=0``
+remaps anyway.
 
 Limits (documented, not hidden): ``tensor.device`` and ``tensor.get_device()``
 show ``cuda:0``; the rewrite mode is thread-local, so device arguments given
@@ -249,6 +251,11 @@ def install(rank: int, world_size: int, nproc_per_node: int, gpus: Sequence[int]
         # so the rank runs exactly as in the real job, at the same CPU cost.
         env[PHYSICAL_ENV] = str(physical)
         _state = _Logical(nproc_per_node, physical, physical)
+        # Prism's own CUDA calls before the script selects its device (the
+        # GPU timing's set-up) would otherwise open a second context on GPU 0
+        # (measured on 2 H200s: +518 MiB on rank 1). The script's own
+        # set_device(LOCAL_RANK) then changes nothing.
+        torch.cuda.set_device(physical)
         return physical
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible:
