@@ -1,0 +1,100 @@
+"""Does the CPU issue a segment more slowly right after the GPU was drained?
+
+A Prism capture drains the GPU at every communication call (the data must
+reach the host), so every compute segment's CPU share is measured right
+after a wait; the real run's CPU never waits there. At world 2 on 2 H200s
+the CPU shares moved by 30% between captures of one script while the GPU
+times agreed within 3% (bench/results/nccl-2026-11-29.md, section 6). This
+measures the effect on its own, in one process on one GPU:
+
+- ``drained``: ``torch.cuda.synchronize()``, then time the CPU's issue of
+  one segment (the launches returning, no wait at its end);
+- ``ahead``: the same segment issued back to back, each timed the same way,
+  the GPU kept behind the CPU (the segment is small-op: its GPU time is
+  below its CPU time, so the launch queue never fills and no launch blocks).
+
+Rounds alternate the two so machine noise hits both; the table gives the
+median and quartiles per mode and their ratio; ``--json`` writes them.
+
+    python bench/drain_effect.py [--ops 400] [--rounds 30] [--json OUT.json]
+
+Needs a CUDA device (written 2026-11-29, not yet run on one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def main() -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", type=int, default=400, help="small ops per segment")
+    ap.add_argument("--size", type=int, default=256, help="square matrix size (small: CPU-bound issue)")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("drain_effect: needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda", torch.cuda.current_device())
+    w = torch.randn(a.size, a.size, device=dev) / a.size ** 0.5
+    x0 = torch.randn(a.size, a.size, device=dev)
+
+    def segment() -> int:
+        t0 = time.perf_counter_ns()
+        x = x0
+        for _ in range(a.ops // 2):
+            x = torch.relu(x @ w)
+        return time.perf_counter_ns() - t0
+
+    # GPU time of one segment, to check that "ahead" keeps the queue short.
+    for _ in range(5):
+        segment()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    segment()
+    e1.record()
+    torch.cuda.synchronize()
+    gpu_ms = e0.elapsed_time(e1)
+
+    drained, ahead = [], []
+    for _ in range(a.rounds):
+        torch.cuda.synchronize()
+        time.sleep(0.002)  # a wait, as for a collective's round trip
+        drained.append(segment())
+        torch.cuda.synchronize()
+        segment()  # gets the CPU ahead of the GPU
+        ahead += [segment() for _ in range(3)]
+    torch.cuda.synchronize()
+
+    def stats(v: list[int]) -> dict:
+        q = statistics.quantiles(v, n=4)
+        return {"median_us": statistics.median(v) / 1e3, "q1_us": q[0] / 1e3, "q3_us": q[2] / 1e3, "n": len(v)}
+
+    out = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "ops": a.ops, "size": a.size,
+           "gpu_ms_per_segment": gpu_ms, "drained": stats(drained), "ahead": stats(ahead)}
+    out["ratio_drained_over_ahead"] = out["drained"]["median_us"] / out["ahead"]["median_us"]
+    print(f"segment of {a.ops} ops on {out['device']}: GPU {gpu_ms:.3f} ms")
+    print(f"{'mode':10s} {'median us':>10s} {'q1':>10s} {'q3':>10s} {'n':>5s}")
+    for k in ("drained", "ahead"):
+        s = out[k]
+        print(f"{k:10s} {s['median_us']:10.1f} {s['q1_us']:10.1f} {s['q3_us']:10.1f} {s['n']:5d}")
+    print(f"drained / ahead: {out['ratio_drained_over_ahead']:.3f}")
+    if out["ahead"]["median_us"] / 1e3 < gpu_ms:
+        print("note: the GPU time exceeds the CPU's issue time, so 'ahead' may block on a full queue; "
+              "use fewer --ops or a smaller --size", file=sys.stderr)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
