@@ -481,12 +481,21 @@ class Coordinator:
         checkpointed: bring them back as if data had reached them. A rank can
         be released without being blocked in communication (the stall monitor
         judges by CPU use; a GPU wait looks the same), and a checkpointed rank
-        that still had work to do would otherwise hang the capture."""
+        that still had work to do would otherwise hang the capture. First,
+        pins of blocked ranks are dropped if ranks wait for a slot (a grant
+        held back for a pinned rank that never asked again)."""
         wake = getattr(self.scheduler.policy, "wake", None)
         quiet = now - max(self.matcher.last_progress_ns, self._last_swap_ns)
         if wake is None or self._result is not None or quiet < RESCUE_QUIET_NS:
             return
         self._last_swap_ns = now
+        unpin = getattr(self.scheduler.policy, "unpin_blocked", None)
+        if unpin is not None and self.scheduler.waiting and (actions := unpin(self.scheduler)):
+            # A grant was held back for a pinned rank that never asked again.
+            self.rescues += 1
+            log.warning("rescue: granting after %.1f s without progress, pins of blocked ranks dropped",
+                        quiet / 1e9)
+            await self._actions(actions)
         is_resident = getattr(self.scheduler.policy, "is_resident", lambda rank: True)
         for rank in range(self.world_size):
             # Only checkpointed ranks that wait for no known operation (those

@@ -169,3 +169,14 @@ def test_data_to_a_resident_blocked_rank_pins_it():
     assert p.wake(0, s) == [] and 0 in p.pinned
     assert s.release(1) == [SwapOut(1), Grant(2)]  # 1 (not pinned) goes, 0 stays
     assert p.retry(s) == []
+
+
+def test_stale_pins_are_dropped_as_a_last_resort():
+    s, p = _sched(2, 1)
+    s.request(0), s.request(1)
+    s.release(0), s.release(1)
+    assert p.wake(0, s) == [SwapOut(1), SwapIn(0)]
+    assert s.request(1) == []  # held back for the pinned 0
+    # 0 never asks nor says Taken: the coordinator's rescue drops the pin.
+    assert p.unpin_blocked(s) == [SwapOut(0), SwapIn(1), Grant(1)]
+    assert p.pinned == set() and p.unpin_blocked(s) == []

@@ -35,7 +35,7 @@ every waiting rank is granted in the end.
 
 Public API: ``GangResidency(max_resident, gang_of=None, gpu_of=None)`` with
 the ``SwapPolicy`` hooks, ``pick``, ``wake(rank, sched, pin=True)``,
-``taken(rank, sched)``, ``returning(rank)``, ``retry(sched)``,
+``taken(rank, sched)``, ``returning(rank)``, ``unpin_blocked(sched)``, ``retry(sched)``,
 ``resident(gpu=None)``; ``megatron_gangs(world_size, tp, dp, pp, kind)``.
 """
 
@@ -215,6 +215,14 @@ class GangResidency:
         a grant held back for it may go ahead)."""
         self.pinned.discard(rank)
         return sched.poke()
+
+    def unpin_blocked(self, sched: Scheduler) -> list[Action]:
+        """The coordinator's last resort after a quiet spell: forget the pins
+        of blocked ranks (a rank that never asks again would otherwise hold
+        back a grant for ever) and grant what can go."""
+        stale = {r for r in self.pinned if sched.state(r) == RankState.BLOCKED}
+        self.pinned -= stale
+        return sched.poke() if stale else []
 
     def retry(self, sched: Scheduler) -> list[Action]:
         """Serve the queued wakes that fit now."""
