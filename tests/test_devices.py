@@ -107,7 +107,8 @@ def _probe(rank: int, world: int, nproc: int, **env: str) -> dict:
 @pytest.mark.gpu
 @pytest.mark.parametrize("rank", [0, 5, 7])
 def test_every_call_with_logical_devices(rank):
-    out = _probe(rank, 8, 8, PRISM_PHYSICAL_DEVICE="0", PROBE_MESH="1")
+    # Remapping forced: on an 8-GPU machine rank 0 on GPU 0 would otherwise need none.
+    out = _probe(rank, 8, 8, PRISM_PHYSICAL_DEVICE="0", PROBE_MESH="1", PRISM_LOGICAL_IDENTITY="0")
     assert out["physical"] == 0 and out["visible"] == "0"
     assert out["device_count"] == 8 and out["physical_name"] == "cuda:0"
     assert out["current_after_set"] == rank
