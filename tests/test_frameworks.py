@@ -277,6 +277,7 @@ with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
     dist.all_reduce(total)
 cm.wait()
 print(f"rank {rank} coalesced {got.tolist()} {total.tolist()}", flush=True)
+dist.barrier()  # every rank has printed before rank 1's refusal stops the run
 if rank == 0:
     dist.send(torch.ones(2), dst=1)
 elif rank == 1:
