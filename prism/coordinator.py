@@ -326,7 +326,10 @@ class Coordinator:
             await self._actions(self.scheduler.release(rank))
         elif isinstance(msg, P.Taken):
             taken = getattr(self.scheduler.policy, "taken", None)
-            if taken is not None:
+            # Only a rank that still waits for something incomplete may go:
+            # if what it waits for has completed, it asks for a slot at once
+            # (a Taken for other data can cross that completion).
+            if taken is not None and self.matcher.waiting_for(rank) is not None:
                 await self._actions(taken(rank, self.scheduler))
         elif isinstance(msg, P.Heartbeat):
             info.step = max(info.step, msg.step)
