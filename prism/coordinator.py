@@ -318,7 +318,8 @@ class Coordinator:
             await self._actions(self.scheduler.request(rank))
         elif isinstance(msg, P.SlotRelease):
             returning = getattr(self.scheduler.policy, "returning", None)
-            if returning is not None and self.matcher.waiting_for(rank) is None:
+            if (returning is not None and self.scheduler.state(rank) == S.RankState.RUNNING
+                    and self.matcher.waiting_for(rank) is None):
                 # What it waits for completed while its Wait and release were
                 # on their way: it asks again once it has taken the data in,
                 # and must not be swapped out before (it could not ask).
