@@ -346,7 +346,6 @@ class RankRuntime:
             # alive (GPU memory the real run has freed) until the next reply.
             del handler, fut
 
-
     def _say_taken(self) -> None:
         """After a delivery: if the main thread still waits (for another
         call), tell the coordinator the data is in, so this rank's GPU state
