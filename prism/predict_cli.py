@@ -123,8 +123,8 @@ def format_report(result: ReplayResult, warmup: int) -> str:
                  f"{g.n_messages:,} p2p messages")
     if result.costs.two_clock:
         two = int(((g.kind == 0) & (g.cpu >= 0)).sum())
-        lines.append(f"GPU timing: two clocks for {two:,} compute segments (CPU issue and GPU busy time; "
-                     "docs/GPU-TIMING.md)")
+        lines.append(f"GPU timing: two clocks for {two:,} compute segments (CPU issue and GPU busy time, each "
+                     "the smallest of the segment's occurrences; docs/GPU-TIMING.md)")
     b = result.breakdown()
     lines.append("per-rank breakdown (whole run)   mean          min          max (rank)")
     for key in ("compute", "communication", "waiting", "total"):

@@ -332,10 +332,17 @@ def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_counterpart():
     p.compute(0, 900, cpu=590, gpu=-1)
     p.compute(0, 900, cpu=100, gpu=-1, join=True)
     p.end_step()
-    g = ExecutionGraph.from_events(p.events)
-    c = np.flatnonzero(g.kind == COMPUTE)
+    own = ExecutionGraph.from_events(p.events, cpu_share="own")
+    c = np.flatnonzero(own.kind == COMPUTE)
     # the step-end joins are one kind of segment: a calibration step takes their median (600, 100)
-    assert g.cpu[c].tolist() == [500, 600, 500, 350, 500, 350, 510, 590, 100]
+    assert own.cpu[c].tolist() == [500, 600, 500, 350, 500, 350, 510, 590, 100]
+    # by default every segment takes the smallest share of its kind in the uncalibrated steps
+    g = ExecutionGraph.from_events(p.events)
+    assert g.cpu[c].tolist() == [500, 100, 500, 100, 500, 100, 510, 590, 100]
+    assert ExecutionGraph.from_events(p.events, cpu_share="median").cpu[c].tolist() == [
+        500, 350, 500, 350, 500, 350, 510, 590, 350]
+    with pytest.raises(ValueError, match="cpu_share 'mean'"):
+        ExecutionGraph.from_events(p.events, cpu_share="mean")
     assert g.gpu[c].tolist() == [300, 900, 300, 2_000, 450, 2_000, 300, 900, 900]
     assert g.join[c].tolist() == [False, True, False, True, False, True, False, False, True]
     plain = Program(1)

@@ -202,12 +202,13 @@ class ExecutionGraph:
 
     # ------------------------------------------------------------------ build
     @classmethod
-    def from_events(cls, ranks: Mapping[int, Sequence[Event]]) -> ExecutionGraph:
+    def from_events(cls, ranks: Mapping[int, Sequence[Event]], *, cpu_share: str = "min") -> ExecutionGraph:
         """Build the graph of a run from its per-rank trace event lists.
 
         ``ranks`` maps every logical rank ``0 .. N-1`` to its events (the
         records of ``RUN/rank-*.``). Events other than groups, compute,
-        collectives, p2p and iterations are ignored here.
+        collectives, p2p and iterations are ignored here. ``cpu_share``: how
+        GPU ranks' segments take their CPU shares (``two_clock_columns``).
         """
         world = len(ranks)
         if sorted(ranks) != list(range(world)):
@@ -285,7 +286,7 @@ class ExecutionGraph:
         gindex = {g: k for k, g in enumerate(gids)}
         cols, p2p_sig = b.finish(gindex, tuple(sorted(sigs, key=sigs.get)))
         if b.clocks:
-            cpu, gpu, join = two_clock_columns(cols, b.clocks)
+            cpu, gpu, join = two_clock_columns(cols, b.clocks, cpu_share=cpu_share)
             cols = dataclasses.replace(cols, cpu=cpu, gpu=gpu, join=join)
         p2p_table = tuple(sorted(b.p2p_sigs, key=b.p2p_sigs.get))
         return cls.from_columns(world, tuple(Group(g, groups[g]) for g in gids), cols,
@@ -681,8 +682,13 @@ class _ColumnBuilder:
         return nc, arr(15, np.int64)
 
 
-def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bool]]
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+#: How a segment's CPU share is estimated from its occurrences in the
+#: uncalibrated steps (``two_clock_columns``).
+CPU_SHARES = ("min", "median", "own")
+
+
+def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bool]], *,
+                      cpu_share: str = "min") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-node CPU share, GPU busy time and join flag for the replay's two
     clocks (docs/GPU-TIMING.md), from the recorded ``(cpu_ns, gpu_ns, join)``
     of GPU compute segments.
@@ -696,11 +702,24 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bo
     their number of joins). Of several matches the smallest is taken: what
     disturbs a measurement (another process's work on a shared GPU, clocks
     still rising) only adds time. A calibration step's segment takes its CPU
-    share from the other steps the same way (the median; the calibration
-    holds the GPU back, which inflates the wall time of segments that wait for
-    it). A segment without any counterpart keeps its wall time as GPU time,
-    which replays it as the one-clock model would.
+    share from the other steps the same way (the calibration holds the GPU
+    back, which inflates the wall time of segments that wait for it). A
+    segment without any counterpart keeps its wall time as GPU time, which
+    replays it as the one-clock model would.
+
+    CPU shares (``cpu_share``): ``"min"`` (default), every segment takes the
+    smallest share among its counterparts in the uncalibrated steps, itself
+    included, for the same reason as the GPU time: what disturbs the CPU's
+    issue in a capture (the other ranks' processes, the wait for the GPU
+    before every segment) only adds time. On the 13 GPU captures kept on
+    2026-11-29 with measured truths (``python bench/cpu_share_choice.py``) it
+    gave a median error of 1.6% against 6.4% for ``"own"`` (each segment its own share; calibration steps the
+    median of their counterparts, the behaviour before) and 5.2% for
+    ``"median"`` (all segments the median); chosen on those captures, so to be
+    confirmed on new ones (bench/results/nccl-2026-11-29.md, section 6).
     """
+    if cpu_share not in CPU_SHARES:
+        raise ValueError(f"cpu_share {cpu_share!r}: expected one of {', '.join(CPU_SHARES)}")
     n = len(cols.rank)
     cpu = np.full(n, -1, np.int64)
     gpu = np.full(n, -1, np.int64)
@@ -753,10 +772,10 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bo
         for row, ks in zip(rows, step_keys[r, st]):
             c, g, j = clocks[row]
             join[row] = j
-            if calibration[r, st]:
+            if calibration[r, st] or cpu_share != "own":
                 other = first(plain, r, ks)
                 if other:
-                    c = int(np.median(other))
+                    c = int(min(other)) if cpu_share == "min" else int(np.median(other))
             if g < 0:  # -1: not a calibration step; -2: its measurement was discarded
                 vals = first(measured, r, ks)
                 g = min(vals) if vals else int(cols.dur[row])
