@@ -17,6 +17,7 @@ import pytest
 
 from prism.workloads import gpt
 from prism.workloads.harness import WorldError, parse_losses, parse_splits, run_world
+from tests.truth import gloo_world
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ROOT / "prism" / "workloads"
@@ -25,7 +26,8 @@ GPT_SCRIPT = [str(WORKLOADS / "gpt.py")]
 
 
 def losses(argv, nproc):
-    results = run_world(argv, nproc, cwd=str(ROOT))
+    # Plain gloo worlds: retried on gloo's own teardown abort only (tests/truth.py).
+    results = gloo_world(argv, nproc, cwd=str(ROOT))
     found = [(r.rank, parse_losses(r.stdout)) for r in results if parse_losses(r.stdout)]
     assert len(found) == 1, f"expected exactly one rank to print losses, got {found}"
     return found[0][1], results
@@ -196,7 +198,7 @@ def test_ddp_world4_matches_one_rank_with_the_same_global_batch():
 @pytest.mark.slow
 def test_collectives_example_world4_values():
     world = 4
-    results = run_world([str(WORKLOADS / "collectives_example.py")], world, cwd=str(ROOT))
+    results = gloo_world([str(WORKLOADS / "collectives_example.py")], world, cwd=str(ROOT))
     names = ["broadcast", "ring", "all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor",
              "all_gather", "all_reduce_avg", "all_reduce_max", "loss", "w"]
     values = {}
