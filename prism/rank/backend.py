@@ -255,10 +255,23 @@ class _Op:
         finally:
             self._error = error
             self.done.set()
-            if self._error is None:
-                self.torch_future.set_result(self.result)
-            else:
-                self.torch_future.set_exception(self._error)
+            self.settle_future()
+
+    def settle_future(self) -> None:
+        """Give the torch future its result (or error), then cut it loose.
+
+        The future no longer needs this op once done: without the cut the pair
+        is a reference cycle, and the call's tensors (GPU memory the real run
+        has freed) lived until Python's cyclic collector ran: +16 MiB per step
+        and ~190 MiB above the truth's peak in the NCCL bench (GPT tp2).
+        """
+        fut = self.torch_future
+        if self._error is None:
+            fut.set_result(self.result)
+        else:
+            fut.set_exception(self._error)
+        fut._op = None
+        self.outputs = []
 
     def _copy_out(self, payloads: Sequence[Any]) -> None:
         if not payloads:
@@ -288,9 +301,10 @@ class _PrismFuture(torch.futures.Future):
         self._op = op
 
     def wait(self) -> Any:
-        if not self.done():
+        op = self._op
+        if op is not None and not self.done():
             try:
-                self._op.wait()
+                op.wait()
             except BaseException:
                 pass  # the future's own wait raises it below
         return super().wait()
@@ -670,7 +684,7 @@ class PrismProcessGroup(dist.ProcessGroup):
                 rt.recorder.emit(_value(f"p2p:{rt.rank}:{peer}:{tag}:{pseq}", h))
             rt.untrack(pending)
             pending.done.set()
-            pending.torch_future.set_result([t])
+            pending.settle_future()
             return self._issued(PrismWork(pending))
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
