@@ -290,6 +290,9 @@ def main() -> int:
                         msg += (f", prism@{k}gpu {p_mean / 1e6:.2f} ms ({err:+.1%} abs, one-clock {one / 1e6:.2f} ms, "
                                 f"capture {p['wall_s']:.0f} s)")
                     print(msg, flush=True)
+                    # each run on disk as it ends (a call's time limit may stop the next)
+                    summarise(row, caps)
+                    (out_dir / "nccl_accuracy.json").write_text(json.dumps(out, indent=1, default=str))
             except Exception as e:  # recorded; the next configuration runs
                 row["error"] = f"{type(e).__name__}: {e}"[-3000:]
                 print(f"{name}: FAILED: {row['error']}", flush=True)

@@ -161,3 +161,20 @@ def test_logical_devices_are_left_alone_when_they_are_the_physical_ones(rank, np
     assert out["visible"] == (str(rank) if remapped else None)
     # Without remapping the rank starts on its own GPU (no context on GPU 0).
     assert out["selected"] == ([] if remapped else [rank])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: one rank per GPU, nothing remapped")
+def test_ranks_on_their_own_gpus_hold_memory_on_no_other(tmp_path):
+    # Measured before the fix on 2 H200s: rank 1 held +518 MiB on GPU 0 (a
+    # second CUDA context, opened by Prism's completion thread).
+    proc = subprocess.run(
+        [sys.executable, "-m", "prism", "capture", "-n", "2", "--nproc-per-node", "2", "--gpus", "0,1",
+         "--out", str(tmp_path / "run"), "--progress", "off", "--",
+         str(ROOT / "tests" / "scripts" / "contexts_worker.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(2):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert out["device"] == r
+        assert list(out["held"]) == [str(r)], f"rank {r} holds GPU memory on {out['held']} (MiB)"

@@ -330,9 +330,14 @@ class RankRuntime:
         fut.add_done_callback(lambda f: self._completions.put((handler, f)))
 
     def _complete_loop(self) -> None:
+        from prism.rank import devices
+
+        bound = False
         while True:
             handler, fut = self._completions.get()
             try:
+                if not bound:
+                    bound = devices.bind_thread()
                 handler(fut)
             except BaseException:
                 # The thread must survive, or every later call would hang.
