@@ -2,8 +2,22 @@
 
 ``--backend gloo`` (default) times CPU tensors over gloo, one process per
 core; ``--backend nccl`` times CUDA tensors over NCCL, one process per GPU
-(``cuda:LOCAL_RANK``; each timed batch ends with ``torch.cuda.synchronize``),
-and its profile is the one ``prism predict`` uses for captures of CUDA runs.
+(``cuda:LOCAL_RANK``), and its profile is the one ``prism predict`` uses for
+captures of CUDA runs.
+
+With NCCL a call costs two different things, and the replay needs both: the
+collective's time on the GPU (the cost model's time: the GPU stream is held
+that long) and the CPU time of the call on the thread that makes it
+(``issue_us``: the replay adds it to a GPU rank's CPU clock). Timing calls
+back to back and synchronising measures neither: small calls come out at
+the CPU's issue rate (~40-50 us each on an H200 machine). So each trial
+first holds the GPU with a spin kernel (``torch.cuda._sleep``) long enough
+for the CPU to queue all its calls, times the queuing on the CPU (issue per
+call), and times the calls on the GPU with events from the spin's end to
+the last call's end (GPU time per call, back to back). A trial whose spin
+ended before the CPU had queued everything is repeated with a longer spin.
+Send is a ping-pong timed as before (its half round trip includes both
+sides' CPU).
 
 Runs one real process per rank (``OMP_NUM_THREADS=1``, at most one rank per
 core, so ranks do not steal each other's time), times each op at each
@@ -86,6 +100,8 @@ class Point:
     n: int
     nbytes: int
     seconds: float
+    #: CPU seconds one call costs its caller (NCCL); None where not measured
+    issue_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,8 +206,13 @@ def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, 
            f"{np.median(one):.1%}, max {np.max(one):.1%}." if per_op else "."),
         "# Measured points (op, ranks, bytes per rank, measured us, fitted us):",
     ]
+    issues = issue_per_op(points)
+    if issues:
+        lines[-1:-1] = ["# Times are GPU times per call (back to back, the CPU ahead); issue_us: CPU time per call",
+                        "# on the calling thread (median over sizes; added to GPU ranks' CPU clocks by the replay)."]
     for p, t in zip(points, pred):
-        lines.append(f"#   {p.op:<24} {p.n:>3} {p.nbytes:>10} {p.seconds * 1e6:>12.1f} {t * 1e6:>12.1f}")
+        lines.append(f"#   {p.op:<24} {p.n:>3} {p.nbytes:>10} {p.seconds * 1e6:>12.1f} {t * 1e6:>12.1f}"
+                     + (f"   issue {p.issue_seconds * 1e6:.1f}" if p.issue_seconds is not None else ""))
     desc = (f"{backend} on {host}, measured {date[:10]} by prism netprofile; fit error median "
             f"{np.median(err):.0%}, max {np.max(err):.0%}")
     bw = fit.bandwidth / 1e9
@@ -201,6 +222,8 @@ def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, 
         f'description = "{desc}"',
         f"ranks_per_node = {ranks_per_node}",
         f"base_latency_us = {fit.base_latency * 1e6:.6g}",
+        *([f"issue_us = {statistics.median(x for x in (p.issue_seconds for p in points) if x is not None) * 1e6:.6g}"]
+          if issues else []),
         "",
         "[intra]",
         f"bandwidth_GBps = {bw:.6g}",
@@ -218,9 +241,20 @@ def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, 
             f"base_latency_us = {f.base_latency * 1e6:.6g}",
             f"latency_us = {f.latency * 1e6:.6g}",
             f"bandwidth_GBps = {f.bandwidth / 1e9:.6g}",
+            # a ping-pong's time already holds both sides' CPU
+            *([f"issue_us = {issues[op] * 1e6:.6g}"] if op in issues else ["issue_us = 0"] if issues else []),
             "",
         ]
     return "\n".join(lines)
+
+
+def issue_per_op(points: Sequence[Point]) -> dict[str, float]:
+    """op -> median CPU issue seconds per call over its measured points."""
+    by: dict[str, list[float]] = {}
+    for p in points:
+        if p.issue_seconds is not None:
+            by.setdefault(p.op, []).append(p.issue_seconds)
+    return {op: statistics.median(v) for op, v in by.items()}
 
 
 # ------------------------------------------------------------------------ worker
@@ -256,9 +290,14 @@ def _worker(argv: Sequence[str]) -> None:
                 continue
             for nbytes in sizes:
                 fn = _op_call(torch, dist, op, n, nbytes, g, rank, device)
-                secs = _time_op(torch, dist, fn, g, device)
+                if device.type == "cuda" and op != "send":
+                    secs, issue, wall = _time_op_gpu(torch, dist, fn, g, device)
+                    rec = {"op": op, "n": n, "nbytes": nbytes, "seconds": secs, "issue_seconds": issue,
+                           "back_to_back_seconds": wall}
+                else:
+                    rec = {"op": op, "n": n, "nbytes": nbytes, "seconds": _time_op(torch, dist, fn, g, device)}
                 if rank == 0:
-                    print(json.dumps({"op": op, "n": n, "nbytes": nbytes, "seconds": secs}), flush=True)
+                    print(json.dumps(rec), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -339,6 +378,65 @@ def _time_op(torch, dist, fn, g, device) -> float:
     return secs  # a ping-pong's half is taken by the caller
 
 
+def _time_op_gpu(torch, dist, fn, g, device) -> tuple[float, float, float]:
+    """(GPU seconds per call, CPU issue seconds per call, back-to-back wall
+    seconds per call) of ``fn`` on a CUDA device: see the module docstring."""
+    wall = _time_op(torch, dist, fn, g, device)
+    sync = torch.cuda.synchronize
+
+    def agree(*values: float) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+        return t.tolist()
+
+    ns_per_cycle = _sleep_clock(torch)
+    # Enough calls that the skew between the members' spin ends is small
+    # against their sum (the first call waits for the last member).
+    k = int(min(200, max(10, TRIAL_SECONDS / max(wall, 1e-7))))
+    spin_s = 2 * k * wall + 2e-3
+    gpu, issue = [], []
+    tries = 0
+    while len(gpu) < TRIALS:
+        tries += 1
+        if tries > 4 * TRIALS:
+            raise RuntimeError(f"netprofile: the CPU could not queue {k} calls within a {spin_s * 1e3:.1f} ms "
+                               "spin of the GPU after several longer tries; is the machine overloaded?")
+        dist.barrier(group=g)
+        sync(device)
+        a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        a.record()
+        torch.cuda._sleep(max(int(spin_s * 1e9 / ns_per_cycle), 1))
+        b.record()
+        t = time.perf_counter()
+        for _ in range(k):
+            fn()
+        queued = time.perf_counter() - t
+        c.record()
+        sync(device)
+        spun = a.elapsed_time(b) / 1e3
+        per_gpu, per_issue, late = agree(b.elapsed_time(c) / 1e3 / k, queued / k, float(queued > 0.8 * spun))
+        if late:  # the GPU may have waited for the CPU: not a GPU time
+            spin_s *= 2
+            continue
+        gpu.append(per_gpu)
+        issue.append(per_issue)
+    return statistics.median(gpu), statistics.median(issue), wall
+
+
+def _sleep_clock(torch) -> float:
+    """ns per ``torch.cuda._sleep`` cycle on the current GPU."""
+    best = None
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(2_000_000)
+        b.record()
+        b.synchronize()
+        ns = a.elapsed_time(b) * 1e6 / 2_000_000
+        best = ns if best is None else min(best, ns)
+    return max(best or 0.5, 0.05)
+
+
 # ------------------------------------------------------------------------ shell
 def measure(sizes: Sequence[int], group_sizes: Sequence[int], ops: Sequence[str], *,
             timeout: float = 600.0, backend: str = "gloo") -> list[Point]:
@@ -357,7 +455,7 @@ def measure(sizes: Sequence[int], group_sizes: Sequence[int], ops: Sequence[str]
         if line.startswith("{"):
             d = json.loads(line)
             secs = d["seconds"] / 2 if d["op"] == "send" else d["seconds"]
-            points.append(Point(d["op"], d["n"], d["nbytes"], secs))
+            points.append(Point(d["op"], d["n"], d["nbytes"], secs, d.get("issue_seconds")))
     return points
 
 
@@ -449,6 +547,8 @@ def main(args: argparse.Namespace) -> int:
               f"{f.bandwidth / 1e9:9.3f} GB/s; error median {np.median(e):.1%}, max {np.max(e):.1%}")
     print(f"per-op fits (written as [ops.*], used by predict): relative error median {np.median(err):.1%}, "
           f"max {np.max(err):.1%}")
+    for op, v in sorted(issue_per_op(points).items()):
+        print(f"  {op:<24} CPU issue {v * 1e6:8.2f} us per call (median over sizes)")
     command = (f"python -m prism netprofile --backend {backend} --sizes {','.join(map(str, sizes))} "
                f"--group-sizes {','.join(map(str, gsizes))} --ops {','.join(args.ops)}")
     text = profile_toml(fit, points, host=host, backend=backend, ranks_per_node=cores, command=command,

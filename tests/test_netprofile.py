@@ -157,3 +157,28 @@ def test_tiny_real_nccl_measurement_and_fit():
     pts = measure([1 << 10, 1 << 20, 1 << 24], [2], ["all_reduce", "send"], timeout=300, backend="nccl")
     assert len(pts) == 6 and all(0 < p.seconds < 1 for p in pts)
     assert fit_points(pts).bandwidth > 1e9  # NVLink/PCIe, not a socket
+    # collectives: GPU time and the CPU's issue time per call, measured apart
+    assert all(0 < p.issue_seconds < 1e-3 for p in pts if p.op != "send")
+    assert all(p.issue_seconds is None for p in pts if p.op == "send")
+
+
+def test_issue_times_round_trip_per_op_and_a_ping_pong_gets_none():
+    # NCCL points carry the CPU time per call; send's ping-pong holds both sides' CPU already.
+    fit = Fit(10e-6, 0.0, 300e9)
+    pts = [Point(p.op, p.n, p.nbytes, p.seconds, None if p.op == "send" else 20e-6 + 10e-6 * OPS.index(p.op))
+           for p in _points(fit)]
+    text = profile_toml(fit_points(pts), pts, host="h", backend="nccl", ranks_per_node=4, command="x",
+                        per_op=fit_per_op(pts))
+    assert "issue 20.0" in text and "CPU time per call" in text
+    model = parse_profile(text, "p.toml")
+    assert model.issue_ns("all_reduce") == 20_000 and model.issue_ns("all_gather") == 30_000
+    assert model.issue_ns("all_to_all_single") == 60_000 and model.issue_ns("send") == model.issue_ns("recv") == 0
+    assert model.issue == pytest.approx(40e-6)  # median over the points that have one
+    base = 'name = "x"\nranks_per_node = 2\n[intra]\nbandwidth_GBps = 1\nlatency_us = 1\n' \
+           '[inter]\nbandwidth_GBps = 1\nlatency_us = 1\n'
+    assert parse_profile(base, "p.toml").issue_ns("all_reduce") == 0
+    with pytest.raises(ValueError, match="'issue_us' has value -1"):
+        parse_profile("issue_us = -1\n" + base, "p.toml")
+    with pytest.raises(ValueError, match="'ops.send.issue_us' has value 'a'"):
+        parse_profile(base + '[ops.send]\nbase_latency_us = 1\nlatency_us = 1\nbandwidth_GBps = 1\nissue_us = "a"\n',
+                      "p.toml")

@@ -317,6 +317,33 @@ def test_two_clock_compute_overlaps_cpu_issue_with_gpu_work_and_joins():
     assert one.rank_end(0).tolist()[:2] == [10, 1010]
 
 
+def test_the_issue_cost_of_a_call_lengthens_the_cpu_side_only():
+    """A profile's issue_us (NCCL: the CPU time of the call itself) goes on the
+    CPU clock of the segment before the call: it shows where the rank is
+    CPU-bound and hides behind the GPU where it is GPU-bound."""
+    import dataclasses
+
+    def program(cpu0, gpu0, cpu1, gpu1):
+        p = Program(1)
+        p.compute(0, 9_999, cpu=cpu0, gpu=gpu0)
+        p.coll("world", nbytes=0)
+        p.compute(0, 9_999, cpu=cpu1, gpu=gpu1)
+        p.end_step()
+        return ExecutionGraph.from_events(p.events)
+
+    model = dataclasses.replace(UNIT, issue=500e-9)
+    assert model.issue_costs(program(1, 1, 1, 1)).tolist() == [0, 500, 0, 0]
+    cpu_bound = program(3_000, 1_000, 3_000, 1_000)
+    gpu_bound = program(1_000, 3_000, 100, 3_000)
+    for replay in (replay_reference, lambda g, cost_model: SteppableReplay(g, cost_model=cost_model).run(),
+                   replay_batch):
+        # the collective alone is 0 bytes: UNIT's cost is 0
+        assert replay(cpu_bound, cost_model=UNIT).rank_end(0).tolist()[:3] == [3_000, 3_000, 6_000]
+        assert replay(cpu_bound, cost_model=model).rank_end(0).tolist()[:3] == [3_500, 3_500, 6_500]
+        assert replay(gpu_bound, cost_model=UNIT).rank_end(0).tolist()[:3] == [3_000, 3_000, 6_000]
+        assert replay(gpu_bound, cost_model=model).rank_end(0).tolist()[:3] == [3_000, 3_000, 6_000]
+
+
 def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_counterpart():
     p = Program(1)
     p.compute(0, 900, cpu=500, gpu=-1)

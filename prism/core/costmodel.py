@@ -35,6 +35,14 @@ base latency and the intra-node link for that op's groups inside one node;
 ``prism netprofile`` fits them per op, because one set for every op fits
 real backends badly (gloo's and NCCL's algorithms differ per op).
 
+Issue cost (``issue_us``, top level or per op): the CPU time one call costs
+the thread that makes it, apart from the transfer. With NCCL a call only
+enqueues work (the times above are then the collective's time on the GPU),
+so the issuing thread pays this and goes on; the replay adds it to a GPU
+rank's CPU clock at every call (``issue_costs``). ``prism netprofile
+--backend nccl`` measures both. 0 where not given (gloo: a call's time is
+all on the calling thread, in the times above).
+
 Profiles are TOML files (see ``prism/profiles/``), parsed with ``tomllib``;
 ``ZERO`` costs nothing (for tests).
 """
@@ -90,6 +98,8 @@ class OpParams:
     latency: float
     #: bytes per second
     bandwidth: float
+    #: CPU seconds one call costs its caller (None: the model's ``issue``)
+    issue: float | None = None
 
 
 #: Ops that take the parameters of a measured op of the same shape of traffic.
@@ -117,6 +127,9 @@ class CostModel:
     #: groups within one node (``prism netprofile`` fits them per op); ops of
     #: ``PARAM_FAMILY`` use their family's
     per_op: tuple[tuple[str, OpParams], ...] = ()
+    #: CPU seconds one communication call costs the calling thread (GPU
+    #: ranks; see the module docstring), for ops without their own
+    issue: float = 0.0
     _zero: bool = field(default=False, repr=False)
 
     @classmethod
@@ -158,6 +171,25 @@ class CostModel:
         spans = (src // self.ranks_per_node) != (dst // self.ranks_per_node)
         ops = np.full(len(src), OP_CODE["send"], np.int64)
         return self._cost(ops, graph.msg_bytes, np.full(len(src), 2), spans)
+
+    def issue_ns(self, op: str) -> int:
+        """CPU time (ns) one call of ``op`` costs the thread that makes it."""
+        if self._zero:
+            return 0
+        params = dict(self.per_op)
+        p = params.get(op) or params.get(PARAM_FAMILY.get(op, ""))
+        issue = p.issue if p is not None and p.issue is not None else self.issue
+        return int(round(issue * 1e9))
+
+    def issue_costs(self, graph: ExecutionGraph) -> np.ndarray:
+        """Per node of ``graph`` (int64 ns): the CPU cost of issuing it, for
+        communication nodes (collectives, sends, receives); 0 elsewhere."""
+        out = np.zeros(graph.n_nodes, np.int64)
+        if self._zero or not (self.issue or any(p.issue for _, p in self.per_op)):
+            return out
+        for code in np.unique(graph.op[graph.op >= 0]).tolist():
+            out[graph.op == code] = self.issue_ns(OPS[code])
+        return out
 
     def _cost(self, op: np.ndarray, nbytes: np.ndarray, n: np.ndarray, spans: np.ndarray) -> np.ndarray:
         if self._zero or len(op) == 0:
@@ -204,8 +236,9 @@ class CostModel:
 
 ZERO = CostModel.zero()
 
-_TOP_KEYS = {"name", "description", "ranks_per_node", "base_latency_us", "intra", "inter", "algorithms", "ops"}
-_OP_KEYS = {"base_latency_us", "latency_us", "bandwidth_GBps"}
+_TOP_KEYS = {"name", "description", "ranks_per_node", "base_latency_us", "issue_us", "intra", "inter", "algorithms",
+             "ops"}
+_OP_KEYS = {"base_latency_us", "latency_us", "bandwidth_GBps", "issue_us"}
 _LINK_KEYS = {"bandwidth_GBps", "latency_us"}
 
 
@@ -250,6 +283,16 @@ def parse_profile(text: str, source: str) -> CostModel:
     if not isinstance(base_raw, (int, float)) or isinstance(base_raw, bool):
         _bad(source, "base_latency_us", base_raw, "a number")
     base = positive(base_raw, "base_latency_us", allow_zero=True)
+
+    def issue_of(table: dict, where: str) -> float | None:
+        if "issue_us" not in table:
+            return None
+        v = table["issue_us"]
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            _bad(source, where + "issue_us", v, "a number")
+        return positive(v, where + "issue_us", allow_zero=True) * 1e-6
+
+    issue = issue_of(data, "") or 0.0
     algos = data.get("algorithms", {})
     if not isinstance(algos, dict):
         _bad(source, "algorithms", algos, "a table")
@@ -278,9 +321,10 @@ def parse_profile(text: str, source: str) -> CostModel:
         per_op.append((op, OpParams(
             positive(need(t, "base_latency_us", where, (int, float)), where + "base_latency_us", allow_zero=True) * 1e-6,
             positive(need(t, "latency_us", where, (int, float)), where + "latency_us", allow_zero=True) * 1e-6,
-            positive(need(t, "bandwidth_GBps", where, (int, float)), where + "bandwidth_GBps") * 1e9)))
+            positive(need(t, "bandwidth_GBps", where, (int, float)), where + "bandwidth_GBps") * 1e9,
+            issue_of(t, where))))
     return CostModel(name, rpn, link("intra"), link("inter"), base * 1e-6, tuple(sorted(algos.items())),
-                     source=source, description=desc, per_op=tuple(per_op))
+                     source=source, description=desc, per_op=tuple(per_op), issue=issue)
 
 
 def _bad(source: str, key: str, value: Any, expected: str) -> None:

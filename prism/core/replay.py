@@ -106,8 +106,9 @@ class Costs:
         if durations is None:
             dur = graph.dur
             if graph.cpu is not None:
+                cpu = _with_issue(graph, graph.cpu, cost_model.issue_costs(graph))
                 return cls(dur, cost_model.instance_costs(graph), cost_model.message_costs(graph), cost_model,
-                           graph.cpu, graph.gpu, graph.join)
+                           cpu, graph.gpu, graph.join)
         else:
             dur = np.asarray(durations)
             if dur.shape != (graph.n_nodes,):
@@ -119,6 +120,29 @@ class Costs:
                 raise ValueError(f"durations[{neg[0]}] = {dur[neg[0]]} is negative ({graph.describe(int(neg[0]))})")
             dur = dur.astype(np.int64)
         return cls(dur, cost_model.instance_costs(graph), cost_model.message_costs(graph), cost_model)
+
+
+def _with_issue(graph: ExecutionGraph, cpu: np.ndarray, issue: np.ndarray) -> np.ndarray:
+    """CPU shares with each communication call's issue cost (``CostModel.issue_costs``)
+    added to the two-clock compute node before it on its rank.
+
+    The capture leaves the call itself out of the CPU shares (Prism's own call
+    is not the real backend's); with NCCL the real call costs its thread this
+    much and then lets it go on, so it lengthens the CPU side of the segment
+    that made it (several calls in a row all land on the segment before
+    them; where that segment ends in a join, the cost is taken before the
+    join, slightly early).
+    """
+    nz = np.flatnonzero(issue)
+    if not len(nz):
+        return cpu
+    idx = np.arange(graph.n_nodes)
+    last = np.maximum.accumulate(np.where((graph.kind == COMPUTE) & (cpu >= 0), idx, -1))
+    prev = last[nz]
+    ok = prev >= graph.rank_ptr[graph.rank[nz]]
+    out = cpu.copy()
+    np.add.at(out, prev[ok], issue[nz[ok]])
+    return out
 
 
 def _advance_after(graph: ExecutionGraph) -> np.ndarray:
