@@ -10,7 +10,7 @@
 set -u
 . bench/device_env.sh || exit 1
 mkdir -p "$OUT/r/keep"
-NET=bench/results/nccl-h200x4-profile.toml
+NET=${NET:-bench/results/nccl-h200x4-profile.toml}
 if [ -z "${SKIP_GPU_TESTS:-}" ]; then
   taskset -c 0-31 timeout 40 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gputime.py 2>&1 | tail -4 \
     > "$OUT/r/gpu-tests.txt"
