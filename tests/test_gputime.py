@@ -120,6 +120,46 @@ def test_calibrated_segment_measures_gpu_busy_time_not_issue_gaps():
     assert cpu_ns >= 16_000_000 and end >= cpu_end
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: measures GPU busy time")
+def test_calibration_covers_the_scripts_own_streams():
+    """FSDP2 runs kernels on streams of its own and calls collectives with one
+    of them current: the busy time must cover them, from the spin's stream."""
+    a = torch.randn(2048, 2048, device="cuda")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            e0.record()
+            for _ in range(8):
+                a @ a
+            e1.record()
+            e1.synchronize()
+    busy = e0.elapsed_time(e1) * 1e6
+    t = gputime.GpuTiming(frozenset({0}), None)
+    set_stream, sync = torch.cuda.set_stream, torch.cuda.synchronize
+    try:
+        t.install()  # hooks torch.cuda.set_stream, which torch.cuda.stream(...) uses
+        with torch.cuda.stream(side):
+            pass
+        assert list(t._streams.values()) == [side]
+        t._walls_prev = [20_000_000]  # a spin of 40 ms
+        start = time.monotonic_ns()
+        t.open(0)
+        with torch.cuda.stream(side):
+            for _ in range(8):
+                a @ a
+                time.sleep(0.002)
+            # the segment ends at a call made with the side stream current
+            cpu_end, end, cpu_ns, gpu_ns = t.close(start, False)
+    finally:
+        torch.cuda.set_stream, torch.cuda.synchronize = set_stream, sync
+        torch.cuda.set_sync_debug_mode(0)
+    assert gpu_ns > 0, "the spin should have covered the issue time"
+    assert abs(gpu_ns - busy) < 0.25 * busy + 100_000, (gpu_ns, busy)
+
+
 def test_a_join_segments_cpu_share_ends_where_the_waiting_call_began():
     mode = LogicalDeviceMode()
     t = gputime.GpuTiming(frozenset(), mode)

@@ -17,7 +17,14 @@ GPU's tail. This module gives the recorder, per segment:
   to back and the event pair around them measures their busy time without
   the gaps in which the GPU waited for the CPU. If the spin ended before the
   CPU finished issuing (the event had completed when the segment closed), the
-  measurement is discarded (``-2``) and later spins are longer;
+  measurement is discarded (``-2``) and later spins are longer. Scripts that
+  run kernels on streams of their own (FSDP2's copy-in, all-gather and
+  reduce-scatter streams) are covered: every stream the script makes current
+  (``torch.cuda.set_stream``, which ``torch.cuda.stream(...)`` uses) is
+  remembered; on a calibrated segment each waits for the spin's event, and
+  the closing event, on the spin's stream, waits for each of them. (Before,
+  the closing event went on whatever stream was current, FSDP2's side stream
+  at its calls: negative or partial busy times, 2026-11-30);
 - exclusive GPU: ranks that share a physical GPU take turns on it (a
   per-GPU ``flock``, held while the rank computes a segment and while its
   completion thread copies results in), so no segment's times include
@@ -99,6 +106,9 @@ class GpuTiming:
         self._sync = torch.cuda.synchronize  # the original, for Prism's own waits
         self._ns_per_cycle: float | None = None
         self._armed: Any = None  # the event after the spin, on a calibrated segment
+        self._armed_stream: Any = None  # the stream it is on
+        #: Streams the script made current (other than the default), by id
+        self._streams: dict[tuple[int, int], Any] = {}
         self._segment_open = False
         self._issue_end: int | None = None  # of the script's wait that ends the segment
         self._calls0 = 0
@@ -139,6 +149,15 @@ class GpuTiming:
         synchronize.__doc__ = orig.__doc__
         synchronize.__wrapped__ = orig  # type: ignore[attr-defined]
         torch.cuda.synchronize = synchronize
+        set_stream = torch.cuda.set_stream
+
+        def set_stream_seen(stream: Any) -> None:
+            timing.saw_stream(stream)
+            set_stream(stream)
+
+        set_stream_seen.__doc__ = set_stream.__doc__
+        set_stream_seen.__wrapped__ = set_stream  # type: ignore[attr-defined]
+        torch.cuda.set_stream = set_stream_seen
         # torch's sync debug mode warns at every synchronising op (after it
         # returns to Python); take those warnings as join points.
         warnings.filterwarnings("always", message=_SYNC_MESSAGE)
@@ -152,6 +171,19 @@ class GpuTiming:
 
         warnings.showwarning = showwarning
         self._set_debug_mode()
+
+    def saw_stream(self, stream: Any) -> None:
+        """The script made ``stream`` current: calibrated segments cover it."""
+        try:
+            key = (int(stream.device_index), int(stream.stream_id))
+        except (AttributeError, TypeError):
+            return
+        if key not in self._streams:
+            self._streams[key] = stream
+
+    def _side_streams(self, main: Any) -> list[Any]:
+        return [s for s in self._streams.values()
+                if s.device_index == main.device_index and s.stream_id != main.stream_id]
 
     def _set_debug_mode(self) -> None:
         try:
@@ -224,13 +256,16 @@ class GpuTiming:
             spin = min(max(int(base * self._factor), MIN_SPIN_NS), MAX_SPIN_NS)
             torch.cuda._sleep(max(int(spin / self._ns_per_cycle), 1))
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._armed = ev
+            main = torch.cuda.current_stream()
+            ev.record(main)
+            for side in self._side_streams(main):  # their work queues behind the spin too
+                side.wait_event(ev)
+            self._armed, self._armed_stream = ev, main
         finally:
             self._local.internal = False
 
     def disarm(self) -> None:
-        self._armed = None
+        self._armed = self._armed_stream = None
         self._end_segment()
 
     def _end_segment(self) -> None:
@@ -249,11 +284,14 @@ class GpuTiming:
             self._local.internal = True
             try:
                 a, self._armed = self._armed, None
+                main, self._armed_stream = self._armed_stream, None
                 b = None
                 starved = False
                 if a is not None:
+                    for side in self._side_streams(main):
+                        main.wait_stream(side)  # the closing event follows every stream's work
                     b = torch.cuda.Event(enable_timing=True)
-                    b.record()
+                    b.record(main)
                     # the spin ended before the CPU issued everything: gaps
                     starved = not script_join and a.query()
                 self._sync()
