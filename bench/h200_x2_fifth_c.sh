@@ -14,6 +14,6 @@ timeout 40 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gputime.py
 tail -3 "$OUT/r/gpu-tests-c.txt"
 export NET=bench/results/nccl-h200x2-issue-profile.toml SKIP_GPU_TESTS=1
 RUNS=2 KEEP_RUNS="fsdp2 290 1,2 fsdp2" bash bench/h200_final.sh
-RUNS=1 KEEP_RUNS="moe 120 1,2 moe-dp2-ep2" bash bench/h200_final.sh
+RUNS=1 KEEP_RUNS="moe 125 1,2 moe-dp2-ep2" bash bench/h200_final.sh
 RUNS=1 KEEP_RUNS="pp2 55 1,2 gpt-pp2" bash bench/h200_final.sh
 tar czf "$OUT/results.tgz" -C "$OUT" r
