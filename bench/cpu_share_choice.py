@@ -10,7 +10,7 @@ The estimators: ``own`` (each segment its own share; the behaviour before
 2026-11-29 23:00 UTC), ``median`` and ``min`` over the segment's occurrences in
 the uncalibrated steps. ``min`` became the default from this comparison: it is
 chosen on these 13 captures ("chosen on"), so new captures must confirm it.
-The 16 captures of the next session's three device calls (2026-11-29/30,
+The 22 captures with truths of the next session's four device calls (2026-11-29/30,
 ``nccl-h200x2-fifth-captures-2026-11-30.tgz``, section 7 of the report) are
 that check ("new"; its two FSDP2 captures from before the calibration
 covered FSDP2's own streams are left out).
@@ -74,6 +74,12 @@ NEW = {
     "nccl-h200x2-fifth/c-moe-2gpu-0": ("MoE dp2 ep2, world 2, 2 GPUs", 114.22),
     "nccl-h200x2-fifth/c-pp2-1gpu-0": ("GPT pp2, world 2, 1 GPU", 52.80),
     "nccl-h200x2-fifth/c-pp2-2gpu-0": ("GPT pp2, world 2, 2 GPUs", 52.80),
+    "nccl-h200x2-fifth/d-pp2-1gpu-0": ("GPT pp2, world 2, 1 GPU", 53.01),
+    "nccl-h200x2-fifth/d-pp2-2gpu-0": ("GPT pp2, world 2, 2 GPUs", 53.01),
+    "nccl-h200x2-fifth/d-pp2-1gpu-1": ("GPT pp2, world 2, 1 GPU", 53.18),
+    "nccl-h200x2-fifth/d-pp2-2gpu-1": ("GPT pp2, world 2, 2 GPUs", 53.18),
+    "nccl-h200x2-fifth/d-gpt-1gpu-0": ("GPT tp2, world 2, 1 GPU", 44.71),
+    "nccl-h200x2-fifth/d-gpt-2gpu-0": ("GPT tp2, world 2, 2 GPUs", 44.71),
 }
 
 
