@@ -179,6 +179,15 @@ def run_capture(args: argparse.Namespace, parser_error=None) -> int:
         gpu.settings["simulated"] = {"driver": "SIGSTOP/SIGCONT", "seconds_per_swap": simulate}
     for note in gpu.notes if gpu is not None else ():
         print(f"prism capture: note: {note}", file=sys.stderr)
+    if gpu is None and simulate is None and not any(w == "cpu" or w.startswith("cpu:") for w in cmd):
+        from prism.gpu_plan import _visible_gpus
+
+        seen = _visible_gpus()
+        if seen:
+            print(f"prism capture: note: the command names no device and this machine has {len(seen)} GPU(s): "
+                  "a script that takes CUDA when it is there would run rank r on GPU LOCAL_RANK with no logical "
+                  "devices; to capture on GPUs pass --gpus (e.g. --gpus 0), to stay on CPU give the script its "
+                  "CPU flag", file=sys.stderr)
     slots = gpu.slots if gpu is not None else (args.slots or os.cpu_count() or 1)
     return capture(run_dir, args.world_size, cmd, slots=slots, coordinator=args.coordinator,
                    nproc_per_node=args.nproc_per_node, show_ranks=args.show_ranks,
@@ -199,7 +208,10 @@ def capture(run_dir: Path, world_size: int, cmd: list[str], *, slots: int, coord
     from transport.endpoints import default_endpoint
 
     T.make_run_dir(run_dir)
-    T.write_manifest(run_dir, _manifest(run_dir, world_size, cmd, slots, _device_kind(cmd)))
+    # A GPU plan means the ranks drive GPUs, whether or not the command says
+    # so (scripts that take CUDA when it is there); simulated swaps run on CPU.
+    kind = "cuda" if gpu is not None and not getattr(gpu, "simulated", False) else _device_kind(cmd)
+    T.write_manifest(run_dir, _manifest(run_dir, world_size, cmd, slots, kind))
 
     env = gpu.env() if gpu is not None else {}
     if coordinator is not None:

@@ -60,22 +60,37 @@ def load_run_manifest(run_dir: str | pathlib.Path) -> Manifest | None:
     return decode_manifest(path.read_bytes(), file=str(path))
 
 
-def resolve_profile(net: str | None, manifest: Manifest | None) -> tuple[CostModel, str]:
+def resolve_profile(net: str | None, manifest: Manifest | None,
+                    device_kind: str | None = None) -> tuple[CostModel, str]:
     """The cost model to use and why: ``net`` if given; else the profile fitted
     by ``prism netprofile`` for the run's backend on the run's host, if one
-    exists; else the shipped ``DEFAULT_PROFILE``."""
+    exists; else the shipped ``DEFAULT_PROFILE``. ``device_kind`` (what the
+    ranks' trace shows) overrides the manifest's, which is a guess made
+    before the run from the command line."""
     if net is not None:
         return load_profile(net), "given with --net"
     if manifest is not None:
         from prism.netprofile_cli import backend_of, fitted_profile_path
 
-        path = fitted_profile_path(backend_of(manifest.device_kind), manifest.hostname)
+        path = fitted_profile_path(backend_of(device_kind or manifest.device_kind), manifest.hostname)
         if path.is_file():
             return load_profile(path), f"fitted by `prism netprofile` for this run's backend and host ({path})"
         why = f"no fitted profile at {path} (`python -m prism netprofile` makes one)"
     else:
         why = "the run has no manifest to name its backend and host"
     return load_profile(DEFAULT_PROFILE), f"shipped default: {why}"
+
+
+def traced_device_kind(ranks) -> str | None:
+    """"cuda" when a rank's trace shows CUDA memory (it drove a GPU), None
+    when no rank did (then the manifest's guess stands)."""
+    from prism.core.trace import Memory
+
+    for events in ranks.values():
+        for e in events:
+            if isinstance(e, Memory) and e.device.startswith("cuda"):
+                return "cuda"
+    return None
 
 
 def parse_layout(text: str) -> Layout:
@@ -153,11 +168,6 @@ def main(args: argparse.Namespace) -> int:
     except TraceFormatError as e:
         print(f"prism predict: {manifest_path(args.run)}: {e}", file=sys.stderr)
         return 2
-    try:
-        model, why = resolve_profile(args.net, manifest)
-    except ProfileError as e:
-        print(f"prism predict: {e}", file=sys.stderr)
-        return 2
     layout = None
     try:
         if args.layout is not None:
@@ -170,6 +180,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         ranks = load_run_events(args.run)
     except RunReadError as e:
+        print(f"prism predict: {e}", file=sys.stderr)
+        return 2
+    try:
+        model, why = resolve_profile(args.net, manifest, traced_device_kind(ranks))
+    except ProfileError as e:
         print(f"prism predict: {e}", file=sys.stderr)
         return 2
     try:

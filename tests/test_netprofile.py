@@ -121,6 +121,15 @@ def test_predict_uses_the_fitted_profile_of_the_runs_host(monkeypatch, tmp_path)
     assert model.name == "gloo-box" and "fitted by `prism netprofile`" in why
     model, why = predict_cli.resolve_profile("zero", m)
     assert model.name == "zero" and why == "given with --net"
+    # A script that takes CUDA when it is there names no device: the manifest
+    # guessed cpu, the ranks' trace shows CUDA memory, so NCCL's profile.
+    from prism.core.trace import Memory
+
+    ranks = {0: [Memory(t_ns=1, device="cuda:0", allocated=1, reserved=2, peak_allocated=1, step=0)]}
+    assert predict_cli.traced_device_kind(ranks) == "cuda"
+    assert predict_cli.traced_device_kind({0: []}) is None
+    _, why = predict_cli.resolve_profile(None, m, predict_cli.traced_device_kind(ranks))
+    assert "nccl-box.toml" in why
 
 
 def test_netprofile_refuses_more_ranks_than_cores(capsys):
