@@ -93,12 +93,9 @@ def test_ranks_sharing_a_gpu_take_turns(tmp_path):
     a.close(time.monotonic_ns(), False)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: measures GPU busy time")
-def test_calibrated_segment_measures_gpu_busy_time_not_issue_gaps():
-    a = torch.randn(2048, 2048, device="cuda")
+def _busy_ns(a) -> float:
+    """What 8 matmuls of ``a`` take back to back on the current stream (ns)."""
     torch.cuda.synchronize()
-    # what 8 matmuls take back to back
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
         e0.record()
@@ -106,7 +103,14 @@ def test_calibrated_segment_measures_gpu_busy_time_not_issue_gaps():
             a @ a
         e1.record()
         e1.synchronize()
-    busy = e0.elapsed_time(e1) * 1e6
+    return e0.elapsed_time(e1) * 1e6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: measures GPU busy time")
+def test_calibrated_segment_measures_gpu_busy_time_not_issue_gaps():
+    a = torch.randn(2048, 2048, device="cuda")
+    busy = _busy_ns(a)
     t = gputime.GpuTiming(frozenset({0}), None)
     t._walls_prev = [20_000_000]  # a spin of 40 ms
     start = time.monotonic_ns()
@@ -127,16 +131,8 @@ def test_calibration_covers_the_scripts_own_streams():
     of them current: the busy time must cover them, from the spin's stream."""
     a = torch.randn(2048, 2048, device="cuda")
     side = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(side):
-        for _ in range(3):
-            e0.record()
-            for _ in range(8):
-                a @ a
-            e1.record()
-            e1.synchronize()
-    busy = e0.elapsed_time(e1) * 1e6
+        busy = _busy_ns(a)
     t = gputime.GpuTiming(frozenset({0}), None)
     set_stream, sync = torch.cuda.set_stream, torch.cuda.synchronize
     try:
