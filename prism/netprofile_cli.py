@@ -486,7 +486,8 @@ def gpu_count() -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     cores = usable_cores()
     p.add_argument("--backend", choices=BACKENDS, default="gloo",
-                   help="gloo: CPU tensors, one process per core (default); nccl: CUDA tensors, one process per GPU")
+                   help="gloo: CPU tensors, one process per core (default); nccl: CUDA tensors, one process per GPU "
+                        "(each call's GPU time and its CPU issue cost, measured apart)")
     p.add_argument("--out", default=None, metavar="FILE.toml",
                    help="where to write the profile (default: ~/.cache/prism/profiles/BACKEND-HOST.toml, "
                         "or $PRISM_PROFILE_DIR/BACKEND-HOST.toml; `prism predict` looks there)")
