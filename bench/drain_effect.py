@@ -18,7 +18,10 @@ median and quartiles per mode and their ratio; ``--json`` writes them.
 
     python bench/drain_effect.py [--ops 400] [--rounds 30] [--json OUT.json]
 
-Needs a CUDA device (written 2026-11-29, not yet run on one).
+Needs a CUDA device. Run on an H200 (2026-11-29/30, bench/results/nccl-2026-11-29.md
+section 7) with 400 ops of 256 x 256 (1.007) and 100 of 128 x 128 (1.061): in
+both the GPU time was above the CPU's issue time, so "ahead" may have waited
+on the launch queue. The defaults are now 200 ops of 64 x 64 (not yet run).
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ def main() -> int:
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", type=int, default=400, help="small ops per segment")
-    ap.add_argument("--size", type=int, default=256, help="square matrix size (small: CPU-bound issue)")
+    ap.add_argument("--ops", type=int, default=200, help="small ops per segment")
+    ap.add_argument("--size", type=int, default=64, help="square matrix size (small: CPU-bound issue)")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
