@@ -143,7 +143,8 @@ def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float, dev
     return {"ends": job_step_ends(ends), "wall_s": time.monotonic() - t0, "memory": [mem_summary(m) for m in mems]}
 
 
-def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpus: int, device: str) -> dict:
+def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpus: int, device: str,
+              name: str = "run") -> dict:
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp))
     run = d / "run"
     clocks = d / "clock"
@@ -171,7 +172,8 @@ def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpu
     _, mems = read_clocks(clocks, world)
     keep = os.environ.get("NCCL_ACCURACY_KEEP")
     if keep:  # the capture's trace for later study (rank files, manifest, telemetry)
-        dst = pathlib.Path(keep) / f"{'-'.join(cmd[-12:]).replace('/', '_')[:60]}-{n_gpus}gpu-{d.name}"
+        # config, GPUs, then the temporary name (unique); the manifest has the command and its time
+        dst = pathlib.Path(keep) / f"{name}-{n_gpus}gpu-{d.name}"
         shutil.copytree(run, dst, ignore=shutil.ignore_patterns("logs", "*.sock"))
     out = {"graph": ExecutionGraph.from_events(events), "wall_s": wall,
            "memory": [{**mem_summary(mems[r]), "trace_peak_allocated": peaks.get(r)} for r in range(world)],
@@ -275,7 +277,7 @@ def main() -> int:
                                          "wall_s": t["wall_s"], "memory": t["memory"]})
                     msg = f"{name} run {i}: truth {t_mean / 1e6:.2f} ms"
                     for k in caps:
-                        p = run_prism(world, cmd, layout, tmp, k, a.device)
+                        p = run_prism(world, cmd, layout, tmp, k, a.device, name=f"{name}-run{i}")
                         g = p["graph"]
                         res = replay_batch(g, cost_model=model)
                         p_mean = res.mean_iteration_time(a.warmup)
