@@ -16,6 +16,11 @@ not when the CPU queued them. On CUDA ranks it also writes memory lines:
 counts: the launcher's ranks leave through ``os._exit``, so nothing can be
 written at exit). Under Prism the peak statistics are reset at each step
 boundary, so there the trace's Memory events give the run's peak.
+
+With ``PRISM_STEPCLOCK_PROFILE_STEP=K`` the torch profiler (CPU, and CUDA
+where the rank uses it) records exactly step K, from step K-1's end to step
+K's end, into ``profile-rank-R.json`` (Chrome trace) beside the step file:
+``bench/truth_segments.py`` cuts it into the segments a capture records.
 """
 
 import os
@@ -50,11 +55,17 @@ def main() -> None:
     count = [0]
     sync = os.environ.get("PRISM_STEPCLOCK_SYNC") == "1"
     mem_step = int(os.environ.get("PRISM_STEPCLOCK_MEM_STEP", "2"))
+    profile_step = int(os.environ.get("PRISM_STEPCLOCK_PROFILE_STEP", "-1"))
+    prof = [None]
 
     def hook(optimizer, args, kwargs) -> None:
         cuda = torch.cuda.is_initialized()
         if sync and cuda:
             torch.cuda.synchronize()
+        if prof[0] is not None and count[0] == profile_step:
+            prof[0].stop()
+            prof[0].export_chrome_trace(os.path.join(out_dir, f"profile-rank-{rank}.json"))
+            prof[0] = None
         log.write(f"{count[0]} {time.monotonic_ns()}\n")
         if cuda and count[0] == mem_step:
             log.write(f"mem-step {count[0]} {_nvml_process_bytes()} {torch.cuda.memory_reserved()} "
@@ -62,6 +73,12 @@ def main() -> None:
         if cuda:
             log.write(f"mem-peak {count[0]} {torch.cuda.max_memory_allocated()} {torch.cuda.max_memory_reserved()}\n")
         count[0] += 1
+        if count[0] == profile_step:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            prof[0] = profile(activities=acts)
+            prof[0].start()
 
     register_optimizer_step_post_hook(hook)
     if os.environ.get("PRISM_STEPCLOCK_MODE") == "1":
