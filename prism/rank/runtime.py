@@ -335,9 +335,14 @@ class RankRuntime:
         bound = False
         while True:
             handler, fut = self._completions.get()
-            try:
-                if not bound:
+            if not bound:
+                try:
                     bound = devices.bind_thread()
+                except Exception as e:  # noqa: BLE001 (a second context costs memory; a skipped handler would hang)
+                    bound = True
+                    print(f"Prism (rank {self.rank}): could not select this rank's GPU in the completion thread "
+                          f"({e}); results are still delivered", file=sys.stderr)
+            try:
                 handler(fut)
             except BaseException:
                 # The thread must survive, or every later call would hang.
