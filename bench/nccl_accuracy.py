@@ -128,16 +128,22 @@ def mem_summary(mem: dict) -> dict:
     return out
 
 
-def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float, device: str) -> dict:
-    d = pathlib.Path(tempfile.mkdtemp(prefix="truth-", dir=tmp))
-    t0 = time.monotonic()
-    env = {"PRISM_STEPCLOCK_DIR": str(d), "PRISM_STEPCLOCK_SYNC": "1", "OMP_NUM_THREADS": "1"}
+def launch_truth(world: int, cmd: list[str], d: pathlib.Path, timeout: float, env: dict | None = None) -> None:
+    """Run ``cmd`` under the step clock as a plain job of ``world`` ranks
+    writing into ``d``; raises with the ranks' log tails if one fails."""
+    env = {"PRISM_STEPCLOCK_DIR": str(d), "PRISM_STEPCLOCK_SYNC": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     h = launch_ranks(world, None, d, [STEPCLOCK, *cmd], env=env, show_ranks=())
     codes = h.wait(timeout=timeout)
     if any(c != 0 for c in codes):
         h.close()
         logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted((d / "logs").glob("*.log")))
         raise RuntimeError(f"ground-truth run failed (exit codes {codes}):\n{logs}")
+
+
+def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float, device: str) -> dict:
+    d = pathlib.Path(tempfile.mkdtemp(prefix="truth-", dir=tmp))
+    t0 = time.monotonic()
+    launch_truth(world, cmd, d, timeout)
     ends, mems = read_clocks(d, world)
     shutil.rmtree(d, ignore_errors=True)
     return {"ends": job_step_ends(ends), "wall_s": time.monotonic() - t0, "memory": [mem_summary(m) for m in mems]}

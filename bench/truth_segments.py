@@ -40,7 +40,6 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-STEPCLOCK = str(ROOT / "bench" / "_stepclock.py")
 #: GPU activity launched by the CPU (categories of the torch profiler's Chrome trace)
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
@@ -135,16 +134,13 @@ def capture_stretches(run: str | pathlib.Path, step: int) -> dict[int, list[dict
 
 
 def run_truth(world: int, cmd: list[str], out: pathlib.Path, step: int, timeout: float) -> None:
-    from prism.launcher import launch_ranks
+    sys.path.insert(0, str(ROOT / "bench"))
+    from nccl_accuracy import launch_truth
 
-    env = {"PRISM_STEPCLOCK_DIR": str(out), "PRISM_STEPCLOCK_SYNC": "1", "OMP_NUM_THREADS": "1",
-           "PRISM_STEPCLOCK_PROFILE_STEP": str(step)}
-    h = launch_ranks(world, None, out, [STEPCLOCK, *cmd], env=env, show_ranks=())
-    codes = h.wait(timeout=timeout)
-    if any(c != 0 for c in codes):
-        h.close()
-        logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted((out / "logs").glob("*.log")))
-        raise SystemExit(f"truth_segments: the truth run failed (exit codes {codes}):\n{logs}")
+    try:
+        launch_truth(world, cmd, out, timeout, {"PRISM_STEPCLOCK_PROFILE_STEP": str(step)})
+    except RuntimeError as e:
+        raise SystemExit(f"truth_segments: {e}") from None
 
 
 def main() -> int:
