@@ -1,7 +1,7 @@
 """The ground truth's own step, cut into the segments a capture records, beside
 the capture's: which segments does the replay get wrong?
 
-    python bench/truth_segments.py --world 2 --step 5 --steps 8 [--capture RUN] [--out DIR] -- CMD...
+    python bench/truth_segments.py --world 2 --step 5 [--capture RUN] [--out DIR] -- CMD... (CMD runs past step 5)
     python bench/truth_segments.py --profiles DIR --step 5 [--capture RUN]     # already recorded
 
 Runs CMD (as ``bench/nccl_accuracy.py`` runs its truths: plain

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 7, for the next GPU session on `nvidia-h200-x2` (~4 min; written
+# 2026-11-30, NOT yet run): where do GPT pp2 and FSDP2 lose 2-5% (section 7 of
+# bench/results/nccl-2026-11-29.md)? For each, a Prism capture on 2 GPUs of the
+# same command as the accuracy bench, then bench/truth_segments.py: step 5 of
+# the truth under the torch profiler, cut at its communication calls, beside
+# the capture's step 5 (GPU busy per stretch compares directly; the profiler
+# inflates the truth's CPU spans).
+#
+#   bash bench/h200_x2_segments.sh
+set -u
+. bench/device_env.sh || exit 1
+mkdir -p "$OUT/r"
+GPT="-m prism.workloads.gpt --hidden 1024 --layers 4 --heads 16 --seq-len 512 --batch 8 --micro-batches 2
+     --vocab 4096 --device cuda --steps 8"
+FSDP2="prism/workloads/frameworks/fsdp2.py --dim 512 --hidden 2048 --layers 4 --batch 4096 --steps 8"
+seg() {  # name command...
+  local name=$1; shift
+  rm -rf "/tmp/cap-$name" "/tmp/clk-$name"; mkdir -p "/tmp/clk-$name"
+  PRISM_STEPCLOCK_DIR="/tmp/clk-$name" PRISM_STEPCLOCK_SYNC=1 timeout 120 python3 -m prism capture -n 2 \
+    --nproc-per-node 2 --gpus 0,1 --out "/tmp/cap-$name" --progress off -- bench/_stepclock.py "$@" \
+    > "$OUT/r/capture-$name.txt" 2>&1
+  timeout 120 python3 bench/truth_segments.py --world 2 --step 5 --capture "/tmp/cap-$name" \
+    --out "/tmp/truth-$name" --json "$OUT/r/segments-$name.json" -- "$@" > "$OUT/r/segments-$name.txt" 2>&1
+  tail -25 "$OUT/r/segments-$name.txt"
+  cp "/tmp/truth-$name"/profile-rank-*.json "$OUT/r/" 2>/dev/null
+  for f in "$OUT"/r/profile-rank-*.json; do [ -f "$f" ] && mv "$f" "${f%.json}-$name.json"; done
+}
+# shellcheck disable=SC2086 (the words split on purpose)
+seg pp2 $GPT --tp 1 --pp 2 --dp 1
+# shellcheck disable=SC2086
+seg fsdp2 $FSDP2
+tar czf "$OUT/results.tgz" -C "$OUT" r
