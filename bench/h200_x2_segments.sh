@@ -25,9 +25,12 @@ seg() {  # name command...
   tail -25 "$OUT/r/segments-$name.txt"
   cp "/tmp/truth-$name"/profile-rank-*.json "$OUT/r/" 2>/dev/null
   for f in "$OUT"/r/profile-rank-*.json; do [ -f "$f" ] && mv "$f" "${f%.json}-$name.json"; done
+  cp -r "/tmp/cap-$name" "$OUT/r/cap-$name" 2>/dev/null
 }
 # shellcheck disable=SC2086 (the words split on purpose)
 seg pp2 $GPT --tp 1 --pp 2 --dp 1
 # shellcheck disable=SC2086
 seg fsdp2 $FSDP2
-tar czf "$OUT/results.tgz" -C "$OUT" r
+timeout 90 python3 bench/drain_effect.py --json "$OUT/r/drain_effect.json" > "$OUT/r/drain_effect.txt" 2>&1
+tail -8 "$OUT/r/drain_effect.txt"
+tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$OUT/r"
