@@ -7,7 +7,10 @@
 # the capture's step 5 (GPU busy per stretch compares directly; the profiler
 # inflates the truth's CPU spans).
 #
-#   bash bench/h200_x2_segments.sh
+#   [SEGS="pp2 fsdp2 gpt-tp2 moe"] [NO_DRAIN=1] bash bench/h200_x2_segments.sh
+#
+# Run 2026-11-30 01:21 UTC (pp2, fsdp2; the results in
+# bench/results/nccl-2026-11-29.md, section 8).
 set -u
 . bench/device_env.sh || exit 1
 mkdir -p "$OUT/r"
@@ -23,14 +26,22 @@ seg() {  # name command...
   timeout 120 python3 bench/truth_segments.py --world 2 --step 5 --capture "/tmp/cap-$name" \
     --out "/tmp/truth-$name" --json "$OUT/r/segments-$name.json" -- "$@" > "$OUT/r/segments-$name.txt" 2>&1
   tail -25 "$OUT/r/segments-$name.txt"
-  cp "/tmp/truth-$name"/profile-rank-*.json "$OUT/r/" 2>/dev/null
-  for f in "$OUT"/r/profile-rank-*.json; do [ -f "$f" ] && mv "$f" "${f%.json}-$name.json"; done
+  # the truth's folder (step clocks, logs, the profiled step) and the capture
+  cp -r "/tmp/truth-$name" "$OUT/r/truth-$name" 2>/dev/null
   cp -r "/tmp/cap-$name" "$OUT/r/cap-$name" 2>/dev/null
+  rm -f "$OUT/r/cap-$name/prism.sock"
 }
-# shellcheck disable=SC2086 (the words split on purpose)
-seg pp2 $GPT --tp 1 --pp 2 --dp 1
-# shellcheck disable=SC2086
-seg fsdp2 $FSDP2
-timeout 90 python3 bench/drain_effect.py --json "$OUT/r/drain_effect.json" > "$OUT/r/drain_effect.txt" 2>&1
+# SEGS: which (default "pp2 fsdp2"); also gpt-tp2, moe
+for s in ${SEGS:-pp2 fsdp2}; do
+  # shellcheck disable=SC2086 (the words split on purpose)
+  case $s in
+    pp2) seg pp2 $GPT --tp 1 --pp 2 --dp 1 ;;
+    fsdp2) seg fsdp2 $FSDP2 ;;
+    gpt-tp2) seg gpt-tp2 $GPT --tp 2 --pp 1 --dp 1 ;;
+    moe) seg moe $GPT --tp 1 --pp 1 --dp 2 --ep 2 --experts 4 ;;
+    *) echo "unknown SEGS entry $s"; exit 2 ;;
+  esac
+done
+[ -n "${NO_DRAIN:-}" ] || timeout 90 python3 bench/drain_effect.py --json "$OUT/r/drain_effect.json" > "$OUT/r/drain_effect.txt" 2>&1
 tail -8 "$OUT/r/drain_effect.txt"
 tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$OUT/r"
