@@ -1,0 +1,204 @@
+"""The ground truth's GPU timeline of one step, cut at its communication
+kernels: was the GPU waiting for the CPU, or the CPU ahead of the GPU?
+
+    python bench/truth_timeline.py --world 2 --step 5 [--capture RUN] [--out DIR] -- CMD...
+    python bench/truth_timeline.py --profiles DIR --step 5 [--capture RUN]
+
+Runs CMD (as ``bench/truth_segments.py`` does: plain torch.distributed, one
+process per GPU with NCCL) with ``PRISM_STEPCLOCK_PROFILE_STEP`` and
+``PRISM_STEPCLOCK_PROFILE_CPU=0``: the torch profiler records only the GPU's
+activity and the CUDA calls of step ``--step`` (no operator records, so the
+CPU runs near its real speed; with operators GPT tp2's profiled step took
+118 ms against 44). Each rank's step is cut at its NCCL kernels. Per segment
+(the compute between two communication kernels):
+
+- ``free``: when the stream was free for it (the previous NCCL kernel's end,
+  ms from the step's first activity);
+- ``ahead``: how long before ``free`` the CPU had launched the segment's
+  first kernel (negative: the GPU waited for the CPU that long);
+- ``busy``: the union of the segment's kernels (NCCL's excluded);
+- ``span``: from ``free`` (or the first kernel's launch, if later) to the
+  segment's last kernel's end; ``span - busy`` is time the GPU waited for
+  the CPU inside the segment;
+- ``cpu``: the CPU's time for the segment, from the launch of the
+  communication kernel before it to the launch of the one after it (the
+  call's own issue cost included), comparable with the capture's CPU share
+  plus the profile's ``issue_us``.
+
+With ``--capture`` the capture's same step is printed beside it, per stretch
+between communication calls: the CPU share, GPU time and, where the capture
+recorded it, the wall time (which, from a drained GPU, is the finish time
+the two-clock replay's ``max(cpu, gpu)`` leaves out). Prints a table per
+rank; ``--json`` writes it. Needs CUDA (NCCL kernels).
+
+Written 2026-11-30 for issue 7 (bench/results/nccl-2026-11-29.md, section 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
+
+
+def _union(iv: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(iv):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def timeline(trace: dict) -> dict:
+    """One rank's profiled step -> segments between communication kernels (ms)."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted((e for e in ev if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+    if not gpu:
+        raise ValueError("the profile holds no GPU activity: was the step profiled with CUDA?")
+    launch = {}
+    for e in ev:
+        if e.get("cat") in LAUNCH_CATS:
+            c = e.get("args", {}).get("correlation")
+            if c is not None:
+                launch[c] = e["ts"]
+    t0 = min(min(e["ts"] for e in gpu), min(launch.values(), default=gpu[0]["ts"]))
+    segs: list[dict] = []
+    cur: list[dict] = []
+    free = gpu[0]["ts"]
+    comm_prev = None
+    cpu_from = [None]
+
+    def close(next_comm: dict | None) -> None:
+        ivs = [(e["ts"], e["ts"] + e["dur"]) for e in cur]
+        if ivs:
+            first_launch = min(launch.get(e.get("args", {}).get("correlation"), e["ts"]) for e in cur)
+            last_end = max(b for _, b in ivs)
+            start = max(free, first_launch)
+            nl = (launch.get(next_comm.get("args", {}).get("correlation")) if next_comm else None)
+            cpu = ((nl - (cpu_from[0] if cpu_from[0] is not None else first_launch)) / 1e3
+                   if nl is not None else None)
+            segs.append({
+                "cpu_ms": cpu,
+                "after": comm_prev["name"][:32] if comm_prev else "step start",
+                "free_ms": (free - t0) / 1e3,
+                "ahead_ms": (free - first_launch) / 1e3,
+                "busy_ms": _union(ivs) / 1e3,
+                "span_ms": (last_end - start) / 1e3,
+                "end_ms": (last_end - t0) / 1e3,
+                "kernels": len(cur),
+                "next_comm_ahead_ms": ((next_comm["ts"] - launch[next_comm["args"]["correlation"]]) / 1e3
+                                       if next_comm and next_comm.get("args", {}).get("correlation") in launch
+                                       else None),
+            })
+
+    for e in gpu:
+        if "nccl" in e["name"].lower():
+            close(e)
+            cur = []
+            free = e["ts"] + e["dur"]
+            comm_prev = e
+            cpu_from[0] = launch.get(e.get("args", {}).get("correlation"))
+        else:
+            cur.append(e)
+    close(None)
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" not in e["name"].lower()])
+    end = max(e["ts"] + e["dur"] for e in gpu)
+    return {"segments": segs, "busy_ms": busy / 1e3, "span_ms": (end - t0) / 1e3}
+
+
+def capture_stretches(run: str | pathlib.Path, step: int) -> dict[int, list[dict]]:
+    """Per rank, the capture's step cut at its communication calls (ms)."""
+    from prism.core import trace as T
+    from prism.core.graph import COLL, COMPUTE, RECV, SEND, ExecutionGraph
+
+    g = ExecutionGraph.from_events(T.read_run(run).ranks)
+    out: dict[int, list[dict]] = {}
+    for r in range(g.world_size):
+        sl = g.nodes_of(r)
+        cur = {"cpu_ms": 0.0, "gpu_ms": 0.0, "wall_ms": 0.0}
+        rows = []
+        for nd in range(sl.start, sl.stop):
+            if g.step[nd] != step:
+                continue
+            k = int(g.kind[nd])
+            if k == COMPUTE:
+                two = g.cpu is not None and g.cpu[nd] >= 0
+                cur["cpu_ms"] += (g.cpu[nd] if two else g.dur[nd]) / 1e6
+                cur["gpu_ms"] += (g.gpu[nd] if two else 0) / 1e6
+                cur["wall_ms"] += g.dur[nd] / 1e6
+            elif k in (COLL, SEND, RECV):
+                rows.append(cur)
+                cur = {"cpu_ms": 0.0, "gpu_ms": 0.0, "wall_ms": 0.0}
+        rows.append(cur)
+        out[r] = rows
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--step", type=int, default=5)
+    ap.add_argument("--profiles", default=None, help="a folder with profile-rank-R.json already recorded")
+    ap.add_argument("--capture", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if a.profiles:
+        d = pathlib.Path(a.profiles)
+    else:
+        if not cmd:
+            ap.error("give -- CMD (or --profiles DIR)")
+        from nccl_accuracy import launch_truth
+
+        d = pathlib.Path(a.out or tempfile.mkdtemp(prefix="truth-timeline-"))
+        d.mkdir(parents=True, exist_ok=True)
+        try:
+            launch_truth(a.world, cmd, d, a.timeout, {"PRISM_STEPCLOCK_PROFILE_STEP": str(a.step),
+                                                      "PRISM_STEPCLOCK_PROFILE_CPU": "0"})
+        except RuntimeError as e:
+            raise SystemExit(f"truth_timeline: {e}") from None
+    cap = capture_stretches(a.capture, a.step) if a.capture else {}
+    out: dict = {"step": a.step, "ranks": {}}
+    for p in sorted(d.glob("profile-rank-*.json")):
+        r = int(p.stem.rsplit("-", 1)[1])
+        try:
+            tl = timeline(json.loads(p.read_text()))
+        except (ValueError, json.JSONDecodeError) as e:
+            raise SystemExit(f"truth_timeline: {p}: {e}") from None
+        out["ranks"][r] = tl
+        rows = cap.get(r, [])
+        print(f"rank {r}, step {a.step}: GPU busy {tl['busy_ms']:.2f} ms (NCCL excluded) over {tl['span_ms']:.2f} ms")
+        print(f"  {'#':>3} {'free':>8} {'ahead':>7} {'busy':>7} {'span':>7} {'wait':>6} {'cpu':>7} {'nk':>4} {'next ahead':>10}"
+              + ("   capt cpu capt gpu capt wall" if rows else ""))
+        for i, s in enumerate(tl["segments"]):
+            nxt = s["next_comm_ahead_ms"]
+            line = (f"  {i:3d} {s['free_ms']:8.3f} {s['ahead_ms']:7.3f} {s['busy_ms']:7.3f} {s['span_ms']:7.3f} "
+                    f"{s['span_ms'] - s['busy_ms']:6.3f} {s['cpu_ms'] if s['cpu_ms'] is not None else float('nan'):7.3f} {s['kernels']:4d} {nxt if nxt is not None else float('nan'):10.3f}")
+            if i < len(rows):
+                c = rows[i]
+                line += f"   {c['cpu_ms']:8.3f} {c['gpu_ms']:8.3f} {c['wall_ms']:9.3f}"
+            print(line)
+        if rows and len(rows) != len(tl["segments"]):
+            print(f"  (the capture has {len(rows)} stretches, the truth {len(tl['segments'])}: compare with care)")
+        out["ranks"][r]["capture"] = rows
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
