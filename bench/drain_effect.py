@@ -17,6 +17,7 @@ Rounds alternate the two so machine noise hits both; the table gives the
 median and quartiles per mode and their ratio; ``--json`` writes them.
 
     python bench/drain_effect.py [--ops 400] [--rounds 30] [--json OUT.json]
+    python bench/drain_effect.py --gpt [--wait-ms 2] [--json OUT.json]   # which wait makes it cold
 
 Needs a CUDA device. Run on an H200 (2026-11-29/30, bench/results/nccl-2026-11-29.md
 section 7) with 400 ops of 256 x 256 (1.007) and 100 of 128 x 128 (1.061): in
@@ -41,7 +42,16 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=64, help="square matrix size (small: CPU-bound issue)")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--gpt", action="store_true",
+                    help="the segment is a GPT block's MLP half (layer norm, linear, GELU, linear, add: 5 ops "
+                         "on --tokens x --hidden), as between two tensor-parallel all-reduces, and the waits "
+                         "are compared: sleeping, spinning, a cross-thread wake")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--wait-ms", type=float, default=2.0, help="the wait before a cold segment (--gpt)")
     a = ap.parse_args()
+    if a.gpt:
+        return waits(a)
     if not torch.cuda.is_available():
         print("drain_effect: needs a CUDA device", file=sys.stderr)
         return 2
@@ -93,6 +103,80 @@ def main() -> int:
     if out["ahead"]["median_us"] / 1e3 < gpu_ms:
         print("note: the GPU time exceeds the CPU's issue time, so 'ahead' may block on a full queue; "
               "use fewer --ops or a smaller --size", file=sys.stderr)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def waits(a: argparse.Namespace) -> int:
+    """--gpt: a segment's CPU issue time after each kind of wait, against back to back."""
+    import threading
+
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        print("drain_effect: needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x0 = torch.randn(a.tokens, a.hidden, device=dev)
+    w1 = torch.randn(2 * a.hidden, a.hidden, device=dev) / a.hidden ** 0.5
+    w2 = torch.randn(a.hidden, 2 * a.hidden, device=dev) / a.hidden ** 0.5
+    ln = torch.nn.LayerNorm(a.hidden, device=dev)
+
+    def segment() -> int:
+        t0 = time.perf_counter_ns()
+        h = F.linear(F.gelu(F.linear(ln(x0), w1)), w2)
+        h.add_(x0)
+        return time.perf_counter_ns() - t0
+
+    wait_s = a.wait_ms / 1e3
+
+    def slept() -> None:
+        time.sleep(wait_s)
+
+    def spun() -> None:  # the GIL let go at every turn, the core kept busy
+        end = time.perf_counter() + wait_s
+        while time.perf_counter() < end:
+            time.sleep(0)
+
+    def busy() -> None:
+        end = time.perf_counter() + wait_s
+        while time.perf_counter() < end:
+            pass
+
+    def woken() -> None:  # as a capture's main thread: another thread sets its event
+        ev = threading.Event()
+        threading.Timer(wait_s, ev.set).start()
+        ev.wait()
+
+    modes = {"slept": slept, "spun": spun, "busy": busy, "woken": woken, "synced": lambda: None}
+    for _ in range(10):
+        segment()
+    torch.cuda.synchronize()
+    res: dict[str, list[int]] = {k: [] for k in [*modes, "ahead"]}
+    for _ in range(a.rounds):
+        for name, wait in modes.items():
+            torch.cuda.synchronize()
+            wait()
+            res[name].append(segment())
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # the GPU held: the launches never wait for a full queue
+        segment()
+        res["ahead"] += [segment() for _ in range(3)]
+    torch.cuda.synchronize()
+    out = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "tokens": a.tokens,
+           "hidden": a.hidden, "wait_ms": a.wait_ms, "rounds": a.rounds, "modes": {}}
+    base = statistics.median(res["ahead"])
+    print(f"GPT MLP segment ({a.tokens} x {a.hidden}) issue time on {out['device']}, after a {a.wait_ms} ms wait")
+    print(f"{'mode':8s} {'median us':>10s} {'q1':>8s} {'q3':>8s} {'/ ahead':>8s}")
+    for name, v in res.items():
+        q = statistics.quantiles(v, n=4)
+        m = statistics.median(v)
+        out["modes"][name] = {"median_us": m / 1e3, "q1_us": q[0] / 1e3, "q3_us": q[2] / 1e3, "n": len(v),
+                              "over_ahead": m / base}
+        print(f"{name:8s} {m / 1e3:10.1f} {q[0] / 1e3:8.1f} {q[2] / 1e3:8.1f} {m / base:8.3f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
