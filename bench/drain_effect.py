@@ -151,7 +151,23 @@ def waits(a: argparse.Namespace) -> int:
         threading.Timer(wait_s, ev.set).start()
         ev.wait()
 
-    modes = {"slept": slept, "spun": spun, "busy": busy, "woken": woken, "synced": lambda: None}
+    cycles = [0]
+
+    def held(wait):  # the same wait with the GPU kept busy through it (a spin kernel)
+        def f() -> None:
+            torch.cuda._sleep(cycles[0])
+            wait()
+        return f
+
+    # cycles of torch.cuda._sleep per wait (+10%: still busy when the segment is issued)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    torch.cuda._sleep(1_000_000)
+    e1.record()
+    torch.cuda.synchronize()
+    cycles[0] = int(1_000_000 * 1.1 * a.wait_ms / e0.elapsed_time(e1))
+    modes = {"slept": slept, "spun": spun, "busy": busy, "woken": woken, "synced": lambda: None,
+             "slept+gpu": held(slept), "busy+gpu": held(busy), "woken+gpu": held(woken)}
     for _ in range(10):
         segment()
     torch.cuda.synchronize()
