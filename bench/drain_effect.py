@@ -166,8 +166,20 @@ def waits(a: argparse.Namespace) -> int:
     e1.record()
     torch.cuda.synchronize()
     cycles[0] = int(1_000_000 * 1.1 * a.wait_ms / e0.elapsed_time(e1))
+    tiny_gpu = torch.zeros(1, device=dev)
+    tiny_cpu = torch.zeros(1)
+
+    def warmed(wait, t, n=8):  # the wait, then n tiny calls before the segment (a capture could make them)
+        def f() -> None:
+            wait()
+            for _ in range(n):
+                t.add_(1)
+        return f
+
     modes = {"slept": slept, "spun": spun, "busy": busy, "woken": woken, "synced": lambda: None,
-             "slept+gpu": held(slept), "busy+gpu": held(busy), "woken+gpu": held(woken)}
+             "slept+gpu": held(slept), "busy+gpu": held(busy), "woken+gpu": held(woken),
+             "woken+w8g": warmed(woken, tiny_gpu), "woken+w8c": warmed(woken, tiny_cpu),
+             "woken+w32g": warmed(woken, tiny_gpu, 32), "woken+w32c": warmed(woken, tiny_cpu, 32)}
     for _ in range(10):
         segment()
     torch.cuda.synchronize()
@@ -186,13 +198,13 @@ def waits(a: argparse.Namespace) -> int:
            "hidden": a.hidden, "wait_ms": a.wait_ms, "rounds": a.rounds, "modes": {}}
     base = statistics.median(res["ahead"])
     print(f"GPT MLP segment ({a.tokens} x {a.hidden}) issue time on {out['device']}, after a {a.wait_ms} ms wait")
-    print(f"{'mode':8s} {'median us':>10s} {'q1':>8s} {'q3':>8s} {'/ ahead':>8s}")
+    print(f"{'mode':10s} {'median us':>10s} {'q1':>8s} {'q3':>8s} {'/ ahead':>8s}")
     for name, v in res.items():
         q = statistics.quantiles(v, n=4)
         m = statistics.median(v)
         out["modes"][name] = {"median_us": m / 1e3, "q1_us": q[0] / 1e3, "q3_us": q[2] / 1e3, "n": len(v),
                               "over_ahead": m / base}
-        print(f"{name:8s} {m / 1e3:10.1f} {q[0] / 1e3:8.1f} {q[2] / 1e3:8.1f} {m / base:8.3f}")
+        print(f"{name:10s} {m / 1e3:10.1f} {q[0] / 1e3:8.1f} {q[2] / 1e3:8.1f} {m / base:8.3f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
