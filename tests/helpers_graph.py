@@ -32,10 +32,12 @@ class Program:
         self.clock[r] = t + dt
         return t
 
-    def compute(self, r: int, dur: int, *, cpu: int = -1, gpu: int = -1, join: bool = False) -> None:
-        """A compute segment; ``cpu``/``gpu``/``join`` make it a GPU rank's two-clock segment."""
+    def compute(self, r: int, dur: int, *, cpu: int = -1, gpu: int = -1, join: bool = False, free: int = -1,
+                cold: int = 0) -> None:
+        """A compute segment; ``cpu``/``gpu``/``join`` (and ``free``/``cold``,
+        PrismTrace 1.2) make it a GPU rank's two-clock segment."""
         t = self._tick(r, dur)
-        self.events[r].append(Compute(t, t + dur, self.step[r], cpu, gpu, join))
+        self.events[r].append(Compute(t, t + dur, self.step[r], cpu, gpu, join, free, cold))
 
     def coll(self, gid: str, op: str = "all_reduce", nbytes: int = 1024, *, async_on=(), dtype: str = "float32",
              handle: str = "") -> int:

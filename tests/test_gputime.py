@@ -61,7 +61,7 @@ def test_cpu_share_without_cuda_is_the_wall_time_less_the_mode_cost():
     start = time.monotonic_ns()
     t.open(0)
     mode.calls += 50
-    cpu_end, end, cpu_ns, gpu_ns = t.close(start, False)
+    cpu_end, end, cpu_ns, gpu_ns, free_ns, cold_ns = t.close(start, False)
     assert gpu_ns == -1 and end == cpu_end
     assert cpu_ns == max(cpu_end - start - 50_000, 0)
 
@@ -118,7 +118,7 @@ def test_calibrated_segment_measures_gpu_busy_time_not_issue_gaps():
     for _ in range(8):
         a @ a
         time.sleep(0.002)  # a slow CPU: 16 ms of gaps a plain event pair would count
-    cpu_end, end, cpu_ns, gpu_ns = t.close(start, False)
+    cpu_end, end, cpu_ns, gpu_ns, free_ns, cold_ns = t.close(start, False)
     assert gpu_ns > 0, "the spin should have covered the issue time"
     assert abs(gpu_ns - busy) < 0.25 * busy + 100_000, (gpu_ns, busy)
     assert cpu_ns >= 16_000_000 and end >= cpu_end
@@ -148,7 +148,7 @@ def test_calibration_covers_the_scripts_own_streams():
                 a @ a
                 time.sleep(0.002)
             # the segment ends at a call made with the side stream current
-            cpu_end, end, cpu_ns, gpu_ns = t.close(start, False)
+            cpu_end, end, cpu_ns, gpu_ns, free_ns, cold_ns = t.close(start, False)
     finally:
         torch.cuda.set_stream, torch.cuda.synchronize = set_stream, sync
         torch.cuda.set_sync_debug_mode(0)
@@ -166,7 +166,7 @@ def test_a_join_segments_cpu_share_ends_where_the_waiting_call_began():
     mode.call_ns = start + 1_000  # the .item() began 1 us into the segment, then waited
     time.sleep(0.01)
     t._script_synced()
-    cpu_end, end, cpu_ns, gpu_ns = closed[-1]
+    cpu_end, end, cpu_ns, gpu_ns, _, _ = closed[-1]
     assert cpu_ns == 1_000 and end - start >= 10_000_000
     # a stamp from before the segment (the wait came from outside the mode): the wall time
     t.open(0)

@@ -155,10 +155,12 @@ class FakeGpuTiming:
     def __init__(self):
         self.now = 0
         self.opened = []
+        self.after = []
         self.on_script_sync = None
 
-    def open(self, step):
+    def open(self, step, after_comm=False):
         self.opened.append(step)
+        self.after.append(after_comm)
         return 0
 
     def disarm(self):
@@ -167,7 +169,9 @@ class FakeGpuTiming:
     def close(self, start, script_join):
         cpu_end = self.now
         end = cpu_end + (0 if script_join else 300)
-        return cpu_end, end, (end if script_join else cpu_end) - start - 7, 111 if self.opened[-1] == 1 else -1
+        gpu = 111 if self.opened[-1] == 1 else -1
+        free = end - start - 7 if gpu == -1 else -1
+        return cpu_end, end, (end if script_join else cpu_end) - start - 7, gpu, free, 50 if self.after[-1] else 0
 
 
 def test_gpu_rank_segments_carry_two_clocks_and_joins(rt):
@@ -187,14 +191,14 @@ def test_gpu_rank_segments_carry_two_clocks_and_joins(rt):
     r.comm_exit(6_000)
     fake.now = 9_000
     r.finish(9_999, "ok")
-    comp = [(e["start_ns"], e["end_ns"], e["step"], e["cpu_ns"], e["gpu_ns"], e["join"])
+    comp = [(e["start_ns"], e["end_ns"], e["step"], e["cpu_ns"], e["gpu_ns"], e["join"], e["free_ns"], e["cold_ns"])
             for e in rt.client.events() if e["k"] == "compute"]
     assert comp == [
-        (1_000, 2_300, 0, 993, -1, False),
-        (3_000, 3_500, 0, 493, -1, True),
-        (3_500, 4_300, 0, 493, -1, True),
-        (4_300, 4_900, 1, 600, -1, False),  # no wait for the GPU: its share is the wall time
-        (6_000, 9_300, 1, 2_993, 111, False),  # step 1 calibrated
+        (1_000, 2_300, 0, 993, -1, False, 1_293, 0),
+        (3_000, 3_500, 0, 493, -1, True, 493, 50),  # after a communication call: starts cold
+        (3_500, 4_300, 0, 493, -1, True, 793, 0),  # after the script's own wait: as cold as the real job's
+        (4_300, 4_900, 1, 600, -1, False, -1, 0),  # no wait for the GPU: its share is the wall time
+        (6_000, 9_300, 1, 2_993, 111, False, -1, 50),  # step 1 calibrated
     ]
     assert [e["end_ns"] for e in rt.client.events() if e["k"] == "iter"] == [4_300]
     assert fake.opened[:4] == [0, 0, 0, 1]

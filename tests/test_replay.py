@@ -168,7 +168,8 @@ def programs(draw):
                 r = draw(st.integers(0, world - 1))
                 if r in gpu_ranks:
                     p.compute(r, draw(st.integers(0, 5000)), cpu=draw(st.integers(0, 5000)),
-                              gpu=draw(st.sampled_from([-1, -2, 0, 700, 4000])), join=draw(st.booleans()))
+                              gpu=draw(st.sampled_from([-1, -2, 0, 700, 4000])), join=draw(st.booleans()),
+                              free=draw(st.sampled_from([-1, 0, 900, 6000])), cold=draw(st.sampled_from([0, 300])))
                 else:
                     p.compute(r, draw(st.integers(0, 5000)))
             elif what == "coll":
@@ -315,6 +316,50 @@ def test_two_clock_compute_overlaps_cpu_issue_with_gpu_work_and_joins():
     # given durations replay one clock: the recorded wall times
     one = replay_reference(g, np.full(g.n_nodes, 10, np.int64), cost_model=UNIT)
     assert one.rank_end(0).tolist()[:2] == [10, 1010]
+
+
+def _engines():
+    return (replay_reference, lambda g, cost_model: SteppableReplay(g, cost_model=cost_model).run(), replay_batch)
+
+
+def test_a_segment_ends_no_earlier_than_its_free_finish_unless_the_gpu_is_behind():
+    """PrismTrace 1.2's free_ns: a segment whose launches come unevenly (the
+    GPU idles between them) takes longer than max(cpu, gpu) from an idle GPU;
+    behind a busy GPU its kernels queue up and its GPU time governs."""
+
+    def program(w_gpu):
+        p = Program(1)
+        for calibrated in (False, True):  # step 0 measures free finishes, step 1 GPU times
+            p.compute(0, 9_999, cpu=100 if not calibrated else 150, gpu=w_gpu if calibrated else -1,
+                      free=-1 if calibrated else max(w_gpu, 100))
+            p.compute(0, 9_999, cpu=1_000 if not calibrated else 1_200, gpu=2_000 if calibrated else -1,
+                      free=-1 if calibrated else 2_500, join=True)
+            p.end_step()
+        return ExecutionGraph.from_events(p.events)
+
+    idle, behind = program(10), program(3_000)
+    assert idle.free.tolist()[:2] == [100, 2_500] and idle.free.tolist()[3:5] == [100, 2_500]
+    for replay in _engines():
+        # GPU idle at the segment: max(cpu 1_000, gpu 2_000) would end it at 2_000 (+10 behind W)
+        assert replay(idle, cost_model=UNIT).rank_end(0).tolist()[:2] == [100, 2_600]
+        # the GPU busy until 3_000 with W: 3_000 + 2_000, the free finish (100 + 2_500) is below
+        assert replay(behind, cost_model=UNIT).rank_end(0).tolist()[:2] == [3_000, 5_000]
+
+
+def test_a_cold_start_comes_off_the_cpu_share_and_free_finish_at_most_half_the_share():
+    p = Program(1)
+    p.compute(0, 9_999, cpu=1_000, gpu=-1, free=2_500, cold=300)
+    p.compute(0, 9_999, cpu=400, gpu=-1, free=500, cold=300, join=True)
+    p.end_step()
+    p.compute(0, 9_999, cpu=1_100, gpu=200, cold=300)
+    p.compute(0, 9_999, cpu=450, gpu=100, cold=300, join=True)
+    p.end_step()
+    g = ExecutionGraph.from_events(p.events)
+    assert g.cpu.tolist() == [700, 200, -1, 700, 200, -1]
+    assert g.free.tolist() == [2_200, 300, -1, 2_200, 300, -1]
+    for replay in _engines():
+        # step 0: free 2_200 > cpu 700 and gpu 200; then CPU 700 .. 900, GPU 2_200 + 100; free 700 + 300
+        assert replay(g, cost_model=UNIT).rank_end(0).tolist()[:2] == [2_200, 2_300]
 
 
 def test_the_issue_cost_of_a_call_lengthens_the_cpu_side_only():

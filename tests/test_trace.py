@@ -175,7 +175,8 @@ def _manifest_obj(**changes):
 
 
 def test_manifest_newer_major_is_refused_naming_file_and_versions():
-    match = r"RUN/manifest.json was written with PrismTrace 2\.1; this reader knows only major version 1 \(up to 1\.1\)\. Upgrade Prism"
+    match = (rf"RUN/manifest.json was written with PrismTrace 2\.{T.TRACE_VERSION_MINOR}; this reader knows only "
+             rf"major version 1 \(up to 1\.{T.TRACE_VERSION_MINOR}\)\. Upgrade Prism")
     with pytest.raises(T.TraceVersionError, match=match):
         T.decode_manifest(_manifest_obj(version=2), file="RUN/manifest.json")
 
@@ -420,7 +421,7 @@ def test_read_run_with_newer_minor_skips_unknown_kinds_and_fields(tmp_path):
     assert run.ranks[0] == rank_events(0)
     assert run.lines[0][3] == 5  # line numbers still point into the file
     msgs = [w.message for w in run.warnings]
-    assert any("written by PrismTrace 1.2" in m for m in msgs)
+    assert any(f"written by PrismTrace 1.{T.TRACE_VERSION_MINOR + 1}" in m for m in msgs)
     assert any("skipped records of unknown kind 'future'" in m for m in msgs)
     # With the reader's own minor the same lines are damage.
     T.manifest_path(run_dir).write_bytes(T.encode_manifest(MANIFEST))
@@ -717,8 +718,18 @@ def test_killed_writer_leaves_whole_lines_and_at_most_one_torn(tmp_path, flush_e
     rt = T.read_rank_file(path)
     assert len(rt.events) > 1000
     assert rt.events == [Compute(i, i + 1, 0) for i in range(len(rt.events))]
-    assert len(rt.warnings) == 1
-    assert rt.warnings[0].line == len(rt.events) + 1
+    # killed mid-line (nearly always) or, rarely, between two whole lines
+    assert len(rt.warnings) <= 1
+    assert all(w.line == len(rt.events) + 1 for w in rt.warnings)
+
+
+def test_compute_records_of_minor_1_get_the_1_2_defaults():
+    line = b'{"k":"compute","start_ns":5,"end_ns":9,"step":1,"cpu_ns":3,"gpu_ns":-1,"join":false}'
+    assert T.decode_event(line, minor=1) == T.Compute(5, 9, 1, 3, -1, False, -1, 0)
+    with pytest.raises(T.TraceFormatError, match="missing field 'free_ns'"):
+        T.decode_event(line)
+    two = T.Compute(5, 9, 1, cpu_ns=3, gpu_ns=-1, free_ns=8, cold_ns=2)
+    assert T.decode_event(T.encode_event(two)) == two
 
 
 def test_compute_records_of_minor_0_get_the_1_1_defaults():

@@ -141,6 +141,9 @@ class NodeColumns:
     cpu: np.ndarray | None = None
     gpu: np.ndarray | None = None
     join: np.ndarray | None = None
+    #: The finish of the segment's GPU work from its start when nothing is
+    #: queued ahead (int64 ns, -1: unknown; PrismTrace 1.2's ``free_ns``).
+    free: np.ndarray | None = None
 
 
 def _range_gather(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -259,7 +262,7 @@ class ExecutionGraph:
                     b.add(r, COMPUTE, dur=ev.end_ns - ev.start_ns, step=ev.step,
                           rec_start=ev.start_ns, rec_end=ev.end_ns)
                     if ev.cpu_ns >= 0:
-                        b.clocks[len(b.rows) - 1] = (ev.cpu_ns, ev.gpu_ns, ev.join)
+                        b.clocks[len(b.rows) - 1] = (ev.cpu_ns, ev.gpu_ns, ev.join, ev.free_ns, ev.cold_ns)
                 elif sub == 1:
                     b.add(r, WAIT, wait_of=row_of_event[i], step=ev.step,
                           rec_start=ev.wait_ns, rec_end=ev.end_ns)
@@ -286,8 +289,8 @@ class ExecutionGraph:
         gindex = {g: k for k, g in enumerate(gids)}
         cols, p2p_sig = b.finish(gindex, tuple(sorted(sigs, key=sigs.get)))
         if b.clocks:
-            cpu, gpu, join = two_clock_columns(cols, b.clocks, cpu_share=cpu_share)
-            cols = dataclasses.replace(cols, cpu=cpu, gpu=gpu, join=join)
+            cpu, gpu, join, free = two_clock_columns(cols, b.clocks, cpu_share=cpu_share)
+            cols = dataclasses.replace(cols, cpu=cpu, gpu=gpu, join=join, free=free)
         p2p_table = tuple(sorted(b.p2p_sigs, key=b.p2p_sigs.get))
         return cls.from_columns(world, tuple(Group(g, groups[g]) for g in gids), cols,
                                 p2p_sig=p2p_sig, p2p_sig_table=p2p_table)
@@ -334,16 +337,19 @@ class ExecutionGraph:
         self.step = cols.step.astype(np.int32, copy=False)
         self.rec_start = cols.rec_start.astype(np.int64, copy=False)
         self.rec_end = cols.rec_end.astype(np.int64, copy=False)
-        self.cpu = self.gpu = self.join = None
+        self.cpu = self.gpu = self.join = self.free = None
         if cols.cpu is not None:
             self.cpu = np.asarray(cols.cpu, np.int64)
             self.gpu = np.asarray(cols.gpu, np.int64)
             self.join = np.asarray(cols.join, bool)
-            if not (self.cpu.shape == self.gpu.shape == self.join.shape == (n,)):
-                raise GraphError("cpu, gpu and join columns need one entry per node (a Prism bug: please report it)")
+            self.free = (np.asarray(cols.free, np.int64) if cols.free is not None
+                         else np.full(n, -1, np.int64))
+            if not (self.cpu.shape == self.gpu.shape == self.join.shape == self.free.shape == (n,)):
+                raise GraphError("cpu, gpu, join and free columns need one entry per node "
+                                 "(a Prism bug: please report it)")
             two = (self.kind == COMPUTE) & (self.cpu >= 0)
             if not two.any():
-                self.cpu = self.gpu = self.join = None
+                self.cpu = self.gpu = self.join = self.free = None
             elif np.any(two & (self.gpu < 0)):
                 raise GraphError("a two-clock compute node has no GPU time (a Prism bug: please report it)")
         self.group_size = np.array([len(gr.ranks) for gr in groups], dtype=np.int64)
@@ -658,8 +664,8 @@ class _ColumnBuilder:
     def __init__(self) -> None:
         self.rows: list[tuple] = []
         self.p2p_sigs: dict[tuple, int] = {}
-        #: row -> (cpu_ns, gpu_ns, join) of GPU compute segments
-        self.clocks: dict[int, tuple[int, int, bool]] = {}
+        #: row -> (cpu_ns, gpu_ns, join, free_ns, cold_ns) of GPU compute segments
+        self.clocks: dict[int, tuple[int, int, bool, int, int]] = {}
 
     def add(self, rank, kind, *, dur=0, is_async=False, group="", seq=0, op=-1, sig=-1, peer=-1, tag=0,
             nbytes=0, wait_of=-1, step=0, rec_start=0, rec_end=0, shape_sig=None) -> int:
@@ -687,11 +693,11 @@ class _ColumnBuilder:
 CPU_SHARES = ("min", "median", "own")
 
 
-def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bool]], *,
-                      cpu_share: str = "min") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-node CPU share, GPU busy time and join flag for the replay's two
-    clocks (docs/GPU-TIMING.md), from the recorded ``(cpu_ns, gpu_ns, join)``
-    of GPU compute segments.
+def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
+                      cpu_share: str = "min") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-node CPU share, GPU busy time, join flag and free finish for the
+    replay's two clocks (docs/GPU-TIMING.md), from the recorded ``(cpu_ns,
+    gpu_ns, join[, free_ns, cold_ns])`` of GPU compute segments.
 
     GPU time is measured on calibration steps only. A segment elsewhere takes
     the GPU time of its counterpart in the calibration steps of the same rank:
@@ -717,6 +723,17 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bo
     median of their counterparts, the behaviour before) and 5.2% for
     ``"median"`` (all segments the median); chosen on those captures, so to be
     confirmed on new ones (bench/results/nccl-2026-11-29.md, section 6).
+
+    Free finish (PrismTrace 1.2): a segment takes the smallest ``free_ns``
+    among its counterparts in the uncalibrated steps (-1 when none has one):
+    from its start to the end of its GPU work with nothing queued ahead, which
+    the replay's ``max(cpu, gpu)`` leaves out when the issue is uneven (a
+    pipeline stage's backward after the loss's ``.item()``: the first
+    launches come slowly while the GPU waits for them). Cold start: a
+    segment's ``cold_ns`` (what the capture's CPU lost to Prism's wait at the
+    call before it, which the real job's CPU does not make) comes off its CPU
+    share and free finish, at most half the share (a short segment cannot
+    have lost more than it took).
     """
     if cpu_share not in CPU_SHARES:
         raise ValueError(f"cpu_share {cpu_share!r}: expected one of {', '.join(CPU_SHARES)}")
@@ -724,6 +741,8 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bo
     cpu = np.full(n, -1, np.int64)
     gpu = np.full(n, -1, np.int64)
     join = np.zeros(n, bool)
+    free = np.full(n, -1, np.int64)
+    clocks = {row: (tuple(v) + (-1, 0))[:5] for row, v in clocks.items()}  # 1.1 callers: no free, no cold
     # (rank, step) -> rows of that step's two-clock segments, in order
     by_step: dict[tuple[int, int], list[int]] = {}
     for row in sorted(clocks):
@@ -752,14 +771,17 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bo
     calibration = {key: any(clocks[row][1] != -1 for row in rows) for key, rows in by_step.items()}
     measured: dict[tuple, list[int]] = {}  # (rank, match key) -> GPU times from calibration steps
     plain: dict[tuple, list[int]] = {}  # (rank, match key) -> CPU shares from the other steps
+    frees: dict[tuple, list[int]] = {}  # (rank, match key) -> free finishes from the other steps
     for (r, st), rows in by_step.items():
         for row, ks in zip(rows, step_keys[r, st]):
-            c, g, _ = clocks[row]
+            c, g, _, f, _ = clocks[row]
             for k in ks:
                 if g >= 0:
                     measured.setdefault((r, k), []).append(g)
                 elif not calibration[r, st]:
                     plain.setdefault((r, k), []).append(c)
+                    if f >= 0:
+                        frees.setdefault((r, k), []).append(f)
 
     def first(table: dict[tuple, list[int]], r: int, ks: tuple) -> list[int] | None:
         for k in ks:
@@ -770,7 +792,7 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bo
 
     for (r, st), rows in by_step.items():
         for row, ks in zip(rows, step_keys[r, st]):
-            c, g, j = clocks[row]
+            c, g, j, _, cold = clocks[row]
             join[row] = j
             if calibration[r, st] or cpu_share != "own":
                 other = first(plain, r, ks)
@@ -779,6 +801,11 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple[int, int, bo
             if g < 0:  # -1: not a calibration step; -2: its measurement was discarded
                 vals = first(measured, r, ks)
                 g = min(vals) if vals else int(cols.dur[row])
-            cpu[row] = max(c, 0)
+            c = max(c, 0)
+            pen = min(max(cold, 0), c // 2)
+            cpu[row] = c - pen
             gpu[row] = max(g, 0)
-    return cpu, gpu, join
+            fs = first(frees, r, ks)
+            if fs:
+                free[row] = max(int(min(fs)) - pen, 0)
+    return cpu, gpu, join, free

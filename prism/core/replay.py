@@ -90,6 +90,9 @@ class Costs:
     cpu: np.ndarray | None = None
     gpu: np.ndarray | None = None
     join: np.ndarray | None = None
+    #: Two-clock nodes: the finish from the segment's start with nothing
+    #: queued ahead of it (-1: unknown), a floor under its end.
+    free: np.ndarray | None = None
 
     @property
     def two_clock(self) -> bool:
@@ -107,8 +110,9 @@ class Costs:
             dur = graph.dur
             if graph.cpu is not None:
                 cpu = _with_issue(graph, graph.cpu, cost_model.issue_costs(graph))
+                free = graph.free if graph.free is not None else np.full(graph.n_nodes, -1, np.int64)
                 return cls(dur, cost_model.instance_costs(graph), cost_model.message_costs(graph), cost_model,
-                           cpu, graph.gpu, graph.join)
+                           cpu, graph.gpu, graph.join, free)
         else:
             dur = np.asarray(durations)
             if dur.shape != (graph.n_nodes,):
@@ -401,6 +405,7 @@ def replay_reference(graph: ExecutionGraph, durations: np.ndarray | None = None,
     two = costs.two_clock
     if two:
         cpu_of, gpu_of, join_of = costs.cpu.tolist(), costs.gpu.tolist(), costs.join.tolist()
+        free_of = costs.free.tolist()
     clk = [0] * graph.world_size  # per rank: the CPU clock (two-clock nodes only)
     icost = costs.inst.tolist()
     mcost = costs.msg.tolist()
@@ -439,6 +444,8 @@ def replay_reference(graph: ExecutionGraph, durations: np.ndarray | None = None,
                 ca = s + cpu_of[nd]
                 if ca > e:
                     e = ca
+                if s + free_of[nd] > e:  # -1: unknown, never above
+                    e = s + free_of[nd]
                 clk[r] = e if join_of[nd] else ca
                 end[nd] = cont = e
             else:
@@ -543,6 +550,7 @@ class SteppableReplay:
             self._cpu = q(self.costs.cpu)
             self._gpu = q(self.costs.gpu)
             self._join = array("b", self.costs.join.astype(np.int8).tobytes())
+            self._free = q(self.costs.free)
         self._clk = array("q", bytes(8 * graph.world_size))
         self._icost = q(self.costs.inst)
         self._mcost = q(self.costs.msg)
@@ -636,6 +644,8 @@ class SteppableReplay:
                 ca = s + self._cpu[nd]
                 if ca > e:
                     e = ca
+                if s + self._free[nd] > e:  # -1: unknown, never above
+                    e = s + self._free[nd]
                 self._clk[r] = e if self._join[nd] else ca
                 end[nd] = cont = e
             else:

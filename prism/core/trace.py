@@ -93,13 +93,15 @@ __all__ = [
 TRACE_VERSION = 1
 #: Minor version: a newer minor only adds optional fields and event kinds, so
 #: older readers skip what they do not know (see ``docs/TRACE.md``).
-TRACE_VERSION_MINOR = 1
+TRACE_VERSION_MINOR = 2
 #: Fields added by a minor version, with the minor that added them: a file of an
 #: older minor lacks them and gets the field's default (docs/TRACE.md).
 _ADDED_IN_MINOR: dict[tuple[str, str], int] = {
     ("compute", "cpu_ns"): 1,
     ("compute", "gpu_ns"): 1,
     ("compute", "join"): 1,
+    ("compute", "free_ns"): 2,
+    ("compute", "cold_ns"): 2,
 }
 #: Tensors up to this many bytes have their values kept (the small-tensor
 #: store) so replay can return them exactly: MoE token counts, split sizes,
@@ -213,6 +215,17 @@ class Compute:
     #: a copy to host, ``torch.cuda.synchronize``, the step's end): the
     #: CPU resumes only when the GPU is idle.
     join: bool = False
+    #: GPU ranks (PrismTrace 1.2), uncalibrated segments: from the segment's
+    #: start to the end of its GPU work, which started idle (the capture
+    #: drains the GPU at every boundary), Prism's per-call overhead removed:
+    #: the segment's finish when nothing is queued ahead of it. -1 elsewhere.
+    free_ns: int = -1
+    #: GPU ranks (PrismTrace 1.2): the part of ``cpu_ns`` (and ``free_ns``)
+    #: estimated to be the cold start after Prism's own wait at the
+    #: communication call before the segment, which the real job's CPU, never
+    #: waiting there, does not pay (measured per rank; 0 after a join or at
+    #: the step's start). The replay takes it off.
+    cold_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)

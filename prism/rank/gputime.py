@@ -63,6 +63,11 @@ DEFAULT_CALIBRATE = "2,3"
 TWO_CLOCK_ENV = "PRISM_GPU_TWO_CLOCK"
 #: Set to 0 to let ranks that share a GPU run GPU work at the same time.
 EXCLUSIVE_ENV = "PRISM_GPU_EXCLUSIVE"
+#: Set to 0 to skip the cold-start probe (``cold_ns`` then stays 0).
+COLD_ENV = "PRISM_GPU_COLD"
+#: The probe's wait before a cold segment (a communication call's round trip
+#: through the coordinator takes about this long on one host).
+COLD_WAIT_S = 0.001
 
 _SYNC_MESSAGE = "called a synchronizing CUDA operation"
 #: Spin bounds (ns) for a calibrated segment.
@@ -118,6 +123,11 @@ class GpuTiming:
         self._walls: list[int] = []  # this step's segment walls, in order
         self._walls_prev: list[int] = []
         self._factor = 2.0
+        #: The cold start after a wait, measured once CUDA is up (None: not yet;
+        #: see ``measure_cold_start``); the segment being recorded pays it if it
+        #: follows a communication call.
+        self.cold_ns: int | None = None if os.environ.get(COLD_ENV, "1") != "0" else 0
+        self._after_comm = False
         self._local = threading.local()
         #: Only the script's main thread makes joins (the completion thread's
         #: copies into CUDA outputs also synchronise).
@@ -226,10 +236,21 @@ class GpuTiming:
 
     # --- segments --------------------------------------------------------------
 
-    def open(self, step: int) -> int:
-        """A segment starts; returns when it may (after the GPU turn)."""
+    def open(self, step: int, after_comm: bool = False) -> int:
+        """A segment starts; returns when it may (after the GPU turn).
+        ``after_comm``: it follows a communication call (not a join, not a
+        step's start), so its CPU starts cold where the real job's would not."""
         self.acquire()
         self._segment_open = True
+        if self.cold_ns is None and torch.cuda.is_initialized():
+            self._local.internal = True
+            try:
+                self.cold_ns = int(measure_cold_start(self.mode))
+            except Exception:  # noqa: BLE001 (a probe that fails leaves the shares as measured)
+                self.cold_ns = 0
+            finally:
+                self._local.internal = False
+        self._after_comm = after_comm
         t = time.monotonic_ns()
         self._begin(step)
         return t
@@ -273,8 +294,9 @@ class GpuTiming:
             self._segment_open = False
             self.release()
 
-    def close(self, start_ns: int, script_join: bool) -> tuple[int, int, int, int]:
-        """End the segment: wait for the GPU; returns (cpu_end, end, cpu_ns, gpu_ns)."""
+    def close(self, start_ns: int, script_join: bool) -> tuple[int, int, int, int, int, int]:
+        """End the segment: wait for the GPU; returns (cpu_end, end, cpu_ns,
+        gpu_ns, free_ns, cold_ns) (the last two: ``trace.Compute``'s)."""
         cpu_end = time.monotonic_ns()
         calls = (self.mode.calls - self._calls0) if self.mode is not None else 0
         gpu_ns = -1
@@ -313,8 +335,14 @@ class GpuTiming:
         else:
             wall_cpu = end - start_ns  # unknown: the wait for its own kernels stays in
         self._walls.append(end - start_ns)
-        cpu_ns = max(int(wall_cpu - calls * self.per_call_ns), 0)
-        return cpu_end, end, cpu_ns, gpu_ns
+        overhead = calls * self.per_call_ns
+        cpu_ns = max(int(wall_cpu - overhead), 0)
+        # the GPU was idle at the start (drained at the boundary before): on an
+        # uncalibrated segment the wall is the finish with nothing queued ahead
+        free_ns = max(int(end - start_ns - overhead), 0) if gpu_ns == -1 and torch.cuda.is_initialized() else -1
+        cold_ns = (self.cold_ns or 0) if self._after_comm else 0
+        self._after_comm = False
+        return cpu_end, end, cpu_ns, gpu_ns, free_ns, cold_ns
 
     def _measure_clock(self) -> float:
         """ns per ``torch.cuda._sleep`` cycle on this GPU."""
@@ -353,6 +381,51 @@ def measure_mode_overhead(mode: Any, n: int = 1000, rounds: int = 5) -> float:
             without.append(loop())
     mode.calls = calls  # the probe's calls are not the script's
     return max((statistics.median(with_mode) - statistics.median(without)) / n, 0.0)
+
+
+def measure_cold_start(mode: Any = None, rounds: int = 15, wait_s: float = COLD_WAIT_S) -> float:
+    """ns that a short segment of GPU work (a transformer MLP's five calls on
+    small tensors) takes longer to issue after a wait, woken by another
+    thread as a capture's main thread is at every communication call, than
+    issued back to back (medians over interleaved rounds; >= 0).
+
+    A capture's CPU shares all start this way; the real job's CPU does not
+    wait at its communication calls (NCCL's calls only enqueue), so the
+    replay takes this off segments that follow one. On an H200 host the
+    same five calls on 2048 x 1024 tensors took 97-124 us back to back and
+    154-320 us after a 0.3-2 ms wait (``python bench/drain_effect.py --gpt``,
+    2026-11-30); no RNG is drawn (the script's random stream is untouched).
+    """
+    import torch.nn.functional as F
+
+    calls = mode.calls if mode is not None else 0
+    x = torch.full((64, 256), 0.5, device="cuda")
+    w1 = torch.full((512, 256), 0.01, device="cuda")
+    w2 = torch.full((256, 512), 0.01, device="cuda")
+    gamma, beta = torch.ones(256, device="cuda"), torch.zeros(256, device="cuda")
+
+    def segment() -> int:
+        t0 = time.perf_counter_ns()
+        h = F.linear(F.gelu(F.linear(F.layer_norm(x, (256,), gamma, beta), w1)), w2)
+        h.add_(x)
+        return time.perf_counter_ns() - t0
+
+    for _ in range(5):
+        segment()
+    woken: list[int] = []
+    ahead: list[int] = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        ev = threading.Event()
+        timer = threading.Timer(wait_s, ev.set)
+        timer.start()
+        ev.wait()
+        woken.append(segment())
+        ahead.extend(segment() for _ in range(3))
+    torch.cuda.synchronize()
+    if mode is not None:
+        mode.calls = calls  # the probe's calls are not the script's
+    return max(statistics.median(woken) - statistics.median(ahead), 0.0)
 
 
 def from_env(mode: Any, swapping: bool = False) -> GpuTiming | None:

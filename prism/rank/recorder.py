@@ -100,10 +100,10 @@ class RankRecorder:
         self.gpu = gpu
         gpu.on_script_sync = self.script_sync
 
-    def _open(self, t_ns: int) -> None:
+    def _open(self, t_ns: int, after_comm: bool = False) -> None:
         if self.gpu is not None:
             # waits for the rank's turn on a shared GPU; the segment starts then
-            t_ns = max(t_ns, self.gpu.open(self.step))
+            t_ns = max(t_ns, self.gpu.open(self.step, after_comm))
         self._segment_start = t_ns
 
     def start_segment(self, t_ns: int) -> None:
@@ -132,7 +132,7 @@ class RankRecorder:
         with self._lock:
             self._in_comm -= 1
             if self._in_comm == 0:
-                self._open(t_ns)
+                self._open(t_ns, after_comm=True)
 
     def script_sync(self, t_ns: int) -> None:
         """The script waited for the GPU (GPU ranks): cut a joining segment."""
@@ -167,15 +167,16 @@ class RankRecorder:
             if start is not None and t_ns > start:
                 self.emit(trace.Compute(start_ns=start, end_ns=t_ns, step=self.step))
             return t_ns
+        free_ns, cold_ns = -1, 0
         if settle or script_join:
-            _, end, cpu_ns, gpu_ns = gpu.close(start, script_join)
+            _, end, cpu_ns, gpu_ns, free_ns, cold_ns = gpu.close(start, script_join)
         else:
             end = t_ns if t_ns is not None else time.monotonic_ns()
             cpu_ns, gpu_ns = max(end - start, 0), -1
             gpu.disarm()
         if end > start:
             self.emit(trace.Compute(start_ns=start, end_ns=end, step=self.step, cpu_ns=cpu_ns, gpu_ns=gpu_ns,
-                                    join=script_join or step_end))
+                                    join=script_join or step_end, free_ns=free_ns, cold_ns=cold_ns))
         return end
 
     def finish(self, t_ns: int, status: str, message: str = "") -> None:
