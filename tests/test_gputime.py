@@ -193,3 +193,37 @@ def test_ranks_take_turns_per_physical_gpu_and_not_while_swapping(monkeypatch):
     assert len(names) == 2 and all(n.endswith(("-0.lock", "-1.lock")) for n in names)
     # Swapping: no turns (a checkpointed rank's copy would hold its turn).
     assert gputime.from_env(None, swapping=True).exclusive is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: times kernel launches")
+def test_cold_start_probe_leaves_the_scripts_random_stream_and_call_count_alone():
+    mode = LogicalDeviceMode()
+    torch.zeros(1, device="cuda")
+    rng = torch.cuda.get_rng_state()
+    mode.calls = 7
+    cold = gputime.measure_cold_start(mode, rounds=5)
+    assert 0 <= cold < 50_000_000  # ns: a cold start is tens to hundreds of microseconds
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    assert mode.calls == 7
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: measures GPU busy time")
+def test_an_uncalibrated_segment_records_its_free_finish_and_a_cold_start_after_a_call():
+    a = torch.randn(2048, 2048, device="cuda")
+    busy = _busy_ns(a)
+    t = gputime.GpuTiming(frozenset(), None)
+    t.open(0)  # CUDA is up: the cold-start probe runs here, before the segment starts
+    assert t.cold_ns is not None and t.cold_ns >= 0
+    t.close(time.monotonic_ns(), False)
+    start = time.monotonic_ns()
+    t.open(0, after_comm=True)
+    for _ in range(8):
+        a @ a
+    cpu_end, end, cpu_ns, gpu_ns, free_ns, cold_ns = t.close(start, False)
+    assert gpu_ns == -1 and cold_ns == t.cold_ns
+    assert free_ns >= max(cpu_ns, 0.75 * busy), (free_ns, cpu_ns, busy)
+    start = time.monotonic_ns()
+    t.open(0)  # after a join or at a step's start: no cold start to take off
+    assert t.close(start, False)[5] == 0
