@@ -17,7 +17,7 @@ def test_summary_counts_every_rank_and_group(tmp_path, capsys):
     run_dir = write_sample_run(tmp_path / "run")
     assert cli.main(["trace", "summary", str(run_dir)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"run {run_dir}: r1, world_size 4, PrismTrace 1.1, cpu, command: train.py --steps 2")
+    assert out[0].startswith(f"run {run_dir}: r1, world_size 4, PrismTrace 1.{T.TRACE_VERSION_MINOR}, cpu, command: train.py --steps 2")
     header = out[1].split()
     assert header == ["rank", "events", "compute", "collectives", "p2p", "steps", "last_step", "end"]
     rows = {int(line.split()[0]): line.split() for line in out[2 : 2 + W]}
