@@ -389,6 +389,35 @@ def test_the_issue_cost_of_a_call_lengthens_the_cpu_side_only():
         assert replay(gpu_bound, cost_model=model).rank_end(0).tolist()[:3] == [3_000, 3_000, 6_000]
 
 
+def test_gpu_times_follow_the_aligned_program_point_when_steps_differ_in_their_joins():
+    """MoE: a step with an extra join (one more .tolist()) must not shift every
+    later segment onto the next program point's GPU time."""
+    p = Program(2)
+
+    def step(calibrated, extra_join):
+        for r in (0, 1):
+            gpu = (lambda v: v if calibrated else -1)
+            p.compute(r, 900, cpu=100, gpu=gpu(50), join=True)  # routing: token counts to the host
+            if extra_join:
+                p.compute(r, 900, cpu=100, gpu=-1, join=True)
+        p.coll("world", nbytes=0)
+        for r in (0, 1):
+            p.compute(r, 9_000, cpu=100, gpu=gpu(8_000), join=True)  # the experts
+            p.compute(r, 900, cpu=100, gpu=gpu(20), join=True)  # the step's end
+        p.end_step()
+
+    step(False, False)
+    step(True, False)
+    step(False, True)
+    g = ExecutionGraph.from_events(p.events)
+    r0 = [int(x) for x in g.gpu[g.nodes_of(0)][g.kind[g.nodes_of(0)] == COMPUTE]]
+    # step 2: the extra join aligns with the routing segment (both end before the
+    # call); the routing segment, now ending before a join, is matched by kind only
+    # (the experts'), so its own wall time bounds it; experts and step end aligned
+    assert r0[-4:] == [900, 50, 8_000, 20], r0
+    assert r0[:3] == [50, 8_000, 20]
+
+
 def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_counterpart():
     p = Program(1)
     p.compute(0, 900, cpu=500, gpu=-1)
@@ -400,22 +429,22 @@ def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_counterpart():
     p.compute(0, 2_000, cpu=1_900, gpu=450)  # a second calibration: the smaller GPU time wins
     p.compute(0, 2_000, cpu=1_950, gpu=-2, join=True)
     p.end_step()
-    p.compute(0, 900, cpu=510, gpu=-1)  # three segments: no step with as many, so by position only
-    p.compute(0, 900, cpu=590, gpu=-1)
+    p.compute(0, 900, cpu=510, gpu=-1)  # three segments: aligned with the reference step (step 1),
+    p.compute(0, 900, cpu=590, gpu=-1)  # this one and the join pair with its two; the first by kind
     p.compute(0, 900, cpu=100, gpu=-1, join=True)
     p.end_step()
     own = ExecutionGraph.from_events(p.events, cpu_share="own")
     c = np.flatnonzero(own.kind == COMPUTE)
-    # the step-end joins are one kind of segment: a calibration step takes their median (600, 100)
-    assert own.cpu[c].tolist() == [500, 600, 500, 350, 500, 350, 510, 590, 100]
-    # by default every segment takes the smallest share of its kind in the uncalibrated steps
+    # a calibration step takes the median of its aligned counterparts' shares (500, 590; 600, 100)
+    assert own.cpu[c].tolist() == [500, 600, 545, 350, 545, 350, 510, 590, 100]
+    # by default every segment takes the smallest share of its counterparts in the uncalibrated steps
     g = ExecutionGraph.from_events(p.events)
-    assert g.cpu[c].tolist() == [500, 100, 500, 100, 500, 100, 510, 590, 100]
+    assert g.cpu[c].tolist() == [500, 100, 500, 100, 500, 100, 510, 500, 100]
     assert ExecutionGraph.from_events(p.events, cpu_share="median").cpu[c].tolist() == [
-        500, 350, 500, 350, 500, 350, 510, 590, 350]
+        545, 350, 545, 350, 545, 350, 510, 545, 350]
     with pytest.raises(ValueError, match="cpu_share 'mean'"):
         ExecutionGraph.from_events(p.events, cpu_share="mean")
-    assert g.gpu[c].tolist() == [300, 900, 300, 2_000, 450, 2_000, 300, 900, 900]
+    assert g.gpu[c].tolist() == [300, 900, 300, 2_000, 450, 2_000, 300, 300, 900]
     assert g.join[c].tolist() == [False, True, False, True, False, True, False, False, True]
     plain = Program(1)
     plain.compute(0, 5)
