@@ -418,6 +418,17 @@ def test_gpu_times_follow_the_aligned_program_point_when_steps_differ_in_their_j
     assert r0[:3] == [50, 8_000, 20]
 
 
+def test_an_uncalibrated_segment_takes_the_largest_calibrated_time_its_wall_allows():
+    p = Program(1)
+    for gpu, wall in ((300, 2_000), (450, 2_000), (-1, 400), (-1, 900), (-1, 200)):
+        p.compute(0, wall, cpu=100, gpu=gpu, join=True)
+        p.end_step()
+    g = ExecutionGraph.from_events(p.events)
+    c = np.flatnonzero(g.kind == COMPUTE)
+    # walls 400 and 900 allow 300 and 450; no calibrated time fits in 200: the smallest
+    assert g.gpu[c].tolist() == [300, 450, 300, 450, 300]
+
+
 def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_counterpart():
     p = Program(1)
     p.compute(0, 900, cpu=500, gpu=-1)
@@ -426,7 +437,7 @@ def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_counterpart():
     p.compute(0, 2_000, cpu=1_900, gpu=300)  # calibration step: its CPU shares come from step 0
     p.compute(0, 2_000, cpu=1_950, gpu=-2, join=True)  # discarded measurement
     p.end_step()
-    p.compute(0, 2_000, cpu=1_900, gpu=450)  # a second calibration: the smaller GPU time wins
+    p.compute(0, 2_000, cpu=1_900, gpu=450)  # a second calibration: the larger the wall allows wins
     p.compute(0, 2_000, cpu=1_950, gpu=-2, join=True)
     p.end_step()
     p.compute(0, 900, cpu=510, gpu=-1)  # three segments: aligned with the reference step (step 1),
@@ -444,7 +455,7 @@ def test_two_clock_calibration_fills_gpu_time_and_cpu_share_by_counterpart():
         545, 350, 545, 350, 545, 350, 510, 545, 350]
     with pytest.raises(ValueError, match="cpu_share 'mean'"):
         ExecutionGraph.from_events(p.events, cpu_share="mean")
-    assert g.gpu[c].tolist() == [300, 900, 300, 2_000, 450, 2_000, 300, 300, 900]
+    assert g.gpu[c].tolist() == [450, 900, 300, 2_000, 450, 2_000, 450, 450, 900]
     assert g.join[c].tolist() == [False, True, False, True, False, True, False, False, True]
     plain = Program(1)
     plain.compute(0, 5)

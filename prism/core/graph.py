@@ -709,9 +709,17 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
     in the reference; the others by how many segments of that kind came
     before them in their step, with the step's count of such segments, then
     without it, then by plain position (data-dependent steps, MoE, differ in
-    their number of joins). Of several matches the smallest is taken: what
-    disturbs a measurement (another process's work on a shared GPU, clocks
-    still rising) only adds time. A calibration step's segment takes its CPU
+    their number of joins). Of several calibrated times a segment of an
+    uncalibrated step takes the largest its own wall time allows (its GPU
+    work ran inside that wall), else the smallest: the calibration steps may
+    differ for real (MoE's routing changes the experts' loads) and the
+    smallest of them then runs low (MoE at world 2: -4..-7% with the
+    smallest, -1..+5% with this rule, over 8 captures; chosen on the 47 kept
+    captures with truths, 2026-11-30, to be confirmed on new ones); a
+    calibration step's discarded measurement takes the smallest (what
+    disturbs a measurement, another process's work on a shared GPU or clocks
+    still rising, only adds time). A segment that the alignment did not pair
+    is bounded by its own wall time. A calibration step's segment takes its CPU
     share from the other steps the same way (the calibration holds the GPU
     back, which inflates the wall time of segments that wait for it). A
     segment without any counterpart keeps its wall time as GPU time, which
@@ -822,7 +830,16 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
                     c = int(min(other)) if cpu_share == "min" else int(np.median(other))
             if g < 0:  # -1: not a calibration step; -2: its measurement was discarded
                 vals = first(measured, r, ks)
-                g = min(vals) if vals else int(cols.dur[row])
+                if not vals:
+                    g = int(cols.dur[row])
+                elif calibration[r, st]:
+                    g = min(vals)
+                else:
+                    # the largest calibrated time its own wall time allows: the
+                    # calibration steps may differ for real (MoE's routing), and
+                    # the smallest of them then runs low
+                    under = [v for v in vals if v <= int(cols.dur[row])]
+                    g = max(under) if under else min(vals)
                 if ks[0][0] != "p" and not calibration[r, st]:
                     # not aligned: matched by kind only, perhaps with another program
                     # point; its own wall time bounds its GPU time
