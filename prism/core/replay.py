@@ -7,9 +7,10 @@ the start and end of every node on every rank. One semantics, three engines:
 * a rank runs its nodes in program order, starting at time 0;
 * ``COMPUTE`` takes its duration; on GPU ranks (two-clock nodes, see
   docs/GPU-TIMING.md) the rank's time is its GPU stream and the rank also
-  has a CPU clock ``c``: a node with CPU share ``cpu`` and GPU time ``gpu``
-  started at ``t`` ends at ``max(max(t, c) + gpu, c + cpu)`` and moves the
-  CPU clock to ``c + cpu``, or to the node's end when it ends in a join
+  has a CPU clock ``c``: a node with CPU share ``cpu``, GPU time ``gpu``
+  and free finish ``free`` (its finish from an idle GPU, -1: unknown)
+  started at ``t`` ends at ``max(max(t, c) + gpu, c + cpu, c + free)`` and
+  moves the CPU clock to ``c + cpu``, or to the node's end when it ends in a join
   (the script waited for the GPU); a one-clock node moves the CPU clock to
   its end too. Communication runs on the GPU stream and never holds the CPU
   clock, as with NCCL;

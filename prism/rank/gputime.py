@@ -39,6 +39,16 @@ GPU's tail. This module gives the recorder, per segment:
   start of the last torch call through the logical-device mode, which the
   mode stamps), else at the wait's end.
 
+- ``free_ns`` (PrismTrace 1.2): on uncalibrated segments, the wall time less
+  Prism's per-call cost: the segment started on an idle GPU (the capture
+  drained it), so this is its finish with nothing queued ahead, which the
+  replay keeps as a floor (a pipeline's backward after ``.item()`` issues
+  its first kernels one at a time while the GPU waits);
+- ``cold_ns`` (1.2): segments that follow a communication call start with a
+  cold CPU (the rank waited for the coordinator; the real job's CPU does not
+  wait there): ``measure_cold_start`` times it once, when CUDA is up, and
+  the replay takes it off.
+
 Only ranks that drive a GPU use it; CPU ranks keep one clock.
 """
 

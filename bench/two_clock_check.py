@@ -1,0 +1,133 @@
+"""Replays every kept GPU capture that has a measured truth with the current
+two-clock model and prints the error per capture and per set. Needs no GPU.
+
+    python bench/two_clock_check.py [--emulate-cold MS] [--net PROFILE] [-v] [--json OUT.json]
+
+Sets (bench/results/traces/*.tgz; truths from bench/results/nccl-2026-11-29.md):
+
+- ``old``: the 13 captures of 2026-11-29 (sections 5 and 6), PrismTrace 1.1;
+- ``new``: the 22 of the fifth session (section 7), PrismTrace 1.1;
+- ``sixth``: the 12 of this session with truths (section 8), PrismTrace 1.2:
+  they carry ``free_ns`` and ``cold_ns``.
+
+1.1 captures have no free finish and no cold start. ``--emulate-cold MS``
+fills them in as a 1.2 capture would have: ``free_ns`` = the segment's wall
+time on uncalibrated segments (exact on 2 GPUs; on 1 GPU it keeps the
+logical-device mode's cost, which a 1.2 capture takes off) and ``cold_ns`` =
+MS on segments that follow a communication call (the sixth session's probes
+measured 51-199 us per rank).
+
+The model's three choices of 2026-11-30 (the free finish, the alignment of
+segments across steps, the largest calibrated GPU time a segment's wall
+allows) were made on these 47 captures: this script is how the next session
+checks them on new ones (add the new set's truths to ``SIXTH``'s like).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import sys
+import tarfile
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cpu_share_choice import NEW, TRACES, TRUTHS  # noqa: E402
+
+from prism.core import trace as T  # noqa: E402
+from prism.core.graph import ExecutionGraph  # noqa: E402
+from prism.core.replay import replay_batch  # noqa: E402
+from prism.predict_cli import resolve_profile  # noqa: E402
+
+NET = str(ROOT / "bench" / "results" / "nccl-h200x2-issue-profile.toml")
+#: The sixth session's captures (nccl-h200x2-sixth-captures-2026-11-30.tgz):
+#: a- from the call of 01:58 UTC, b- from 02:05 (section 8 of the report).
+#: a-gpt-tp2-run1-1gpu has no truth (the call's time limit cut that run).
+SIXTH = {
+    "nccl-h200x2-sixth/a-gpt-pp2-run0-1gpu": ("GPT pp2, world 2, 1 GPU", 52.91),
+    "nccl-h200x2-sixth/a-gpt-pp2-run0-2gpu": ("GPT pp2, world 2, 2 GPUs", 52.91),
+    "nccl-h200x2-sixth/a-gpt-pp2-run1-1gpu": ("GPT pp2, world 2, 1 GPU", 52.87),
+    "nccl-h200x2-sixth/a-gpt-pp2-run1-2gpu": ("GPT pp2, world 2, 2 GPUs", 52.87),
+    "nccl-h200x2-sixth/a-gpt-tp2-run0-1gpu": ("GPT tp2, world 2, 1 GPU", 44.03),
+    "nccl-h200x2-sixth/a-gpt-tp2-run0-2gpu": ("GPT tp2, world 2, 2 GPUs", 44.03),
+    "nccl-h200x2-sixth/a-moe-dp2-ep2-run0-1gpu": ("MoE dp2 ep2, world 2, 1 GPU", 116.10),
+    "nccl-h200x2-sixth/a-moe-dp2-ep2-run0-2gpu": ("MoE dp2 ep2, world 2, 2 GPUs", 116.10),
+    "nccl-h200x2-sixth/b-fsdp2-run0-1gpu": ("FSDP2, world 2, 1 GPU", 139.23),
+    "nccl-h200x2-sixth/b-fsdp2-run0-2gpu": ("FSDP2, world 2, 2 GPUs", 139.23),
+    "nccl-h200x2-sixth/b-moe-dp2-ep2-run0-1gpu": ("MoE dp2 ep2, world 2, 1 GPU", 113.54),
+    "nccl-h200x2-sixth/b-moe-dp2-ep2-run0-2gpu": ("MoE dp2 ep2, world 2, 2 GPUs", 113.54),
+}
+
+
+def emulate_12(ranks: dict, cold_ns: int) -> dict:
+    """1.1 events with the 1.2 fields filled in (see the module docstring)."""
+    out = {}
+    for r, evs in ranks.items():
+        new, prev = [], None
+        for e in evs:
+            if isinstance(e, T.Compute) and e.cpu_ns >= 0 and e.free_ns == -1 and e.cold_ns == 0:
+                after_call = prev is not None and isinstance(prev, (T.Collective, T.P2P))
+                e = dataclasses.replace(e, free_ns=(e.end_ns - e.start_ns) if e.gpu_ns == -1 else -1,
+                                        cold_ns=cold_ns if after_call else 0)
+            if isinstance(e, (T.Compute, T.Iteration, T.Collective, T.P2P)):
+                prev = e
+            new.append(e)
+        out[r] = new
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--emulate-cold", type=float, default=None, metavar="MS",
+                    help="fill 1.1 captures' free_ns and cold_ns (MS after a call), as a 1.2 capture would")
+    ap.add_argument("--net", default=NET)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("-v", "--verbose", action="store_true", help="one line per capture")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    model, _ = resolve_profile(a.net, None)
+    cold = None if a.emulate_cold is None else int(a.emulate_cold * 1e6)
+    out: dict = {"net": a.net, "emulate_cold_ms": a.emulate_cold, "sets": {}}
+    every: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for tgz in sorted(TRACES.glob("*.tgz")):
+            with tarfile.open(tgz) as tf:
+                tf.extractall(tmp, filter="data")
+        for label, table in (("old", TRUTHS), ("new", NEW), ("sixth", SIXTH)):
+            rows = []
+            for name, (what, truth) in table.items():
+                ranks = T.read_run(pathlib.Path(tmp) / name).ranks
+                if cold is not None:
+                    ranks = emulate_12(ranks, cold)
+                ms = replay_batch(ExecutionGraph.from_events(ranks), cost_model=model).mean_iteration_time(a.warmup) / 1e6
+                err = 100 * (ms - truth) / truth
+                rows.append({"capture": name, "workload": what, "truth_ms": truth, "prism_ms": round(ms, 3),
+                             "error_pct": round(err, 2)})
+                if a.verbose:
+                    print(f"  {label:6s} {name.split('/')[-1]:28s} {what:34s} {truth:8.2f} {ms:8.2f} {err:+6.1f}%")
+            errs = [abs(r["error_pct"]) for r in rows]
+            every += errs
+            s = {"n": len(rows), "median_abs_error_pct": statistics.median(errs), "max_abs_error_pct": max(errs),
+                 "within_2pct": sum(e <= 2 for e in errs),
+                 "mean_signed_error_pct": statistics.mean(r["error_pct"] for r in rows)}
+            out["sets"][label] = {"rows": rows, "summary": s}
+            print(f"{label:6s} {s['n']:2d} captures: median |error| {s['median_abs_error_pct']:.2f}%, "
+                  f"max {s['max_abs_error_pct']:.1f}%, {s['within_2pct']} within 2%, "
+                  f"mean signed {s['mean_signed_error_pct']:+.2f}%")
+    out["all"] = {"n": len(every), "median_abs_error_pct": statistics.median(every),
+                  "within_2pct": sum(e <= 2 for e in every)}
+    print(f"all    {len(every)} captures: median |error| {out['all']['median_abs_error_pct']:.2f}%, "
+          f"{out['all']['within_2pct']} within 2%")
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
