@@ -115,8 +115,9 @@ def _summary(args: argparse.Namespace) -> int:
 
 def _gpu_timing(run: T.Run) -> None:
     """Two-clock segments of GPU ranks (docs/GPU-TIMING.md), per rank: mean
-    per step (step 0 left out) of the segments' wall time and CPU share on
-    uncalibrated steps, their GPU busy time on calibration steps, joins."""
+    per step (step 0 left out) of the segments' wall time, CPU share and free
+    finish (PrismTrace 1.2) on uncalibrated steps, their GPU busy time on
+    calibration steps, joins, and the rank's measured cold start (1.2)."""
     rows = []
     for rank, events in run.ranks.items():
         segs = [ev for ev in events if type(ev) is T.Compute and ev.cpu_ns >= 0 and ev.step > 0]
@@ -136,9 +137,11 @@ def _gpu_timing(run: T.Run) -> None:
             rank,
             per_step(plain, lambda ev: ev.end_ns - ev.start_ns),
             per_step(plain, lambda ev: ev.cpu_ns),
+            per_step(plain, lambda ev: max(ev.free_ns, 0)) if any(ev.free_ns >= 0 for ev in segs) else "-",
             per_step(cal, lambda ev: max(ev.gpu_ns, 0)),
             f"{sum(len(evs) for evs in by_step.values()) / len(by_step):.0f}",
             f"{sum(ev.join for ev in segs) / len(by_step):.0f}",
+            f"{max(ev.cold_ns for ev in segs) / 1e3:.0f}",
             ",".join(map(str, calib)) or "-",
             sum(ev.gpu_ns == -2 for ev in segs),
         ))
@@ -146,8 +149,8 @@ def _gpu_timing(run: T.Run) -> None:
         return
     print()
     print("GPU timing (two clocks; ms per step, step 0 left out; docs/GPU-TIMING.md):")
-    _table(("rank", "wall", "cpu", "gpu (calibrated)", "segments", "joins", "calibration steps", "discarded"),
-           rows, left=frozenset({6}))
+    _table(("rank", "wall", "cpu", "free", "gpu (calibrated)", "segments", "joins", "cold us",
+            "calibration steps", "discarded"), rows, left=frozenset({8}))
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[object, ...]], left: frozenset[int]) -> None:

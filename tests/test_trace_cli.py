@@ -102,14 +102,16 @@ def test_summary_shows_the_two_clocks_of_gpu_ranks(tmp_path, capsys):
             return ev
         calibrated = ev.step == 1
         return dataclasses.replace(ev, cpu_ns=(ev.end_ns - ev.start_ns) // 2,
-                                   gpu_ns=3_000_000 if calibrated else -1, join=True)
+                                   gpu_ns=3_000_000 if calibrated else -1, join=True, cold_ns=120_000,
+                                   free_ns=-1 if calibrated else ev.end_ns - ev.start_ns)
 
     events = {r: [gpu(ev) for ev in rank_events(r)] if r == 0 else rank_events(r) for r in range(W)}
     run_dir = T.write_run(tmp_path / "gpu", MANIFEST, events)
     assert cli.main(["trace", "summary", str(run_dir)]) == 0
     out = capsys.readouterr().out.splitlines()
     i = next(k for k, line in enumerate(out) if line.startswith("GPU timing"))
-    assert out[i + 1].split()[:3] == ["rank", "wall", "cpu"]
+    assert out[i + 1].split()[:4] == ["rank", "wall", "cpu", "free"]
     row = out[i + 2].split()
-    assert row[0] == "0" and row[1] == "-" and row[3] == "3.00" and row[5] == "1" and row[6] == "1"
+    assert row[0] == "0" and row[1] == "-" and row[3] == "-" and row[4] == "3.00" and row[6] == "1"
+    assert row[7] == "120" and row[8] == "1"
     assert len(out) == i + 3  # only the GPU rank
