@@ -14,9 +14,7 @@
 set -u
 . bench/device_env.sh || exit 1
 mkdir -p "$OUT/r"
-GPT="-m prism.workloads.gpt --hidden 1024 --layers 4 --heads 16 --seq-len 512 --batch 8 --micro-batches 2
-     --vocab 4096 --device cuda --steps 8"
-FSDP2="prism/workloads/frameworks/fsdp2.py --dim 512 --hidden 2048 --layers 4 --batch 4096 --steps 8"
+. bench/workloads.sh
 seg() {  # name command...
   local name=$1; shift
   rm -rf "/tmp/cap-$name" "/tmp/clk-$name"; mkdir -p "/tmp/clk-$name"
@@ -33,14 +31,9 @@ seg() {  # name command...
 }
 # SEGS: which (default "pp2 fsdp2"); also gpt-tp2, moe
 for s in ${SEGS:-pp2 fsdp2}; do
+  args=$(workload_args "$s") || exit 2
   # shellcheck disable=SC2086 (the words split on purpose)
-  case $s in
-    pp2) seg pp2 $GPT --tp 1 --pp 2 --dp 1 ;;
-    fsdp2) seg fsdp2 $FSDP2 ;;
-    gpt-tp2) seg gpt-tp2 $GPT --tp 2 --pp 1 --dp 1 ;;
-    moe) seg moe $GPT --tp 1 --pp 1 --dp 2 --ep 2 --experts 4 ;;
-    *) echo "unknown SEGS entry $s"; exit 2 ;;
-  esac
+  seg "$s" $args
 done
 [ -n "${NO_DRAIN:-}" ] || timeout 90 python3 bench/drain_effect.py --json "$OUT/r/drain_effect.json" > "$OUT/r/drain_effect.txt" 2>&1
 tail -8 "$OUT/r/drain_effect.txt"

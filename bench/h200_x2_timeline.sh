@@ -12,9 +12,7 @@
 set -u
 . bench/device_env.sh || exit 1
 mkdir -p "$OUT/r"
-GPT="-m prism.workloads.gpt --hidden 1024 --layers 4 --heads 16 --seq-len 512 --batch 8 --micro-batches 2
-     --vocab 4096 --device cuda --steps 8"
-FSDP2="prism/workloads/frameworks/fsdp2.py --dim 512 --hidden 2048 --layers 4 --batch 4096 --steps 8"
+. bench/workloads.sh
 tl() {  # name command...
   local name=$1; shift
   rm -rf "/tmp/cap-$name" "/tmp/clk-$name" "/tmp/truth-$name"; mkdir -p "/tmp/clk-$name"
@@ -31,13 +29,8 @@ tl() {  # name command...
   rm -f "$OUT/r/cap-$name/prism.sock"
 }
 for s in ${SEGS:-gpt-tp2 pp2}; do
+  args=$(workload_args "$s") || exit 2
   # shellcheck disable=SC2086 (the words split on purpose)
-  case $s in
-    pp2) tl pp2 $GPT --tp 1 --pp 2 --dp 1 ;;
-    fsdp2) tl fsdp2 $FSDP2 ;;
-    gpt-tp2) tl gpt-tp2 $GPT --tp 2 --pp 1 --dp 1 ;;
-    moe) tl moe $GPT --tp 1 --pp 1 --dp 2 --ep 2 --experts 4 ;;
-    *) echo "unknown SEGS entry $s"; exit 2 ;;
-  esac
+  tl "$s" $args
 done
 tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$OUT/r"

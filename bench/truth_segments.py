@@ -105,7 +105,8 @@ def cut_profile(trace: dict) -> dict:
 
 def capture_stretches(run: str | pathlib.Path, step: int) -> dict[int, list[dict]]:
     """Per rank, the capture's step ``step`` cut at its communication calls:
-    the summed CPU shares and GPU times the replay uses (ms), and the call."""
+    the summed CPU shares, GPU times and wall times of its segments (ms),
+    and the call."""
     from prism.core import trace as T
     from prism.core.graph import COLL, COMPUTE, OPS, RECV, SEND, ExecutionGraph
 
@@ -113,7 +114,7 @@ def capture_stretches(run: str | pathlib.Path, step: int) -> dict[int, list[dict
     out: dict[int, list[dict]] = {}
     for r in range(g.world_size):
         sl = g.nodes_of(r)
-        cur = {"cpu_ms": 0.0, "gpu_ms": 0.0, "segments": 0}
+        cur = {"cpu_ms": 0.0, "gpu_ms": 0.0, "wall_ms": 0.0, "segments": 0}
         rows = []
         for nd in range(sl.start, sl.stop):
             if g.step[nd] != step:
@@ -124,10 +125,11 @@ def capture_stretches(run: str | pathlib.Path, step: int) -> dict[int, list[dict
                 gpu = g.gpu[nd] if g.gpu is not None and g.cpu[nd] >= 0 else 0
                 cur["cpu_ms"] += cpu / 1e6
                 cur["gpu_ms"] += gpu / 1e6
+                cur["wall_ms"] += g.dur[nd] / 1e6
                 cur["segments"] += 1
             elif k in (COLL, SEND, RECV):
                 rows.append({**cur, "ended_by": OPS[int(g.op[nd])] if g.op[nd] >= 0 else "?"})
-                cur = {"cpu_ms": 0.0, "gpu_ms": 0.0, "segments": 0}
+                cur = {"cpu_ms": 0.0, "gpu_ms": 0.0, "wall_ms": 0.0, "segments": 0}
         rows.append({**cur, "ended_by": "step end"})
         out[r] = rows
     return out

@@ -46,18 +46,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+from truth_segments import GPU_CATS, _union, capture_stretches  # noqa: E402
+
 LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
-
-
-def _union(iv: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(iv):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
 
 
 def timeline(trace: dict) -> dict:
@@ -115,34 +106,6 @@ def timeline(trace: dict) -> dict:
     busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" not in e["name"].lower()])
     end = max(e["ts"] + e["dur"] for e in gpu)
     return {"segments": segs, "busy_ms": busy / 1e3, "span_ms": (end - t0) / 1e3}
-
-
-def capture_stretches(run: str | pathlib.Path, step: int) -> dict[int, list[dict]]:
-    """Per rank, the capture's step cut at its communication calls (ms)."""
-    from prism.core import trace as T
-    from prism.core.graph import COLL, COMPUTE, RECV, SEND, ExecutionGraph
-
-    g = ExecutionGraph.from_events(T.read_run(run).ranks)
-    out: dict[int, list[dict]] = {}
-    for r in range(g.world_size):
-        sl = g.nodes_of(r)
-        cur = {"cpu_ms": 0.0, "gpu_ms": 0.0, "wall_ms": 0.0}
-        rows = []
-        for nd in range(sl.start, sl.stop):
-            if g.step[nd] != step:
-                continue
-            k = int(g.kind[nd])
-            if k == COMPUTE:
-                two = g.cpu is not None and g.cpu[nd] >= 0
-                cur["cpu_ms"] += (g.cpu[nd] if two else g.dur[nd]) / 1e6
-                cur["gpu_ms"] += (g.gpu[nd] if two else 0) / 1e6
-                cur["wall_ms"] += g.dur[nd] / 1e6
-            elif k in (COLL, SEND, RECV):
-                rows.append(cur)
-                cur = {"cpu_ms": 0.0, "gpu_ms": 0.0, "wall_ms": 0.0}
-        rows.append(cur)
-        out[r] = rows
-    return out
 
 
 def main() -> int:

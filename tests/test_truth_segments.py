@@ -51,3 +51,28 @@ def test_a_step_is_cut_at_its_calls_and_each_stretch_gets_the_gpu_work_it_launch
 def test_a_profile_without_operators_is_refused():
     with pytest.raises(ValueError, match="no CPU operators"):
         ts.cut_profile({"traceEvents": [_x("kernel", "k", 0, 1)]})
+
+
+def test_the_truth_timeline_is_cut_at_nccl_kernels_with_waits_and_cpu_lead():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    _t = importlib.util.spec_from_file_location("truth_timeline", ROOT / "bench" / "truth_timeline.py")
+    tl = importlib.util.module_from_spec(_t)
+    _t.loader.exec_module(tl)
+    ev = [
+        _x("cuda_runtime", "cudaLaunchKernel", 0, 5, corr=1),
+        _x("kernel", "gemm", 10, 100, tid=7, corr=1),
+        _x("cuda_driver", "cuLaunchKernelEx", 20, 5, corr=2),
+        _x("kernel", "ncclDevKernel_AllReduce", 110, 40, tid=7, corr=2),
+        _x("cuda_runtime", "cudaLaunchKernel", 60, 5, corr=3),  # launched 90 us before the stream is free
+        _x("kernel", "gelu", 150, 20, tid=7, corr=3),
+        _x("cuda_runtime", "cudaLaunchKernel", 200, 5, corr=4),  # the GPU waited 30 us for this one
+        _x("kernel", "gemm", 200, 50, tid=7, corr=4),
+    ]
+    out = tl.timeline({"traceEvents": ev})
+    first, second = out["segments"]
+    assert first["busy_ms"] == pytest.approx(0.1) and first["cpu_ms"] == pytest.approx(0.02)
+    assert second["free_ms"] == pytest.approx(0.15) and second["ahead_ms"] == pytest.approx(0.09)
+    assert second["busy_ms"] == pytest.approx(0.07) and second["span_ms"] == pytest.approx(0.1)
+    assert out["busy_ms"] == pytest.approx(0.17)
