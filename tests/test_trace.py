@@ -710,7 +710,7 @@ def test_killed_writer_leaves_whole_lines_and_at_most_one_torn(tmp_path, flush_e
     path = T.rank_path(tmp_path, 0)
     try:
         deadline = time.monotonic() + 20
-        while (not path.exists() or path.stat().st_size < 100_000) and time.monotonic() < deadline:
+        while (not path.exists() or path.stat().st_size < 200_000) and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         proc.send_signal(signal.SIGKILL)
