@@ -135,18 +135,19 @@ def capture_stretches(run: str | pathlib.Path, step: int) -> dict[int, list[dict
     return out
 
 
-def run_truth(world: int, cmd: list[str], out: pathlib.Path, step: int, timeout: float) -> None:
+def run_truth(world: int, cmd: list[str], out: pathlib.Path, step: int, timeout: float,
+              extra_env: dict | None = None, tool: str = "truth_segments") -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from nccl_accuracy import launch_truth
 
     try:
-        launch_truth(world, cmd, out, timeout, {"PRISM_STEPCLOCK_PROFILE_STEP": str(step)})
+        launch_truth(world, cmd, out, timeout, {"PRISM_STEPCLOCK_PROFILE_STEP": str(step), **(extra_env or {})})
     except RuntimeError as e:
-        raise SystemExit(f"truth_segments: {e}") from None
+        raise SystemExit(f"{tool}: {e}") from None
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_truth_args(ap: argparse.ArgumentParser) -> None:
+    """The options this tool and ``truth_timeline.py`` share."""
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--step", type=int, default=5, help="the step to profile (default 5)")
     ap.add_argument("--profiles", default=None, help="a folder with profile-rank-R.json already recorded")
@@ -155,16 +156,27 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command (as for prism capture)")
-    a = ap.parse_args()
+
+
+def profiles_folder(ap: argparse.ArgumentParser, a: argparse.Namespace, tool: str,
+                    extra_env: dict | None = None) -> pathlib.Path:
+    """``--profiles``, or the folder of a truth run of the command, profiled at ``--step``."""
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if a.profiles:
-        folder = pathlib.Path(a.profiles)
-    else:
-        if not cmd:
-            ap.error("give --profiles DIR or a command after --")
-        folder = pathlib.Path(a.out or tempfile.mkdtemp(prefix="truth-segments-"))
-        folder.mkdir(parents=True, exist_ok=True)
-        run_truth(a.world, cmd, folder, a.step, a.timeout)
+        return pathlib.Path(a.profiles)
+    if not cmd:
+        ap.error("give --profiles DIR or a command after --")
+    folder = pathlib.Path(a.out or tempfile.mkdtemp(prefix=f"{tool.replace('_', '-')}-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    run_truth(a.world, cmd, folder, a.step, a.timeout, extra_env, tool)
+    return folder
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_truth_args(ap)
+    a = ap.parse_args()
+    folder = profiles_folder(ap, a, "truth_segments")
     files = sorted(folder.glob("profile-rank-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
     if not files:
         raise SystemExit(f"truth_segments: no profile-rank-R.json in {folder} (did the run reach step {a.step}?)")

@@ -46,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from truth_segments import GPU_CATS, _union, capture_stretches  # noqa: E402
+from truth_segments import GPU_CATS, _union, add_truth_args, capture_stretches, profiles_folder  # noqa: E402
 
 LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
 
@@ -110,30 +110,9 @@ def timeline(trace: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--step", type=int, default=5)
-    ap.add_argument("--profiles", default=None, help="a folder with profile-rank-R.json already recorded")
-    ap.add_argument("--capture", default=None)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    add_truth_args(ap)
     a = ap.parse_args()
-    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
-    if a.profiles:
-        d = pathlib.Path(a.profiles)
-    else:
-        if not cmd:
-            ap.error("give -- CMD (or --profiles DIR)")
-        from nccl_accuracy import launch_truth
-
-        d = pathlib.Path(a.out or tempfile.mkdtemp(prefix="truth-timeline-"))
-        d.mkdir(parents=True, exist_ok=True)
-        try:
-            launch_truth(a.world, cmd, d, a.timeout, {"PRISM_STEPCLOCK_PROFILE_STEP": str(a.step),
-                                                      "PRISM_STEPCLOCK_PROFILE_CPU": "0"})
-        except RuntimeError as e:
-            raise SystemExit(f"truth_timeline: {e}") from None
+    d = profiles_folder(ap, a, "truth_timeline", {"PRISM_STEPCLOCK_PROFILE_CPU": "0"})
     cap = capture_stretches(a.capture, a.step) if a.capture else {}
     out: dict = {"step": a.step, "ranks": {}}
     for p in sorted(d.glob("profile-rank-*.json")):
