@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 7 on `nvidia-h200-x2`, seventh session (2026-11-30): the sixth
+# session's model (free finish, cold start, alignment with the largest
+# calibrated time the wall allows), unchanged, against new interleaved truths:
+# the out-of-sample check of choices made on the 47 kept captures. World 2,
+# captures on 1 and 2 GPUs, traces kept.
+#   PART=a: GPT tp2 x2, GPT pp2 x2, MoE x1 (~7 min)
+#   PART=b: FSDP2 x1, MoE x1 (~6 min)
+#
+#   PART=a bash bench/h200_x2_seventh.sh
+set -u
+. bench/device_env.sh || exit 1
+mkdir -p "$OUT/r"
+export NET=bench/results/nccl-h200x2-issue-profile.toml SKIP_GPU_TESTS=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/r/smi-before.txt" 2>&1
+if [ "${PART:-a}" = a ]; then
+  RUNS=2 KEEP_RUNS="gpt 110 1,2 gpt-tp2;pp2 120 1,2 gpt-pp2" bash bench/h200_final.sh
+  RUNS=1 KEEP_RUNS="moe 190 1,2 moe-dp2-ep2" bash bench/h200_final.sh
+else
+  RUNS=1 KEEP_RUNS="fsdp2 200 1,2 fsdp2;moe 190 1,2 moe-dp2-ep2" bash bench/h200_final.sh
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/r/smi-after.txt" 2>&1
+tar czf "$OUT/results.tgz" -C "$OUT" r
