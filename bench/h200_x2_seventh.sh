@@ -5,7 +5,11 @@
 # the out-of-sample check of choices made on the 47 kept captures. World 2,
 # captures on 1 and 2 GPUs, traces kept.
 #   PART=a: GPT tp2 x2, GPT pp2 x2, MoE x1 (~7 min)
-#   PART=b: FSDP2 x1, MoE x1 (~6 min)
+#   PART=b: FSDP2 x1, then FSDP2's truth timeline beside a capture's
+#           (bench/h200_x2_timeline.sh) (~6 min)
+# Every part samples the GPUs' SM clock, power and throttle reasons every
+# 100 ms into smi.csv (does a truth that moves between calls move with the
+# clock?).
 #
 #   PART=a bash bench/h200_x2_seventh.sh
 set -u
@@ -13,11 +17,20 @@ set -u
 mkdir -p "$OUT/r"
 export NET=bench/results/nccl-h200x2-issue-profile.toml SKIP_GPU_TESTS=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/r/smi-before.txt" 2>&1
+nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+  --format=csv,noheader -lms 100 > "$OUT/smi.csv" 2>&1 &
+smi=$!
 if [ "${PART:-a}" = a ]; then
   RUNS=2 KEEP_RUNS="gpt 110 1,2 gpt-tp2;pp2 120 1,2 gpt-pp2" bash bench/h200_final.sh
   RUNS=1 KEEP_RUNS="moe 190 1,2 moe-dp2-ep2" bash bench/h200_final.sh
 else
-  RUNS=1 KEEP_RUNS="fsdp2 200 1,2 fsdp2;moe 190 1,2 moe-dp2-ep2" bash bench/h200_final.sh
+  RUNS=1 KEEP_RUNS="fsdp2 200 1,2 fsdp2" bash bench/h200_final.sh
+  mv "$OUT/results.tgz" "$OUT/accuracy.tgz"
+  cp -r "$OUT/r" /tmp/r-accuracy
+  SEGS=fsdp2 bash bench/h200_x2_timeline.sh
+  mv "$OUT/results.tgz" "$OUT/timeline.tgz"
+  rm -rf "$OUT/r"; mv /tmp/r-accuracy "$OUT/r"
 fi
+kill $smi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/r/smi-after.txt" 2>&1
 tar czf "$OUT/results.tgz" -C "$OUT" r
