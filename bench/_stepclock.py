@@ -25,6 +25,12 @@ K's end, into ``profile-rank-R.json`` (Chrome trace) beside the step file:
 calls only (no operators; GPT tp2 on an H200: 118 ms for the profiled step
 with operators against 44 without the profiler): ``bench/truth_timeline.py``
 reads those.
+
+With ``PRISM_STEPCLOCK_SCHED=1`` every step also writes
+``sched STEP CPU RUN_NS RUNQUEUE_NS`` for the rank's main thread: the CPU it
+last ran on and its cumulative time on a CPU and waiting for one
+(``/proc/thread-self/schedstat``), so a slow step shows whether its thread ran
+slower or waited (``bench/cpu_noise.py``).
 """
 
 import os
@@ -52,6 +58,18 @@ def _nvml_process_bytes() -> int:
         return -1
 
 
+def _sched_line(step: int) -> str:
+    """``sched STEP CPU RUN_NS RUNQUEUE_NS`` of the calling thread (Linux)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+        with open("/proc/thread-self/stat") as f:
+            cpu = f.read().rsplit(")", 1)[1].split()[36]  # field 39, counted after the command name
+        return f"sched {step} {cpu} {run_ns} {wait_ns}\n"
+    except OSError:
+        return ""
+
+
 def main() -> None:
     out_dir = os.environ["PRISM_STEPCLOCK_DIR"]
     rank = int(os.environ["RANK"])
@@ -60,6 +78,7 @@ def main() -> None:
     sync = os.environ.get("PRISM_STEPCLOCK_SYNC") == "1"
     mem_step = int(os.environ.get("PRISM_STEPCLOCK_MEM_STEP", "2"))
     profile_step = int(os.environ.get("PRISM_STEPCLOCK_PROFILE_STEP", "-1"))
+    sched = os.environ.get("PRISM_STEPCLOCK_SCHED") == "1"
     prof = [None]
 
     def hook(optimizer, args, kwargs) -> None:
@@ -71,6 +90,8 @@ def main() -> None:
             prof[0].export_chrome_trace(os.path.join(out_dir, f"profile-rank-{rank}.json"))
             prof[0] = None
         log.write(f"{count[0]} {time.monotonic_ns()}\n")
+        if sched:
+            log.write(_sched_line(count[0]))
         if cuda and count[0] == mem_step:
             log.write(f"mem-step {count[0]} {_nvml_process_bytes()} {torch.cuda.memory_reserved()} "
                       f"{torch.cuda.memory_allocated()}\n")
@@ -116,6 +137,8 @@ def parse(text: str) -> tuple[list[int], dict[str, list[int]]]:
             continue
         if parts[0].startswith("mem-"):
             mem[parts[0]] = [int(x) for x in parts[1:]]
+        elif parts[0] == "sched":
+            continue
         else:
             ends.append(int(parts[1]))
     return ends, mem

@@ -7,6 +7,9 @@
 #   PART=a: GPT tp2 x2, GPT pp2 x2, MoE x1 (~7 min)
 #   PART=b: FSDP2 x1, then FSDP2's truth timeline beside a capture's
 #           (bench/h200_x2_timeline.sh) (~6 min)
+#   PART=c: bench/cpu_noise.py (CPU topology, FSDP2's draw alone / paired on
+#           SMT siblings / on distinct cores, 4 plain FSDP2 runs with the main
+#           threads' CPU time, run-queue wait and CPUs), then MoE x1 (~5 min)
 # Every part samples the GPUs' SM clock, power and throttle reasons every
 # 100 ms into smi.csv (does a truth that moves between calls move with the
 # clock?).
@@ -22,6 +25,12 @@ nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperatu
 smi=$!
 if [ "${PART:-a}" = a ]; then
   RUNS=2 KEEP_RUNS="gpt 110 1,2 gpt-tp2;pp2 120 1,2 gpt-pp2" bash bench/h200_final.sh
+  RUNS=1 KEEP_RUNS="moe 190 1,2 moe-dp2-ep2" bash bench/h200_final.sh
+elif [ "${PART}" = c ]; then
+  . bench/workloads.sh
+  # shellcheck disable=SC2046 (the words split on purpose)
+  taskset -c 0-31 timeout 200 python3 bench/cpu_noise.py --json "$OUT/r/cpu_noise.json" --truth 4 --world 2 \
+    -- $(workload_args fsdp2) 2>&1 | tee "$OUT/r/cpu_noise.txt"
   RUNS=1 KEEP_RUNS="moe 190 1,2 moe-dp2-ep2" bash bench/h200_final.sh
 else
   RUNS=1 KEEP_RUNS="fsdp2 200 1,2 fsdp2" bash bench/h200_final.sh

@@ -1,0 +1,188 @@
+"""Why does a CPU-bound truth move between runs? (issue 7, FSDP2)
+
+FSDP2's step draws its data with ``torch.randn`` on the CPU (one thread,
+~47 ms a step on the H200 machine) and its truth moved from 122.8 to
+162.4 ms between runs of one command while Prism's captures of the same
+calls predicted 121-123 ms. This bench measures, on the machine it runs on:
+
+1. the CPU topology (SMT siblings, packages) and the host's steal time;
+2. the same draw (``torch.randn`` of 2 x 8192 x 512 with a generator, as
+   ``fsdp2.py --batch 4096 --dim 512`` at world 2) timed in one process
+   alone, in two at once unpinned, pinned to two SMT siblings of one core,
+   and pinned to two different cores;
+3. ``--truth K`` runs of a command as a plain job (``bench/nccl_accuracy.py``'s
+   truth launcher, ``PRISM_STEPCLOCK_SCHED=1``): per run and rank the mean
+   step, the main thread's CPU time and run-queue wait per step, and the CPUs
+   it ran on (are the slow runs the ones whose ranks share a core?).
+
+Prints a table and writes JSON:
+
+    python bench/cpu_noise.py --json OUT.json [--truth 4 --world 2 -- CMD...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+DRAW = r"""
+import json, sys, time, torch
+torch.set_num_threads(1)
+reps, rows, dim = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+out = []
+for i in range(reps):
+    g = torch.Generator().manual_seed(i)
+    t = time.perf_counter_ns()
+    x = torch.randn(rows, dim, generator=g)
+    y = torch.randn(rows, dim, generator=g)
+    out.append(time.perf_counter_ns() - t)
+print(json.dumps(out))
+"""
+
+
+def topology() -> dict:
+    cpus = sorted(int(p.name[3:]) for p in pathlib.Path("/sys/devices/system/cpu").glob("cpu[0-9]*"))
+    sib, core = {}, {}
+    for c in cpus:
+        t = pathlib.Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+        try:
+            sib[c] = (t / "thread_siblings_list").read_text().strip()
+            core[c] = (int((t / "physical_package_id").read_text()), int((t / "core_id").read_text()))
+        except OSError:
+            pass
+    model = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpus": cpus, "siblings": sib, "core": {c: list(v) for c, v in core.items()}, "model": model,
+            "affinity": sorted(os.sched_getaffinity(0))}
+
+
+def steal_ticks() -> int:
+    with open("/proc/stat") as f:
+        parts = f.readline().split()
+    return int(parts[8]) if len(parts) > 8 else -1
+
+
+def draws(placements: list[str | None], reps: int, rows: int, dim: int) -> list[list[int]]:
+    """Run the draw in len(placements) processes at once; each pinned with taskset if given."""
+    procs = []
+    for cpus in placements:
+        cmd = [sys.executable, "-c", DRAW, str(reps), str(rows), str(dim)]
+        if cpus is not None:
+            cmd = ["taskset", "-c", cpus, *cmd]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=600)
+        if p.returncode != 0:
+            raise RuntimeError(f"draw process {p.args} failed with {p.returncode}")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def pick_cpus(topo: dict) -> tuple[int, int, int]:
+    """(a, its SMT sibling or -1, a CPU on another core) among the allowed CPUs."""
+    allowed = topo["affinity"]
+    a = allowed[min(2, len(allowed) - 1)]
+    sibs = [int(x) for part in topo["siblings"].get(a, str(a)).split(",") for x in _expand(part)]
+    sib = next((c for c in sibs if c != a and c in allowed), -1)
+    other = next((c for c in allowed if tuple(topo["core"].get(c, (0, c))) != tuple(topo["core"].get(a, (0, a)))
+                  and c not in sibs), -1)
+    return a, sib, other
+
+
+def _expand(part: str) -> list[int]:
+    if "-" in part:
+        lo, hi = part.split("-")
+        return list(range(int(lo), int(hi) + 1))
+    return [int(part)]
+
+
+def truth_runs(k: int, world: int, cmd: list[str], timeout: float) -> list[dict]:
+    from nccl_accuracy import launch_truth
+
+    runs = []
+    for i in range(k):
+        d = pathlib.Path(tempfile.mkdtemp(prefix="cpu-noise-truth-"))
+        s0, t0 = steal_ticks(), time.monotonic()
+        launch_truth(world, cmd, d, timeout, env={"PRISM_STEPCLOCK_SCHED": "1"})
+        wall, steal = time.monotonic() - t0, steal_ticks() - s0
+        ranks = []
+        for r in range(world):
+            ends, sched = [], []
+            for line in (d / f"rank-{r}.txt").read_text().splitlines():
+                p = line.split()
+                if p and p[0].isdigit():
+                    ends.append(int(p[1]))
+                elif p and p[0] == "sched":
+                    sched.append([int(x) for x in p[1:]])
+            steps = [(b - a) / 1e6 for a, b in zip(ends, ends[1:])]
+            run_ms = [(b[2] - a[2]) / 1e6 for a, b in zip(sched, sched[1:])]
+            wait_ms = [(b[3] - a[3]) / 1e6 for a, b in zip(sched, sched[1:])]
+            ranks.append({"step_ms": steps, "run_ms": run_ms, "runqueue_ms": wait_ms,
+                          "cpus": [s[1] for s in sched]})
+        runs.append({"wall_s": wall, "steal_ticks": steal, "ranks": ranks})
+        print(f"truth run {i}: " + "; ".join(
+            f"rank {r}: step {statistics.mean(x['step_ms'][2:]):.1f} ms, main thread on CPU "
+            f"{statistics.mean(x['run_ms'][2:]):.1f} ms, waiting {statistics.mean(x['runqueue_ms'][2:]):.2f} ms, "
+            f"CPUs {sorted(set(x['cpus']))}" for r, x in enumerate(ranks) if len(x["step_ms"]) > 2)
+              + f"; steal {steal} ticks", flush=True)
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rows", type=int, default=8192, help="rows per draw (world x --batch)")
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--truth", type=int, default=0, help="plain runs of CMD (after --)")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = ap.parse_args()
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    topo = topology()
+    a, sib, other = pick_cpus(topo)
+    print(f"CPU: {topo['model']}; {len(topo['affinity'])} allowed; CPU {a}'s siblings {topo['siblings'].get(a)}; "
+          f"pairs: siblings ({a},{sib}), distinct cores ({a},{other})", flush=True)
+    cases = {"alone": [str(a)], "two unpinned": [None, None]}
+    if sib >= 0:
+        cases["two on SMT siblings"] = [str(a), str(sib)]
+    if other >= 0:
+        cases["two on distinct cores"] = [str(a), str(other)]
+    res = {}
+    print(f"{'draw (2 x randn ' + str(args.rows) + ' x ' + str(args.dim) + ')':<34} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
+    for name, placement in cases.items():
+        s0 = steal_ticks()
+        times = draws(placement, args.reps, args.rows, args.dim)
+        flat = [t / 1e6 for ts in times for t in ts[3:]]
+        res[name] = {"placement": placement, "ns": times, "steal_ticks": steal_ticks() - s0,
+                     "median_ms": statistics.median(flat), "min_ms": min(flat), "max_ms": max(flat)}
+        print(f"{name:<34} {res[name]['median_ms']:>10.1f} {res[name]['min_ms']:>8.1f} {res[name]['max_ms']:>8.1f}",
+              flush=True)
+    out = {"benchmark": "cpu_noise", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "topology": topo, "draws": res, "truth_cmd": cmd,
+           "truth": truth_runs(args.truth, args.world, cmd, args.timeout) if args.truth and cmd else []}
+    pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
