@@ -18,6 +18,11 @@ calls predicted 121-123 ms. This bench measures, on the machine it runs on:
 Prints a table and writes JSON:
 
     python bench/cpu_noise.py --json OUT.json [--truth 4 --world 2 -- CMD...]
+
+``--sample LOG`` instead runs the draw once every ``--interval`` seconds
+until killed, appending ``MONOTONIC_NS DRAW_NS`` lines to LOG: a probe of the
+CPU's single-thread speed beside other runs (``bench/nccl_accuracy.py``
+records its truths' step ends and its captures' start on the same clock).
 """
 
 from __future__ import annotations
@@ -147,6 +152,23 @@ def truth_runs(k: int, world: int, cmd: list[str], timeout: float) -> list[dict]
     return runs
 
 
+def sample(log: str, interval: float, rows: int, dim: int) -> None:
+    """The draw every ``interval`` s, one line per draw, until killed."""
+    import torch
+
+    torch.set_num_threads(1)
+    with open(log, "a", buffering=1) as f:
+        i = 0
+        while True:
+            g = torch.Generator().manual_seed(i)
+            t = time.perf_counter_ns()
+            torch.randn(rows, dim, generator=g)
+            torch.randn(rows, dim, generator=g)
+            f.write(f"{time.monotonic_ns()} {time.perf_counter_ns() - t}\n")
+            i += 1
+            time.sleep(interval)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
@@ -156,8 +178,13 @@ def main() -> None:
     ap.add_argument("--truth", type=int, default=0, help="plain runs of CMD (after --)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--sample", default=None, metavar="LOG", help="probe the CPU's speed until killed")
+    ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     args = ap.parse_args()
+    if args.sample:
+        sample(args.sample, args.interval, args.rows, args.dim)
+        return
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     topo = topology()
     a, sib, other = pick_cpus(topo)

@@ -10,6 +10,8 @@
 #   PART=c: bench/cpu_noise.py (CPU topology, FSDP2's draw alone / paired on
 #           SMT siblings / on distinct cores, 4 plain FSDP2 runs with the main
 #           threads' CPU time, run-queue wait and CPUs), then MoE x1 (~5 min)
+#   PART=d: a probe of the CPU's single-thread speed (bench/cpu_noise.py
+#           --sample, every 0.5 s) beside FSDP2 x2 and MoE x1 (~7.5 min)
 # Every part samples the GPUs' SM clock, power and throttle reasons every
 # 100 ms into smi.csv (does a truth that moves between calls move with the
 # clock?).
@@ -32,6 +34,11 @@ elif [ "${PART}" = c ]; then
   taskset -c 0-31 timeout 200 python3 bench/cpu_noise.py --json "$OUT/r/cpu_noise.json" --truth 4 --world 2 \
     -- $(workload_args fsdp2) 2>&1 | tee "$OUT/r/cpu_noise.txt"
   RUNS=1 KEEP_RUNS="moe 190 1,2 moe-dp2-ep2" bash bench/h200_final.sh
+elif [ "${PART}" = d ]; then
+  python3 bench/cpu_noise.py --json /dev/null --sample "$OUT/r/cpu_probe.log" --interval 0.5 &
+  probe=$!
+  RUNS=2 KEEP_RUNS="fsdp2 380 1,2 fsdp2;moe 150 1,2 moe-dp2-ep2" bash bench/h200_final.sh
+  kill $probe
 else
   RUNS=1 KEEP_RUNS="fsdp2 200 1,2 fsdp2" bash bench/h200_final.sh
   mv "$OUT/results.tgz" "$OUT/accuracy.tgz"

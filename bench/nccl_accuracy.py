@@ -279,10 +279,13 @@ def main() -> int:
                 for i in range(a.runs):
                     t = run_truth(world, cmd, tmp, a.timeout, a.device)
                     t_mean = mean_iteration(t["ends"], a.warmup)
+                    # ends_ns: CLOCK_MONOTONIC, to set beside bench/cpu_noise.py --sample's log
                     row["truth"].append({"mean_ns": t_mean, "step_ns": np.diff(t["ends"]).tolist(),
+                                         "ends_ns": [int(x) for x in t["ends"]],
                                          "wall_s": t["wall_s"], "memory": t["memory"]})
                     msg = f"{name} run {i}: truth {t_mean / 1e6:.2f} ms"
                     for k in caps:
+                        t_cap = time.monotonic_ns()
                         p = run_prism(world, cmd, layout, tmp, k, a.device, name=f"{name}-run{i}")
                         g = p["graph"]
                         res = replay_batch(g, cost_model=model)
@@ -293,6 +296,7 @@ def main() -> int:
                         row["prism"][str(k)].append({"mean_ns": p_mean, "step_ns": list(map(float, res.iteration_times)),
                                                      "one_clock_mean_ns": one, "two_clock": g.cpu is not None,
                                                      "capture_wall_s": p["wall_s"], "error": err,
+                                                     "capture_start_ns": t_cap,
                                                      "memory": p["memory"], "gpu_plan": p["resident"],
                                                      "clocks": clock_summary(g)})
                         msg += (f", prism@{k}gpu {p_mean / 1e6:.2f} ms ({err:+.1%} abs, one-clock {one / 1e6:.2f} ms, "
