@@ -37,7 +37,7 @@ elif [ "${PART}" = c ]; then
 elif [ "${PART}" = d ]; then
   python3 bench/cpu_noise.py --json /dev/null --sample "$OUT/r/cpu_probe.log" --interval 0.5 &
   probe=$!
-  RUNS=2 KEEP_RUNS="fsdp2 380 1,2 fsdp2;moe 150 1,2 moe-dp2-ep2" bash bench/h200_final.sh
+  RUNS=2 KEEP_RUNS="fsdp2 380 1,2 fsdp2;moe 170 1,2 moe-dp2-ep2" bash bench/h200_final.sh
   kill $probe
 else
   RUNS=1 KEEP_RUNS="fsdp2 200 1,2 fsdp2" bash bench/h200_final.sh
