@@ -120,14 +120,29 @@ def _expand(part: str) -> list[int]:
     return [int(part)]
 
 
-def truth_runs(k: int, world: int, cmd: list[str], timeout: float) -> list[dict]:
+def profiled(path: pathlib.Path) -> dict:
+    """From a step's Chrome trace: the CPU time of ``aten::randn`` and ``aten::normal_`` (top level) and
+    the GPU's kernel time, in ms."""
+    try:
+        evs = json.loads(path.read_text()).get("traceEvents", [])
+    except (OSError, ValueError):
+        return {}
+    randn = sum(e.get("dur", 0) for e in evs if e.get("ph") == "X" and e.get("name") == "aten::randn") / 1e3
+    kernels = sum(e.get("dur", 0) for e in evs if e.get("ph") == "X" and e.get("cat") == "kernel") / 1e3
+    return {"randn_ms": randn, "kernel_ms": kernels}
+
+
+def truth_runs(k: int, world: int, cmd: list[str], timeout: float, profile_step: int = -1) -> list[dict]:
     from nccl_accuracy import launch_truth
 
     runs = []
     for i in range(k):
         d = pathlib.Path(tempfile.mkdtemp(prefix="cpu-noise-truth-"))
         s0, t0 = steal_ticks(), time.monotonic()
-        launch_truth(world, cmd, d, timeout, env={"PRISM_STEPCLOCK_SCHED": "1"})
+        env = {"PRISM_STEPCLOCK_SCHED": "1"}
+        if profile_step >= 0:
+            env.update(PRISM_STEPCLOCK_PROFILE_STEP=str(profile_step), PRISM_STEPCLOCK_PROFILE_CPU="1")
+        launch_truth(world, cmd, d, timeout, env=env)
         wall, steal = time.monotonic() - t0, steal_ticks() - s0
         ranks = []
         for r in range(world):
@@ -141,13 +156,17 @@ def truth_runs(k: int, world: int, cmd: list[str], timeout: float) -> list[dict]
             steps = [(b - a) / 1e6 for a, b in zip(ends, ends[1:])]
             run_ms = [(b[2] - a[2]) / 1e6 for a, b in zip(sched, sched[1:])]
             wait_ms = [(b[3] - a[3]) / 1e6 for a, b in zip(sched, sched[1:])]
+            if profile_step >= 0:  # the profiled step's own time is inflated: leave it out
+                steps = [x for i, x in enumerate(steps) if i + 1 != profile_step]
             ranks.append({"step_ms": steps, "run_ms": run_ms, "runqueue_ms": wait_ms,
-                          "cpus": [s[1] for s in sched]})
+                          "cpus": [s[1] for s in sched], **profiled(d / f"profile-rank-{r}.json")})
         runs.append({"wall_s": wall, "steal_ticks": steal, "ranks": ranks})
         print(f"truth run {i}: " + "; ".join(
             f"rank {r}: step {statistics.mean(x['step_ms'][2:]):.1f} ms, main thread on CPU "
             f"{statistics.mean(x['run_ms'][2:]):.1f} ms, waiting {statistics.mean(x['runqueue_ms'][2:]):.2f} ms, "
-            f"CPUs {sorted(set(x['cpus']))}" for r, x in enumerate(ranks) if len(x["step_ms"]) > 2)
+            f"CPUs {sorted(set(x['cpus']))}"
+            + (f", randn {x['randn_ms']:.1f} ms, kernels {x['kernel_ms']:.1f} ms (step {profile_step})"
+               if "randn_ms" in x else "") for r, x in enumerate(ranks) if len(x["step_ms"]) > 2)
               + f"; steal {steal} ticks", flush=True)
     return runs
 
@@ -178,6 +197,9 @@ def main() -> None:
     ap.add_argument("--truth", type=int, default=0, help="plain runs of CMD (after --)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--profile-step", type=int, default=-1,
+                    help="profile this step of each plain run (operators and kernels): its aten::randn time")
+    ap.add_argument("--no-draws", action="store_true", help="skip the draw placements")
     ap.add_argument("--sample", default=None, metavar="LOG", help="probe the CPU's speed until killed")
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -197,7 +219,7 @@ def main() -> None:
         cases["two on distinct cores"] = [str(a), str(other)]
     res = {}
     print(f"{'draw (2 x randn ' + str(args.rows) + ' x ' + str(args.dim) + ')':<34} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
-    for name, placement in cases.items():
+    for name, placement in ({} if args.no_draws else cases).items():
         s0 = steal_ticks()
         times = draws(placement, args.reps, args.rows, args.dim)
         flat = [t / 1e6 for ts in times for t in ts[3:]]
@@ -207,7 +229,7 @@ def main() -> None:
               flush=True)
     out = {"benchmark": "cpu_noise", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "topology": topo, "draws": res, "truth_cmd": cmd,
-           "truth": truth_runs(args.truth, args.world, cmd, args.timeout) if args.truth and cmd else []}
+           "truth": truth_runs(args.truth, args.world, cmd, args.timeout, args.profile_step) if args.truth and cmd else []}
     pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
 
 

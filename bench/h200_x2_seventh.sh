@@ -12,6 +12,8 @@
 #           threads' CPU time, run-queue wait and CPUs), then MoE x1 (~5 min)
 #   PART=d: a probe of the CPU's single-thread speed (bench/cpu_noise.py
 #           --sample, every 0.5 s) beside FSDP2 x2 and MoE x1 (~7.5 min)
+#   PART=e: 5 plain FSDP2 runs, step 5 profiled with operators (its
+#           aten::randn time beside the run's step time), then MoE x1 (~4 min)
 # Every part samples the GPUs' SM clock, power and throttle reasons every
 # 100 ms into smi.csv (does a truth that moves between calls move with the
 # clock?).
@@ -39,6 +41,12 @@ elif [ "${PART}" = d ]; then
   probe=$!
   RUNS=2 KEEP_RUNS="fsdp2 380 1,2 fsdp2;moe 170 1,2 moe-dp2-ep2" bash bench/h200_final.sh
   kill $probe
+elif [ "${PART}" = e ]; then
+  . bench/workloads.sh
+  # shellcheck disable=SC2046 (the words split on purpose)
+  taskset -c 0-31 timeout 150 python3 bench/cpu_noise.py --json "$OUT/r/cpu_noise_e.json" --no-draws --truth 5 \
+    --profile-step 5 --world 2 -- $(workload_args fsdp2) 2>&1 | tee "$OUT/r/cpu_noise_e.txt"
+  RUNS=1 KEEP_RUNS="moe 130 1,2 moe-dp2-ep2" bash bench/h200_final.sh
 else
   RUNS=1 KEEP_RUNS="fsdp2 200 1,2 fsdp2" bash bench/h200_final.sh
   mv "$OUT/results.tgz" "$OUT/accuracy.tgz"

@@ -64,6 +64,33 @@ SIXTH = {
     "nccl-h200x2-sixth/b-moe-dp2-ep2-run0-2gpu": ("MoE dp2 ep2, world 2, 2 GPUs", 113.54),
 }
 
+#: The seventh session's captures (nccl-h200x2-seventh-captures-2026-11-30.tgz),
+#: taken with the sixth session's final model unchanged: the out-of-sample
+#: check. Calls a 03:04 (GPT tp2, pp2, MoE), b 03:09 (FSDP2), c 03:21 (MoE),
+#: d 03:26 UTC (FSDP2 x2, MoE); d's MoE run 1 lost its truth to the limit.
+SEVENTH = {
+    "nccl-h200x2-seventh/a-gpt-tp2-run0-1gpu": ("GPT tp2, world 2, 1 GPU", 43.24),
+    "nccl-h200x2-seventh/a-gpt-tp2-run0-2gpu": ("GPT tp2, world 2, 2 GPUs", 43.24),
+    "nccl-h200x2-seventh/a-gpt-tp2-run1-1gpu": ("GPT tp2, world 2, 1 GPU", 43.10),
+    "nccl-h200x2-seventh/a-gpt-tp2-run1-2gpu": ("GPT tp2, world 2, 2 GPUs", 43.10),
+    "nccl-h200x2-seventh/a-gpt-pp2-run0-1gpu": ("GPT pp2, world 2, 1 GPU", 51.66),
+    "nccl-h200x2-seventh/a-gpt-pp2-run0-2gpu": ("GPT pp2, world 2, 2 GPUs", 51.66),
+    "nccl-h200x2-seventh/a-gpt-pp2-run1-1gpu": ("GPT pp2, world 2, 1 GPU", 52.15),
+    "nccl-h200x2-seventh/a-gpt-pp2-run1-2gpu": ("GPT pp2, world 2, 2 GPUs", 52.15),
+    "nccl-h200x2-seventh/a-moe-dp2-ep2-run0-1gpu": ("MoE dp2 ep2, world 2, 1 GPU", 109.92),
+    "nccl-h200x2-seventh/a-moe-dp2-ep2-run0-2gpu": ("MoE dp2 ep2, world 2, 2 GPUs", 109.92),
+    "nccl-h200x2-seventh/b-fsdp2-run0-1gpu": ("FSDP2, world 2, 1 GPU", 162.35),
+    "nccl-h200x2-seventh/b-fsdp2-run0-2gpu": ("FSDP2, world 2, 2 GPUs", 162.35),
+    "nccl-h200x2-seventh/c-moe-dp2-ep2-run0-1gpu": ("MoE dp2 ep2, world 2, 1 GPU", 114.27),
+    "nccl-h200x2-seventh/c-moe-dp2-ep2-run0-2gpu": ("MoE dp2 ep2, world 2, 2 GPUs", 114.27),
+    "nccl-h200x2-seventh/d-fsdp2-run0-1gpu": ("FSDP2, world 2, 1 GPU", 137.03),
+    "nccl-h200x2-seventh/d-fsdp2-run0-2gpu": ("FSDP2, world 2, 2 GPUs", 137.03),
+    "nccl-h200x2-seventh/d-fsdp2-run1-1gpu": ("FSDP2, world 2, 1 GPU", 142.31),
+    "nccl-h200x2-seventh/d-fsdp2-run1-2gpu": ("FSDP2, world 2, 2 GPUs", 142.31),
+    "nccl-h200x2-seventh/d-moe-dp2-ep2-run0-1gpu": ("MoE dp2 ep2, world 2, 1 GPU", 115.30),
+    "nccl-h200x2-seventh/d-moe-dp2-ep2-run0-2gpu": ("MoE dp2 ep2, world 2, 2 GPUs", 115.30),
+}
+
 
 def emulate_12(ranks: dict, cold_ns: int) -> dict:
     """1.1 events with the 1.2 fields filled in (see the module docstring)."""
@@ -88,6 +115,8 @@ def main() -> int:
                     help="fill 1.1 captures' free_ns and cold_ns (MS after a call), as a 1.2 capture would")
     ap.add_argument("--net", default=NET)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cpu-share", default="min", choices=("min", "median", "own"),
+                    help="the graph's CPU-share estimator (prism.core.graph.two_clock_columns)")
     ap.add_argument("-v", "--verbose", action="store_true", help="one line per capture")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -99,13 +128,13 @@ def main() -> int:
         for tgz in sorted(TRACES.glob("*.tgz")):
             with tarfile.open(tgz) as tf:
                 tf.extractall(tmp, filter="data")
-        for label, table in (("old", TRUTHS), ("new", NEW), ("sixth", SIXTH)):
+        for label, table in (("old", TRUTHS), ("new", NEW), ("sixth", SIXTH), ("seventh", SEVENTH)):
             rows = []
             for name, (what, truth) in table.items():
                 ranks = T.read_run(pathlib.Path(tmp) / name).ranks
                 if cold is not None:
                     ranks = emulate_12(ranks, cold)
-                ms = replay_batch(ExecutionGraph.from_events(ranks), cost_model=model).mean_iteration_time(a.warmup) / 1e6
+                ms = replay_batch(ExecutionGraph.from_events(ranks, cpu_share=a.cpu_share), cost_model=model).mean_iteration_time(a.warmup) / 1e6
                 err = 100 * (ms - truth) / truth
                 rows.append({"capture": name, "workload": what, "truth_ms": truth, "prism_ms": round(ms, 3),
                              "error_pct": round(err, 2)})

@@ -858,5 +858,6 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
             gpu[row] = max(g, 0)
             fs = first(frees, r, ks)
             if fs:
-                free[row] = max(int(min(fs)) - pen, 0)
+                f = min(fs) if cpu_share != "median" else np.median(fs)
+                free[row] = max(int(f) - pen, 0)
     return cpu, gpu, join, free
