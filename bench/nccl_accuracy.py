@@ -133,9 +133,11 @@ def launch_truth(world: int, cmd: list[str], d: pathlib.Path, timeout: float, en
     writing into ``d``; raises with the ranks' log tails if one fails."""
     env = {"PRISM_STEPCLOCK_DIR": str(d), "PRISM_STEPCLOCK_SYNC": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     h = launch_ranks(world, None, d, [STEPCLOCK, *cmd], env=env, show_ranks=())
-    codes = h.wait(timeout=timeout)
+    try:
+        codes = h.wait(timeout=timeout)
+    finally:
+        h.close()  # kills what still runs (a timeout) and closes the fork server's pipe
     if any(c != 0 for c in codes):
-        h.close()
         logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted((d / "logs").glob("*.log")))
         raise RuntimeError(f"ground-truth run failed (exit codes {codes}):\n{logs}")
 

@@ -7,8 +7,10 @@ Sets (bench/results/traces/*.tgz; truths from bench/results/nccl-2026-11-29.md):
 
 - ``old``: the 13 captures of 2026-11-29 (sections 5 and 6), PrismTrace 1.1;
 - ``new``: the 22 of the fifth session (section 7), PrismTrace 1.1;
-- ``sixth``: the 12 of this session with truths (section 8), PrismTrace 1.2:
-  they carry ``free_ns`` and ``cold_ns``.
+- ``sixth``: the 12 of the sixth session with truths (section 8), PrismTrace 1.2:
+  they carry ``free_ns`` and ``cold_ns``;
+- ``seventh``: the 22 of the seventh session (section 9), PrismTrace 1.2,
+  taken with the model unchanged: the out-of-sample check of its choices.
 
 1.1 captures have no free finish and no cold start. ``--emulate-cold MS``
 fills them in as a 1.2 capture would have: ``free_ns`` = the segment's wall
@@ -67,7 +69,8 @@ SIXTH = {
 #: The seventh session's captures (nccl-h200x2-seventh-captures-2026-11-30.tgz),
 #: taken with the sixth session's final model unchanged: the out-of-sample
 #: check. Calls a 03:04 (GPT tp2, pp2, MoE), b 03:09 (FSDP2), c 03:21 (MoE),
-#: d 03:26 UTC (FSDP2 x2, MoE); d's MoE run 1 lost its truth to the limit.
+#: d 03:26 UTC (FSDP2 x2, MoE; its MoE run 1 lost its truth to the limit),
+#: e 03:36 UTC (MoE).
 SEVENTH = {
     "nccl-h200x2-seventh/a-gpt-tp2-run0-1gpu": ("GPT tp2, world 2, 1 GPU", 43.24),
     "nccl-h200x2-seventh/a-gpt-tp2-run0-2gpu": ("GPT tp2, world 2, 2 GPUs", 43.24),
@@ -89,6 +92,8 @@ SEVENTH = {
     "nccl-h200x2-seventh/d-fsdp2-run1-2gpu": ("FSDP2, world 2, 2 GPUs", 142.31),
     "nccl-h200x2-seventh/d-moe-dp2-ep2-run0-1gpu": ("MoE dp2 ep2, world 2, 1 GPU", 115.30),
     "nccl-h200x2-seventh/d-moe-dp2-ep2-run0-2gpu": ("MoE dp2 ep2, world 2, 2 GPUs", 115.30),
+    "nccl-h200x2-seventh/e-moe-dp2-ep2-run0-1gpu": ("MoE dp2 ep2, world 2, 1 GPU", 116.49),
+    "nccl-h200x2-seventh/e-moe-dp2-ep2-run0-2gpu": ("MoE dp2 ep2, world 2, 2 GPUs", 116.49),
 }
 
 
