@@ -737,7 +737,8 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
     confirmed on new ones (bench/results/nccl-2026-11-29.md, section 6).
 
     Free finish (PrismTrace 1.2): a segment takes the smallest ``free_ns``
-    among its counterparts in the uncalibrated steps (-1 when none has one):
+    among its counterparts in the uncalibrated steps (the median under
+    ``cpu_share="median"``; -1 when none has one):
     from its start to the end of its GPU work with nothing queued ahead, which
     the replay's ``max(cpu, gpu)`` leaves out when the issue is uneven (a
     pipeline stage's backward after the loss's ``.item()``: the first
