@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -121,8 +122,9 @@ def _expand(part: str) -> list[int]:
 
 
 def profiled(path: pathlib.Path) -> dict:
-    """From a step's Chrome trace: the CPU time of ``aten::randn`` and ``aten::normal_`` (top level) and
-    the GPU's kernel time, in ms."""
+    """From a step's Chrome trace: the CPU time of ``aten::randn`` (what
+    FSDP2's step draws its batch with) and the GPU's kernel time (NCCL's
+    included), in ms; {} when the file is missing or torn."""
     try:
         evs = json.loads(path.read_text()).get("traceEvents", [])
     except (OSError, ValueError):
@@ -160,6 +162,7 @@ def truth_runs(k: int, world: int, cmd: list[str], timeout: float, profile_step:
                 steps = [x for i, x in enumerate(steps) if i + 1 != profile_step]
             ranks.append({"step_ms": steps, "run_ms": run_ms, "runqueue_ms": wait_ms,
                           "cpus": [s[1] for s in sched], **profiled(d / f"profile-rank-{r}.json")})
+        shutil.rmtree(d, ignore_errors=True)
         runs.append({"wall_s": wall, "steal_ticks": steal, "ranks": ranks})
         print(f"truth run {i}: " + "; ".join(
             f"rank {r}: step {statistics.mean(x['step_ms'][2:]):.1f} ms, main thread on CPU "
