@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import orjson
 import pytest
@@ -202,3 +203,33 @@ def test_gpu_rank_segments_carry_two_clocks_and_joins(rt):
     ]
     assert [e["end_ns"] for e in rt.client.events() if e["k"] == "iter"] == [4_300]
     assert fake.opened[:4] == [0, 0, 0, 1]
+
+
+class _InFlight:
+    """What the stall monitor needs of an operation in flight."""
+
+    def __init__(self) -> None:
+        self.wait_key = "coll:world:0"
+        self.issue_ns = 1
+        self.wait_ns = None
+        self.lock = threading.Lock()
+
+
+def test_a_call_never_goes_out_after_the_monitor_gave_the_slot_away(rt):
+    """CI saw it (2 cores, 3 ranks): after ensure_slot the main thread stalled
+    (waiting for the GIL) long enough for the stall monitor to release the
+    slot, then sent its CollectiveArrive without one. send_call takes the
+    slot back first."""
+    rt.track(_InFlight())  # an earlier async call is in flight
+    rt.ensure_slot()
+    deadline = time.monotonic() + 10
+    while not rt._implicit and time.monotonic() < deadline:
+        time.sleep(0.01)  # idle and not runnable: the monitor's condition
+    assert rt._implicit, "the stall monitor never released the slot of an idle main thread"
+    msg = protocol.Wait(rank=0, what="marker", t_ns=0)
+    rt.send_call(msg)
+    kinds = [type(m) for m in rt.client.sent if not isinstance(m, protocol.TraceRecords)]
+    i = next(i for i, m in enumerate(rt.client.sent) if m is msg)
+    after = [type(m) for m in rt.client.sent[:i] if not isinstance(m, protocol.TraceRecords)]
+    assert after[-3:] == [protocol.Wait, protocol.SlotRelease, protocol.SlotRequest], kinds
+    assert rt._holds_slot and not rt._implicit

@@ -477,7 +477,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
             pending.finish_events = finish
             fut = rt.client.future(("coll", self.gid, seq))
-            rt.client.send(msg)
+            rt.send_call(msg)
             rt.on_done(fut, lambda f: _complete_from_future(pending, f))
             return self._issued(PrismWork(pending))
         finally:
@@ -668,7 +668,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             peer = self.global_ranks[dst]
             pseq = rt.next_pseq(rt.rank, peer, tag)
             h = _host(t, copy=True)  # eager send: the caller may reuse t at once
-            rt.client.send(protocol.Send(
+            rt.send_call(protocol.Send(
                 rank=rt.rank, gid=self.gid, dst=peer, tag=tag, pseq=pseq, dtype=_dtype_name(t.dtype),
                 shape=_shape(t), issue_ns=t0, payloads=(_buffer(h),),
             ))
@@ -714,7 +714,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
             pending.finish_events = finish
             fut = rt.client.future(("p2p", peer, rt.rank, tag, pseq))
-            rt.client.send(protocol.RecvPost(
+            rt.send_call(protocol.RecvPost(
                 rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape, issue_ns=t0,
             ))
             rt.on_done(fut, lambda f: _complete_from_future(pending, f))
