@@ -35,8 +35,6 @@ before a compute segment that starts at t; otherwise record order decides.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +42,7 @@ import math
 
 import numpy as np
 
+from prism.core.align import matched_pairs
 from prism.core.trace import (
     COLLECTIVE_OPS,
     P2P,
@@ -704,8 +703,8 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
     the GPU time of its counterpart in the calibration steps of the same rank:
     a segment is known by what ended it (a join, or the next call's kind,
     group and op). Each step's sequence of such signatures is aligned with a
-    reference step's (the rank's first calibration step; ``difflib``'s
-    longest matching blocks), and aligned segments match by their position
+    reference step's (the rank's first calibration step; a longest common
+    subsequence, ``prism.core.align``), and aligned segments match by their position
     in the reference; the others by how many segments of that kind came
     before them in their step, with the step's count of such segments, then
     without it, then by plain position (data-dependent steps, MoE, differ in
@@ -790,8 +789,9 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
     # more than the segments' own wall times). Aligned segments match by
     # their position in the reference first.
     # Steps equal to the reference (most, in a deterministic script) map one
-    # to one; equal sequences are aligned once (difflib takes ~0.1 s for
-    # 1,000 segments with a few inserted).
+    # to one; equal sequences are aligned once. (difflib's matching blocks,
+    # used until 2026-11-30, paired only 84 of 157 MoE segments where 4 were
+    # inserted, and took 0.05-2 s a step: bench/align_cost.py.)
     for r in sorted({r for r, _ in by_step}):
         steps = sorted(st for rr, st in by_step if rr == r)
         cal = [st for st in steps if calibration[r, st]]
@@ -803,8 +803,7 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
             mine = tuple(k[0][1] for k in ks)
             pairs = aligned.get(mine)
             if pairs is None:
-                sm = difflib.SequenceMatcher(None, ref_sigs, mine, autojunk=False)
-                pairs = [(a + i, b + i) for a, b, size in sm.get_matching_blocks() for i in range(size)]
+                pairs = matched_pairs(ref_sigs, mine)
                 aligned[mine] = pairs
             for a, b in pairs:
                 ks[b] = (("p", a),) + ks[b]
