@@ -9,7 +9,14 @@ random places (the routing's data-dependent ``.tolist()``). Both must pair
 every reference segment; the table gives the time per alignment (best of 3)
 and how many pairs each found. Writes ``bench/results/align_cost.json``.
 
+``--captures`` instead aligns the real steps of the kept GPU captures
+(bench/results/traces, the sets of ``two_clock_check.py``) both ways and
+prints, per distinct alignment, the reference and step lengths, the pairs
+each found and how many of difflib's pairs the longest common subsequence
+shares.
+
     python bench/align_cost.py [--sizes 1000,4000] [--diffs 0,4,16,64]
+    python bench/align_cost.py --captures
 """
 
 from __future__ import annotations
@@ -52,11 +59,51 @@ def via_difflib(a, b) -> list[tuple[int, int]]:
     return [(i + k, j + k) for i, j, size in sm.get_matching_blocks() for k in range(size)]
 
 
+def captures() -> None:
+    import tarfile
+    import tempfile
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import two_clock_check as tc
+
+    from prism.core import graph
+    from prism.core import trace as T
+
+    seen: dict[tuple, str] = {}
+    calls: list[tuple] = []
+
+    def both(a, b):
+        dl, my = via_difflib(a, b), matched_pairs(a, b)
+        calls.append((len(a), len(b), len(dl), len(my), len(set(dl) & set(my))))
+        return my
+
+    graph.matched_pairs = both
+    print(f"{'capture':44s}{'ref':>5}{'step':>6}{'difflib':>9}{'LCS':>6}{'shared':>8}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for tgz in sorted(tc.TRACES.glob("*.tgz")):
+            with tarfile.open(tgz) as tf:
+                tf.extractall(tmp, filter="data")
+        for table in (tc.TRUTHS, tc.NEW, tc.SIXTH, tc.SEVENTH):
+            for name in table:
+                calls.clear()
+                graph.ExecutionGraph.from_events(T.read_run(pathlib.Path(tmp) / name).ranks)
+                for c in calls:
+                    if c[2] != c[3] or c[4] != c[2]:
+                        if c not in seen:
+                            seen[c] = name
+                            print(f"{name:44s}{c[0]:>5}{c[1]:>6}{c[2]:>9}{c[3]:>6}{c[4]:>8}")
+    print(f"{len(seen)} distinct alignments where the two differ (first capture that shows each)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1000,4000")
     ap.add_argument("--diffs", default="0,4,16,64")
+    ap.add_argument("--captures", action="store_true", help="align the kept captures' steps both ways")
     args = ap.parse_args()
+    if args.captures:
+        captures()
+        return
     rows = []
     print(f"Python {platform.python_version()}; time per alignment, best of 3")
     print(f"{'N':>6}{'D':>5}{'difflib s':>11}{'myers s':>10}{'ratio':>8}{'pairs dl':>10}{'pairs my':>10}")
