@@ -16,9 +16,12 @@ if [ -z "${SKIP_GPU_TESTS:-}" ]; then
     > "$OUT/r/gpu-tests.txt"
   tail -2 "$OUT/r/gpu-tests.txt"
 fi
+# CPUS: the CPUs the runs may use (taskset list); ACCURACY_ARGS: more options
+# for nccl_accuracy.py (e.g. a --variant).
 run() {  # name timeout gpus config
-  taskset -c 0-31 timeout "$2" python3 bench/nccl_accuracy.py --out-dir "$OUT/r/$1" --configs "$4" --capture-gpus "$3" \
-    --runs "${RUNS:-1}" --steps 8 --warmup 3 --net "$NET" --keep-runs "$OUT/r/keep" 2>&1 | grep -v "^prism: captured\|^\[" \
+  # shellcheck disable=SC2086 (ACCURACY_ARGS splits on purpose)
+  taskset -c "${CPUS:-0-31}" timeout "$2" python3 bench/nccl_accuracy.py --out-dir "$OUT/r/$1" --configs "$4" --capture-gpus "$3" \
+    --runs "${RUNS:-1}" --steps 8 --warmup 3 --net "$NET" --keep-runs "$OUT/r/keep" ${ACCURACY_ARGS:-} 2>&1 | grep -v "^prism: captured\|^\[" \
     > "$OUT/r/$1.txt"
   grep -A3 "^config" "$OUT/r/$1.txt" | head -4; grep "FAILED\|Error" "$OUT/r/$1.txt" | head -3
 }

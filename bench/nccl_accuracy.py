@@ -30,7 +30,13 @@ Prints, per configuration: truth mean and noise floor (CV of the run means),
 per capture: Prism mean, median paired error and its 95% bootstrap CI over
 runs; per rank: peak allocated truth vs Prism, and the memory outside the
 allocator in both (their difference is NCCL's own). Writes
-``DIR/nccl_accuracy.json``. ``--device cpu`` runs the same pipeline with gloo
+``DIR/nccl_accuracy.json``.
+
+``--variant NAME:KEY=VAL[,KEY=VAL]`` (repeatable) also captures every run on
+every GPU count with those environment settings, recorded as ``K@NAME``
+beside ``K`` and compared with the same truth: e.g. ``--variant
+cal:PRISM_GPU_CALIBRATE=2-7`` measures the GPU time of every step after the
+warm-up instead of steps 2-3 only. ``--device cpu`` runs the same pipeline with gloo
 and CPU captures (a smoke test for machines without GPUs).
 """
 
@@ -47,6 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -231,8 +238,12 @@ def main() -> int:
     ap.add_argument("--keep-runs", default=None, metavar="DIR", help="copy each Prism capture's trace into DIR")
     ap.add_argument("--budget", type=float, default=None, metavar="S",
                     help="stop starting new configurations after S seconds (results so far are kept)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VAL[,KEY=VAL]",
+                    help="also capture with these environment settings, recorded as K@NAME "
+                         "(e.g. cal:PRISM_GPU_CALIBRATE=2-7); repeatable")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
+    variants = parse_variants(a.variant)
     import torch
 
     t_start = time.monotonic()
@@ -243,9 +254,11 @@ def main() -> int:
     world = a.world or (gpus if a.device == "cuda" else 2)
     if a.device == "cuda" and world > gpus:
         sys.exit(f"--world {world} needs one GPU per rank for the NCCL ground truth; {gpus} here")
-    caps = [int(x) for x in a.capture_gpus.split(",")] if a.device == "cuda" else [0]
-    if any(k > gpus for k in caps if a.device == "cuda"):
+    counts = [int(x) for x in a.capture_gpus.split(",")] if a.device == "cuda" else [0]
+    if any(k > gpus for k in counts if a.device == "cuda"):
         sys.exit(f"--capture-gpus {a.capture_gpus}: only {gpus} GPUs here")
+    # (label, GPUs, environment): "1", "2", then "1@NAME", "2@NAME" per variant
+    caps = [(str(k), k, {}) for k in counts] + [(f"{k}@{v}", k, env) for v, env in variants.items() for k in counts]
     table = configs(world, a.device)
     names = a.configs.split(",") if a.configs else list(table)
     unknown = [n for n in names if n not in table]
@@ -262,7 +275,7 @@ def main() -> int:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None},
         "device": a.device, "world": world, "steps": a.steps, "warmup": a.warmup, "runs": a.runs,
-        "capture_gpus": caps, "cost_profile": {"path": profile_path, "name": model.name,
+        "capture_gpus": counts, "variants": variants, "cost_profile": {"path": profile_path, "name": model.name,
                                                "description": model.description},
         "configs": [],
     }
@@ -275,7 +288,7 @@ def main() -> int:
                 continue
             cmd, layout = table[name]
             cmd = with_steps(cmd, a.steps)
-            row: dict = {"config": name, "command": cmd, "truth": [], "prism": {str(k): [] for k in caps}}
+            row: dict = {"config": name, "command": cmd, "truth": [], "prism": {label: [] for label, _, _ in caps}}
             out["configs"].append(row)
             try:
                 for i in range(a.runs):
@@ -286,22 +299,25 @@ def main() -> int:
                                          "ends_ns": [int(x) for x in t["ends"]],
                                          "wall_s": t["wall_s"], "memory": t["memory"]})
                     msg = f"{name} run {i}: truth {t_mean / 1e6:.2f} ms"
-                    for k in caps:
+                    for label, k, env in caps:
                         t_cap = time.monotonic_ns()
-                        p = run_prism(world, cmd, layout, tmp, k, a.device, name=f"{name}-run{i}")
+                        suffix = label.partition("@")[2]
+                        with mock.patch.dict(os.environ, env):
+                            p = run_prism(world, cmd, layout, tmp, k, a.device,
+                                          name=f"{name}-run{i}" + (f"-{suffix}" if suffix else ""))
                         g = p["graph"]
                         res = replay_batch(g, cost_model=model)
                         p_mean = res.mean_iteration_time(a.warmup)
                         err = abs(p_mean - t_mean) / t_mean
                         # the same capture replayed with one clock (wall times), as before PrismTrace 1.1
                         one = replay_batch(g, g.dur, cost_model=model).mean_iteration_time(a.warmup)
-                        row["prism"][str(k)].append({"mean_ns": p_mean, "step_ns": list(map(float, res.iteration_times)),
+                        row["prism"][label].append({"mean_ns": p_mean, "step_ns": list(map(float, res.iteration_times)),
                                                      "one_clock_mean_ns": one, "two_clock": g.cpu is not None,
                                                      "capture_wall_s": p["wall_s"], "error": err,
                                                      "capture_start_ns": t_cap,
                                                      "memory": p["memory"], "gpu_plan": p["resident"],
                                                      "clocks": clock_summary(g)})
-                        msg += (f", prism@{k}gpu {p_mean / 1e6:.2f} ms ({err:+.1%} abs, one-clock {one / 1e6:.2f} ms, "
+                        msg += (f", prism {label} {p_mean / 1e6:.2f} ms ({err:+.1%} abs, one-clock {one / 1e6:.2f} ms, "
                                 f"capture {p['wall_s']:.0f} s)")
                     print(msg, flush=True)
                     # each run on disk as it ends (a call's time limit may stop the next)
@@ -334,15 +350,34 @@ def clock_summary(g) -> dict | None:
             "joins": int(g.join[m].sum()) // steps}
 
 
-def summarise(row: dict, caps: list[int]) -> None:
+def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``["cal:PRISM_GPU_CALIBRATE=2-7,X=1"]`` -> ``{"cal": {...}}``; a bad
+    spec exits with what was wrong."""
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition(":")
+        if not sep or not name or not name.isidentifier() or name in out:
+            sys.exit(f"--variant {spec!r}: expected NAME:KEY=VAL[,KEY=VAL] with a new identifier as NAME")
+        env = {}
+        for item in rest.split(","):
+            key, eq, val = item.partition("=")
+            if not eq or not key:
+                sys.exit(f"--variant {spec!r}: {item!r} is not KEY=VAL")
+            env[key] = val
+        out[name] = env
+    return out
+
+
+def summarise(row: dict, caps: list) -> None:
     truth = [r["mean_ns"] for r in row["truth"]]
     if not truth:
         return
     row["truth_mean_ms"] = statistics.mean(truth) / 1e6
     row["noise_floor_cv"] = statistics.stdev(truth) / statistics.mean(truth) if len(truth) > 1 else None
     row["summary"] = {}
-    for k in caps:
-        runs = row["prism"][str(k)]
+    for label, _, _ in caps:
+        k = label
+        runs = row["prism"][label]
         if not runs:
             continue
         errs = [r["error"] for r in runs]
@@ -383,7 +418,7 @@ def print_report(out: dict) -> None:
                 continue
             pm = runs[-1]["memory"]
             for r, (t, p) in enumerate(zip(tm, pm)):
-                print(f"  {row['config']:<16} rank {r} @{k}gpu: peak {fmt_bytes(t.get('max_allocated'))} vs "
+                print(f"  {row['config']:<16} rank {r} capture {k}: peak {fmt_bytes(t.get('max_allocated'))} vs "
                       f"{fmt_bytes(p.get('trace_peak_allocated'))}; outside allocator "
                       f"{fmt_bytes(t.get('outside_allocator'))} vs {fmt_bytes(p.get('outside_allocator'))}")
 
