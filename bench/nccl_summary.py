@@ -30,8 +30,9 @@ def pairs(path: str) -> list[dict]:
             for gpus, runs in row["prism"].items():
                 if i < len(runs):
                     p = runs[i]
-                    out.append({"file": pathlib.Path(path).name, "config": row["config"], "run": i,
-                                "gpus": int(gpus), "truth_ms": t["mean_ns"] / 1e6, "prism_ms": p["mean_ns"] / 1e6,
+                    n, _, variant = gpus.partition("@")  # "2" or "2@cal" (nccl_accuracy --variant)
+                    out.append({"file": pathlib.Path(path).name, "config": row["config"] + (f"@{variant}" if variant else ""),
+                                "run": i, "gpus": int(n), "truth_ms": t["mean_ns"] / 1e6, "prism_ms": p["mean_ns"] / 1e6,
                                 "error_pct": 100 * (p["mean_ns"] - t["mean_ns"]) / t["mean_ns"]})
     return out
 

@@ -1,7 +1,12 @@
 """Replays every kept GPU capture that has a measured truth with the current
 two-clock model and prints the error per capture and per set. Needs no GPU.
 
-    python bench/two_clock_check.py [--emulate-cold MS] [--net PROFILE] [-v] [--json OUT.json]
+    python bench/two_clock_check.py [--emulate-cold MS] [--net PROFILE] [--sets old,new,sixth,seventh]
+                                    [-v] [--json OUT.json]
+
+After the per-set lines it prints, per workload and capture GPUs, the
+truths' mean and their CV between runs, Prism's mean, the median |error|
+with its 95% bootstrap CI over captures, and the mean signed error.
 
 Sets (bench/results/traces/*.tgz; truths from bench/results/nccl-2026-11-29.md):
 
@@ -114,6 +119,29 @@ def emulate_12(ranks: dict, cold_ns: int) -> dict:
     return out
 
 
+def by_workload(rows: list[dict]) -> dict:
+    """Per workload and capture GPUs: captures, the truths' mean and CV over
+    distinct runs (the noise floor between runs), Prism's mean, the median
+    |error| with its 95% bootstrap CI over captures, the mean signed error."""
+    from accuracy import bootstrap_median_ci
+
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["workload"], []).append(r)
+    out = {}
+    for w in sorted(groups):
+        g = groups[w]
+        truths = sorted({r["truth_ms"] for r in g})
+        errs = [abs(r["error_pct"]) for r in g]
+        lo, hi = bootstrap_median_ci(errs)
+        out[w] = {"n": len(g), "truths": len(truths), "truth_mean_ms": statistics.mean(truths),
+                  "truth_cv_pct": 100 * statistics.stdev(truths) / statistics.mean(truths) if len(truths) > 1 else None,
+                  "prism_mean_ms": statistics.mean(r["prism_ms"] for r in g),
+                  "median_abs_error_pct": statistics.median(errs), "ci95": [lo, hi],
+                  "signed_mean_pct": statistics.mean(r["error_pct"] for r in g)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--emulate-cold", type=float, default=None, metavar="MS",
@@ -122,6 +150,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cpu-share", default="min", choices=("min", "median", "own"),
                     help="the graph's CPU-share estimator (prism.core.graph.two_clock_columns)")
+    ap.add_argument("--sets", default="old,new,sixth,seventh",
+                    help="which sets to replay (comma-separated; default all)")
     ap.add_argument("-v", "--verbose", action="store_true", help="one line per capture")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -133,7 +163,11 @@ def main() -> int:
         for tgz in sorted(TRACES.glob("*.tgz")):
             with tarfile.open(tgz) as tf:
                 tf.extractall(tmp, filter="data")
-        for label, table in (("old", TRUTHS), ("new", NEW), ("sixth", SIXTH), ("seventh", SEVENTH)):
+        known = {"old": TRUTHS, "new": NEW, "sixth": SIXTH, "seventh": SEVENTH}
+        wanted = a.sets.split(",")
+        if any(w not in known for w in wanted):
+            ap.error(f"--sets {a.sets}: known sets are {', '.join(known)}")
+        for label, table in ((w, known[w]) for w in wanted):
             rows = []
             for name, (what, truth) in table.items():
                 ranks = T.read_run(pathlib.Path(tmp) / name).ranks
@@ -158,6 +192,14 @@ def main() -> int:
                   "within_2pct": sum(e <= 2 for e in every)}
     print(f"all    {len(every)} captures: median |error| {out['all']['median_abs_error_pct']:.2f}%, "
           f"{out['all']['within_2pct']} within 2%")
+    out["by_workload"] = by_workload([r for st in out["sets"].values() for r in st["rows"]])
+    print(f"\n{'workload, world, GPUs of the capture':38s}{'n':>3} {'truth ms (runs, CV)':>24} {'Prism ms':>9} "
+          f"{'median |err| [95% CI]':>22} {'signed':>7}")
+    for w, b in out["by_workload"].items():
+        ci = f"{b['median_abs_error_pct']:.1f}% [{b['ci95'][0]:.1f}, {b['ci95'][1]:.1f}]"
+        cv = f"{b['truth_cv_pct']:.1f}%" if b["truth_cv_pct"] is not None else "-"
+        print(f"{w:38s}{b['n']:>3} {b['truth_mean_ms']:>9.2f} ({b['truths']:>2}, {cv:>5}) {b['prism_mean_ms']:>9.2f} "
+              f"{ci:>22} {b['signed_mean_pct']:>+6.1f}%")
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
