@@ -18,7 +18,9 @@ no CPU for ``STALL_NS`` and is not runnable (Linux: not in state R, so a
 thread merely waiting for a busy CPU keeps its slot), the rank is taken to be blocked: it tells the
 coordinator what it waits for (``Wait``) and releases its slot. The completion
 thread then takes a slot again *before* it completes the operation, so the
-main thread resumes only with a slot, as after an explicit wait.
+main thread resumes only with a slot, as after an explicit wait. A call's own
+message goes out through ``send_call``, under the monitor's lock, so a stall
+between taking the slot back and sending cannot send it without one.
 
 Completion: replies resolve ``concurrent.futures.Future`` objects in the
 transport's I/O thread. That thread must never block or run user callbacks,
