@@ -376,13 +376,12 @@ def summarise(row: dict, caps: list) -> None:
     row["noise_floor_cv"] = statistics.stdev(truth) / statistics.mean(truth) if len(truth) > 1 else None
     row["summary"] = {}
     for label, _, _ in caps:
-        k = label
         runs = row["prism"][label]
         if not runs:
             continue
         errs = [r["error"] for r in runs]
         lo, hi = bootstrap_median_ci(errs)
-        row["summary"][str(k)] = {"prism_mean_ms": statistics.mean(r["mean_ns"] for r in runs) / 1e6,
+        row["summary"][label] = {"prism_mean_ms": statistics.mean(r["mean_ns"] for r in runs) / 1e6,
                                   "one_clock_mean_ms": statistics.mean(r.get("one_clock_mean_ns", r["mean_ns"])
                                                                        for r in runs) / 1e6,
                                   "median_error": statistics.median(errs), "error_ci95": [lo, hi],
