@@ -6,7 +6,7 @@ pairs are interleaved and many steps taken):
 
 truth
     the unmodified workload with plain torch.distributed (gloo), one process
-    per rank, one torch thread each, through ``prism.launcher.launch_ranks``
+    per rank, one torch thread each, through ``prism.shell.launcher.launch_ranks``
     with ``endpoint=None``. The script is run by ``bench/_stepclock.py``,
     which registers a global optimizer step post-hook that logs
     CLOCK_MONOTONIC (one clock for the host) per rank per step. The job's
@@ -14,7 +14,7 @@ truth
     time is the gap between consecutive job step ends; the run's mean drops
     ``--warmup`` steps.
 prism
-    ``prism.capture_cli.capture`` with ``--slots`` = the core count (durations
+    ``prism.app.capture.capture_run`` with ``--slots`` = the core count (durations
     measured without oversubscription), then the graph replayed with the
     gloo profile fitted by ``prism netprofile`` on this host (fitted first if
     there is none), mean over the same steps.
@@ -52,21 +52,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import _stepclock as stepclock  # noqa: E402  (bench/ is on sys.path: this script's folder)
-from prism.capture_cli import capture  # noqa: E402
+from prism.app.capture import capture_run  # noqa: E402
 from prism.core.costmodel import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.core.trace import read_run  # noqa: E402
-from prism.launcher import launch_ranks  # noqa: E402
-from prism.netprofile_cli import (  # noqa: E402
-    DEFAULT_OPS,
-    DEFAULT_SIZES,
-    fit_points,
-    fitted_profile_path,
-    measure,
-    profile_toml,
-    usable_cores,
-)
+from prism.shell.launcher import launch_ranks  # noqa: E402
+from prism.app.netprofile import DEFAULT_OPS, DEFAULT_SIZES, fitted_profile_path, measure, usable_cores  # noqa: E402
+from prism.core.netfit import fit_points, profile_toml  # noqa: E402
 
 #: Model size: an iteration of about 50-200 ms per rank on one core.
 MODEL = ["--hidden", "128", "--layers", "2", "--heads", "4", "--seq-len", "64", "--batch", "4",
@@ -124,7 +117,7 @@ def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float) -> 
 def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, model, slots: int, warmup: int):
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
     t0 = time.monotonic()
-    status = capture(d, world, cmd, slots=slots, show_ranks=(), progress="off")
+    status = capture_run(d, world, cmd, slots=slots, show_ranks=(), progress="off").exit_code
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
     wall = time.monotonic() - t0
@@ -150,7 +143,8 @@ def ensure_profile(net: str | None) -> tuple[object, str]:
         gs = [n for n in (2, 4, 8, 16) if n <= cores] or [2]
         points = measure(DEFAULT_SIZES, gs, DEFAULT_OPS)
         text = profile_toml(fit_points(points), points, host=socket.gethostname(), backend="gloo",
-                            ranks_per_node=cores, command="bench/accuracy.py (prism netprofile defaults)")
+                            ranks_per_node=cores, command="bench/accuracy.py (prism netprofile defaults)",
+                            date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return load_profile(path), str(path)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from prism.core import trace as T  # noqa: E402
 from prism.core.graph import CPU_SHARES, ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
-from prism.predict_cli import resolve_profile  # noqa: E402
+from prism.app.predict import resolve_profile  # noqa: E402
 
 TRACES = ROOT / "bench" / "results" / "traces"
 NET = str(ROOT / "bench" / "results" / "nccl-h200x4-profile.toml")

@@ -109,12 +109,12 @@ def mode_cost() -> dict:
 
 
 def swap_raw(sizes=(1.0, 8.0)) -> dict:
-    from prism import swap, telemetry
+    from prism.shell import swap, telemetry
 
     drv = swap.CheckpointDriver()
     out = {}
     for gib in sizes:
-        holder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "gpu_holder.py"), str(gib)],
+        holder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "gpu_holder.py"), str(gib)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert holder.stdout.readline().startswith("ready")

@@ -64,13 +64,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 import _stepclock as stepclock  # noqa: E402
 from accuracy import bootstrap_median_ci, job_step_ends, mean_iteration  # noqa: E402
 
-from prism.capture_cli import capture  # noqa: E402
+from prism.app.capture import capture_run  # noqa: E402
 from prism.core import trace as T  # noqa: E402
 from prism.core.costmodel import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
-from prism.launcher import launch_ranks  # noqa: E402
-from prism.netprofile_cli import fit_points, fitted_profile_path, measure, profile_toml  # noqa: E402
+from prism.shell.launcher import launch_ranks  # noqa: E402
+from prism.app.netprofile import fitted_profile_path, measure  # noqa: E402
+from prism.core.netfit import fit_points, profile_toml  # noqa: E402
 
 STEPCLOCK = str(ROOT / "bench" / "_stepclock.py")
 FSDP2 = str(ROOT / "prism" / "workloads" / "frameworks" / "fsdp2.py")
@@ -168,7 +169,7 @@ def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpu
     os.environ["PRISM_STEPCLOCK_SYNC"] = "1"
     plan = None
     if device == "cuda":
-        from prism.gpu_plan import plan_gpus
+        from prism.shell.gpu_plan import plan_gpus
 
         plan = plan_gpus(world, layout, uses_cuda=True, gpus=",".join(map(str, range(n_gpus))),
                          resident=None, gang=None, slots=None)
@@ -176,8 +177,8 @@ def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpu
     t0 = time.monotonic()
     # One node of `world` GPUs, as the truth run has: on as many GPUs as ranks
     # the logical devices are the physical ones (no remapping, no mode).
-    status = capture(run, world, [STEPCLOCK, *cmd], slots=slots, show_ranks=(), progress="off", gpu=plan,
-                     nproc_per_node=world)
+    status = capture_run(run, world, [STEPCLOCK, *cmd], slots=slots, show_ranks=(), progress="off", gpu=plan,
+                         nproc_per_node=world).exit_code
     wall = time.monotonic() - t0
     if status != 0:
         raise RuntimeError(f"prism capture on {n_gpus} GPU(s) failed with status {status}; kept {run}")
@@ -214,7 +215,8 @@ def ensure_profile(net: str | None, device: str):
         points = measure(sizes, gs, ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                                      "all_to_all_single", "send"), backend=backend)
         text = profile_toml(fit_points(points), points, host=socket.gethostname(), backend=backend,
-                            ranks_per_node=max(n, 2), command="bench/nccl_accuracy.py (netprofile defaults)")
+                            ranks_per_node=max(n, 2), command="bench/nccl_accuracy.py (netprofile defaults)",
+                            date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return load_profile(path), str(path)

@@ -50,7 +50,7 @@ from cpu_share_choice import NEW, TRACES, TRUTHS  # noqa: E402
 from prism.core import trace as T  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
-from prism.predict_cli import resolve_profile  # noqa: E402
+from prism.app.predict import resolve_profile  # noqa: E402
 
 NET = str(ROOT / "bench" / "results" / "nccl-h200x2-issue-profile.toml")
 #: The sixth session's captures (nccl-h200x2-sixth-captures-2026-11-30.tgz):

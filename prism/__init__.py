@@ -31,13 +31,13 @@ reads no clock and imports neither trio, zmq nor torch, wrapped by thin
     Time enters the core as an argument (``now``, integer nanoseconds).
 
 Shells
-    ``prism.coordinator``  the trio coordinator: one event loop owns the
+    ``prism.shell.coordinator``  the trio coordinator: one event loop owns the
                            matcher, the scheduler and the trace writers.
     ``prism.rank``         inside each logical rank: the ``prism``
                            torch.distributed backend, the runtime (slots,
                            completion thread), the fork server, the bootstrap
                            that forces the backend without touching the script.
-    ``prism.launcher``     starts the fork server and the ranks.
+    ``prism.shell.launcher``     starts the fork server and the ranks.
     ``prism.cli`` and ``*_cli``  ``python -m prism ...``; commands not built
                            yet say which issue brings them.
     ``prism.workloads``    the bundled training scripts (they never import prism).

@@ -26,7 +26,7 @@ the start and end of every node on every rank. One semantics, three engines:
 * ``WAIT`` ends at max(its start, the end of the op it waits for);
 * ``ITER`` takes no time; where it is reached is the rank's step end.
 
-Engines (``tests/test_replay.py`` proves they give identical timelines):
+Engines (``tests/unit/test_replay.py`` proves they give identical timelines):
 
 ``replay_reference(graph, ...)``
     a plain heapq discrete-event loop over Python lists: the yardstick.

@@ -1,7 +1,7 @@
 """Gang-aware GPU residency: the swap policy of a capture on GPUs (sans-IO).
 
 Each physical GPU holds at most ``max_resident`` ranks' state at once; the
-others are checkpointed to host memory (``prism.swap``). Ranks are grouped in
+others are checkpointed to host memory (``prism.shell.swap``). Ranks are grouped in
 *gangs* (vocabulary in ``prism/__init__.py``): ranks that communicate densely,
 such as a TP group or a whole pipeline, enter and leave the GPU together, so
 their collectives complete without a swap in between.

@@ -47,7 +47,7 @@ least ``2 * ep`` (otherwise an EP block and the whole DP dimension, or an
 expert-DP group and a single replica, cannot be told apart); ``dp'`` is a
 multiple of the captured ``dp``.
 
-Two paths give the same result (``tests/test_scaleout.py`` checks it):
+Two paths give the same result (``tests/unit/test_scaleout.py`` checks it):
 ``scale_events`` builds PrismTrace event lists (feed ``ExecutionGraph.from_events``);
 ``scale_graph`` tiles the captured graph's node columns with numpy and calls
 ``ExecutionGraph.from_columns`` directly, for worlds of thousands of ranks.

@@ -1,6 +1,6 @@
 """The fork server: one process that imports torch once and forks the ranks.
 
-Started by ``prism.launcher.launch_ranks`` as ``python -m prism.rank.forkserver``
+Started by ``prism.shell.launcher.launch_ranks`` as ``python -m prism.rank.forkserver``
 so that the coordinator (trio, zmq) never forks itself: forking a process with
 a live zmq context or trio loop is unsafe. It must not touch CUDA before
 forking (a CUDA context does not survive fork), and it starts no threads.

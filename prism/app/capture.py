@@ -1,0 +1,326 @@
+"""Capture an unmodified ``torch.distributed`` script as N logical ranks.
+
+``capture(CaptureConfig(world_size=16, command=["train.py", "--tp", "2"]))``
+checks the options (``plan_capture``: the command, the run directory, the GPU
+plan), makes the run directory, starts an embedded coordinator (or joins one
+given as ``coordinator``), launches one process per logical rank through the
+fork server, and returns a ``CaptureOutcome``: how the capture ended, where
+its trace is, and the swap summary of a GPU capture. ``capture_run`` is the
+same without the option checks, for callers that build a ``GpuPlan``
+themselves. A capture that fails (a mismatch, a deadlock, a failed rank) is a
+result, not an exception; the trace so far is kept valid.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prism import __version__
+from prism.app.errors import UsageError
+from prism.core import trace as T
+
+__all__ = ["CaptureConfig", "CapturePlan", "CaptureOutcome", "capture", "plan_capture", "capture_run",
+           "serve_coordinator", "default_out", "layout_of", "device_kind_of", "manifest_for"]
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What to capture and how. ``command`` is ``[SCRIPT, ARGS...]`` or
+    ``["-m", MODULE, ARGS...]``. ``show_ranks``: whose output reaches the
+    console besides failing ranks ("all", "none" or a tuple of ranks).
+    ``progress``: "auto", "on" or "off" (a line on stderr)."""
+
+    world_size: int
+    command: Sequence[str]
+    out: str | os.PathLike[str] | None = None
+    slots: int | None = None
+    coordinator: str | None = None
+    nproc_per_node: int = 8
+    show_ranks: str | tuple[int, ...] = (0,)
+    quiet_s: float = 30.0
+    progress: str = "auto"
+    # GPUs (see prism.shell.gpu_plan)
+    gpus: str | None = None
+    resident: int | None = None
+    gang: str | None = None
+    rank_memory_gib: float = 2.0
+    #: CPU dry run of the GPU swap policy; seconds per swap (None: off).
+    simulate_swaps: float | None = None
+
+
+@dataclass
+class CapturePlan:
+    """A checked ``CaptureConfig``: the command, the run directory, the slots and the GPU plan."""
+
+    config: CaptureConfig
+    command: list[str]
+    run_dir: Path
+    slots: int
+    #: ``prism.shell.gpu_plan.GpuPlan``, or None for a CPU capture.
+    gpu: Any = None
+    #: Advice about the chosen options, for the user.
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CaptureOutcome:
+    """How a capture ended. ``result`` is the coordinator's
+    ``prism.shell.coordinator.CaptureResult`` (None when the ranks joined an
+    external coordinator, which records the trace itself)."""
+
+    run_dir: Path
+    exit_code: int
+    result: Any = None
+    #: Rank -> exit code of ranks that failed (external-coordinator mode).
+    failed_exits: dict[int, int] = field(default_factory=dict)
+    #: A GPU capture's swap summary (``prism.shell.swap.write_report``) and its one-line form.
+    swaps: dict | None = None
+    swap_line: str = ""
+    coordinator: str | None = None
+    world_size: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def text(self) -> str:
+        """What ``prism capture`` prints at the end (on stderr)."""
+        run_dir = self.run_dir
+        if self.result is None:
+            if self.failed_exits:
+                return f"prism capture: ranks failed: {self.failed_exits}; see {run_dir / T.LOGS_DIR}"
+            return (f"prism capture: all {self.world_size} ranks finished; the coordinator at {self.coordinator} "
+                    f"recorded the trace into its own --out; rank logs are in {run_dir / T.LOGS_DIR}")
+        lines = [self.swap_line] if self.swap_line else []
+        r = self.result
+        if r.status == "ok":
+            lines.append(f"prism: captured {r.steps_done} steps of {run_dir} in {r.wall_s:.1f} s; "
+                         f"`python -m prism trace summary {run_dir}` shows it")
+        else:
+            lines.append(f"prism: capture FAILED ({r.status}) after {r.wall_s:.1f} s:\n{r.message}\n"
+                         f"The trace so far is kept in {run_dir}; rank logs in {run_dir / T.LOGS_DIR}.")
+        return "\n".join(lines)
+
+
+def default_out(prefix: str) -> Path:
+    """``runs/PREFIX-YYYYmmdd-HHMMSS``."""
+    return Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _check_command(command: Sequence[str]) -> list[str]:
+    cmd = list(command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError("give the script to run after --, e.g. `prism capture -n 4 -- train.py --lr 1e-3`")
+    if cmd[0] == "-m" and len(cmd) < 2:
+        raise UsageError("-m needs a module name, e.g. `-- -m mypkg.train`")
+    if cmd[0] != "-m" and not Path(cmd[0]).is_file():
+        raise UsageError(f"script {cmd[0]!r} does not exist (use -m MODULE for a module)")
+    return cmd
+
+
+def layout_of(cmd: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """Parallel degrees given as flags (--tp 2 --pp 2 ...), recorded in the manifest."""
+    out = []
+    for i, word in enumerate(cmd[:-1]):
+        m = re.fullmatch(r"--(tp|pp|dp|ep|cp|sp)", word)
+        if m and cmd[i + 1].isdigit():
+            out.append((m.group(1), int(cmd[i + 1])))
+    return tuple(out)
+
+
+def device_kind_of(cmd: Sequence[str]) -> str:
+    """"cuda" when the command names a CUDA device, else "cpu"."""
+    return "cuda" if any(w == "cuda" or w.startswith("cuda:") for w in cmd) else "cpu"
+
+
+def _torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def manifest_for(run_dir: Path, world_size: int, cmd: Sequence[str], slots: int, device_kind: str) -> T.Manifest:
+    """The manifest a capture of ``cmd`` into ``run_dir`` writes."""
+    return T.Manifest(
+        version=T.TRACE_VERSION, run_id=run_dir.name, world_size=world_size,
+        created_unix_ns=time.time_ns(), command=tuple(cmd), device_kind=device_kind,
+        prism_version=__version__, torch_version=_torch_version(), hostname=socket.gethostname(),
+        layout=layout_of(cmd), notes=(("slots", str(slots)),),
+    )
+
+
+def plan_capture(config: CaptureConfig) -> CapturePlan:
+    """Check ``config``; raises ``UsageError`` naming the bad option."""
+    if config.world_size < 1:
+        raise UsageError(f"--world-size must be at least 1, got {config.world_size}")
+    cmd = _check_command(config.command)
+    run_dir = Path(config.out) if config.out else default_out("capture")
+    if (run_dir / T.RANKS_DIR).exists() and any((run_dir / T.RANKS_DIR).iterdir()):
+        raise UsageError(f"run directory {run_dir} already holds a capture; choose another --out")
+    from prism.shell.gpu_plan import GpuPlanError, plan_gpus, visible_gpus
+
+    simulate = config.simulate_swaps
+    if simulate is not None:
+        if device_kind_of(cmd) == "cuda":
+            raise UsageError("--simulate-swaps runs the ranks on CPU, but the command uses cuda; give the script "
+                             "--device cpu (the swaps are decided the same way)")
+        if config.resident is None:
+            raise UsageError("--simulate-swaps needs --resident K (how many ranks the GPU would hold)")
+        if simulate < 0:
+            raise UsageError(f"--simulate-swaps {simulate}: seconds per swap must be 0 or more")
+    try:
+        gpu = plan_gpus(config.world_size, dict(layout_of(cmd)), uses_cuda=device_kind_of(cmd) == "cuda",
+                        gpus=config.gpus or ("0" if simulate is not None else None), resident=config.resident,
+                        gang=config.gang, slots=config.slots, rank_memory_gib=config.rank_memory_gib)
+    except (GpuPlanError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    if simulate is not None and gpu is not None:
+        from prism.shell.swap import SimulatedDriver
+
+        gpu.driver = SimulatedDriver(simulate)
+        gpu.simulated = True
+        gpu.settings["simulated"] = {"driver": "SIGSTOP/SIGCONT", "seconds_per_swap": simulate}
+    notes = list(gpu.notes) if gpu is not None else []
+    if gpu is None and simulate is None and not any(w == "cpu" or w.startswith("cpu:") for w in cmd):
+        seen = visible_gpus()
+        if seen:
+            notes.append(f"the command names no device and this machine has {len(seen)} GPU(s): "
+                         "a script that takes CUDA when it is there would run rank r on GPU LOCAL_RANK with no "
+                         "logical devices; to capture on GPUs pass --gpus (e.g. --gpus 0), to stay on CPU give the "
+                         "script its CPU flag")
+    slots = gpu.slots if gpu is not None else (config.slots or os.cpu_count() or 1)
+    return CapturePlan(config, cmd, run_dir, slots, gpu, notes)
+
+
+def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
+    """Plan (unless given a plan) and run the capture."""
+    plan = config if isinstance(config, CapturePlan) else plan_capture(config)
+    c = plan.config
+    return capture_run(plan.run_dir, c.world_size, plan.command, slots=plan.slots, coordinator=c.coordinator,
+                       nproc_per_node=c.nproc_per_node, show_ranks=c.show_ranks, quiet_s=c.quiet_s,
+                       progress=c.progress, gpu=plan.gpu)
+
+
+def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[str], *, slots: int,
+                coordinator: str | None = None, nproc_per_node: int = 8, show_ranks: str | tuple[int, ...] = (0,),
+                quiet_s: float = 30.0, progress: str = "auto", gpu: Any = None) -> CaptureOutcome:
+    """Capture ``cmd`` as ``world_size`` ranks into ``run_dir``. ``gpu`` is a
+    ``prism.shell.gpu_plan.GpuPlan`` (None: CPU). Raises ``UsageError`` only
+    when a GPU swap cannot be set up."""
+    run_dir = Path(run_dir)
+    cmd = list(cmd)
+    if show_ranks == "none":
+        show_ranks = ()
+    import trio
+
+    from prism.shell.coordinator import Coordinator, Progress
+    from prism.shell.launcher import launch_ranks
+    from transport.endpoints import default_endpoint
+
+    T.make_run_dir(run_dir)
+    # A GPU plan means the ranks drive GPUs, whether or not the command says
+    # so (scripts that take CUDA when it is there); simulated swaps run on CPU.
+    kind = "cuda" if gpu is not None and not getattr(gpu, "simulated", False) else device_kind_of(cmd)
+    T.write_manifest(run_dir, manifest_for(run_dir, world_size, cmd, slots, kind))
+
+    env = gpu.env() if gpu is not None else {}
+    if coordinator is not None:
+        procs = launch_ranks(world_size, coordinator, run_dir, cmd, nproc_per_node=nproc_per_node,
+                             show_ranks=show_ranks, env=env)
+        codes = procs.wait()
+        bad = {r: c for r, c in enumerate(codes) if c != 0}
+        return CaptureOutcome(run_dir, 1 if bad else 0, failed_exits=bad, coordinator=coordinator,
+                              world_size=world_size)
+
+    coord = Coordinator(run_dir, world_size, slots=slots, endpoint=default_endpoint(run_dir),
+                        quiet_s=quiet_s, progress=Progress(world_size, mode=progress))
+    if gpu is not None:
+        from prism.shell.swap import SwapError
+
+        try:
+            gpu.setup(coord)
+        except SwapError as e:
+            raise UsageError(f"cannot swap ranks on the GPU: {e}") from None
+    from prism.shell.telemetry import GpuSampler
+
+    sampler = GpuSampler(run_dir, gpu.gpus if gpu is not None and not gpu.simulated else None)
+    sampler.start()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(_run_and_keep, coord)
+            try:
+                coord.processes = await trio.to_thread.run_sync(
+                    lambda: launch_ranks(world_size, endpoint, run_dir, cmd, nproc_per_node=nproc_per_node,
+                                         show_ranks=show_ranks, env=env))
+            except BaseException:
+                nursery.cancel_scope.cancel()
+                raise
+        return coord.result
+
+    try:
+        result = trio.run(main)
+        if coord.processes is not None and result.status == "ok":
+            # Every rank said goodbye; let them finish tearing down (ZeroMQ
+            # flushing, interpreter exit) rather than killing them mid-exit.
+            coord.processes.wait(timeout=30)
+    finally:
+        sampler.stop()
+        if coord.processes is not None:
+            coord.processes.close()
+    outcome = CaptureOutcome(run_dir, result.exit_code, result, world_size=world_size)
+    if gpu is not None:
+        from prism.shell import swap
+
+        if gpu.executor:
+            gpu.executor.close()
+        outcome.swaps = swap.write_report(run_dir, gpu.executor.records if gpu.executor else [], result.steps_done,
+                                          gpu.settings, rescues=coord.rescues)
+        where = "simulated on CPU" if gpu.simulated else f"on GPUs {gpu.gpus}"
+        outcome.swap_line = (swap.format_summary(outcome.swaps)
+                             + f" [resident {gpu.resident}/GPU {where}, gang {gpu.gang}]")
+    return outcome
+
+
+async def _run_and_keep(coord, *, task_status):
+    coord.result = await coord.run(task_status=task_status)
+
+
+def serve_coordinator(run_dir: str | os.PathLike[str], world_size: int, endpoint: str, *, slots: int | None = None,
+                      quiet_s: float = 30.0, progress: str = "auto",
+                      on_listening: Callable[[str], None] | None = None) -> CaptureOutcome:
+    """A standalone coordinator: listen on ``endpoint`` for ``world_size``
+    ranks launched elsewhere (``capture(..., coordinator=ENDPOINT)``) and
+    record their trace into ``run_dir``; ``on_listening(bound_endpoint)`` is
+    called once it listens."""
+    import trio
+
+    from prism.shell.coordinator import Coordinator, Progress
+
+    run_dir = Path(run_dir)
+    slots = slots or os.cpu_count() or 1
+    T.make_run_dir(run_dir)
+    T.write_manifest(run_dir, manifest_for(run_dir, world_size, [], slots, "cpu"))
+    coord = Coordinator(run_dir, world_size, slots=slots, endpoint=endpoint, quiet_s=quiet_s,
+                        progress=Progress(world_size, mode=progress))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(_run_and_keep, coord)
+            if on_listening is not None:
+                on_listening(bound)
+        return coord.result
+
+    result = trio.run(main)
+    return CaptureOutcome(run_dir, result.exit_code, result, world_size=world_size)

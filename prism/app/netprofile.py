@@ -1,0 +1,421 @@
+"""Measure the local gloo or NCCL backend and fit a communication cost profile.
+
+``plan_netprofile(NetprofileConfig(...))`` checks the options against this
+machine and resolves the defaults; ``run_netprofile(plan)`` runs the
+measurement world, fits it (``prism.core.netfit``) and writes the profile
+(and, if asked, the points as JSON); it returns everything it measured.
+``python -m prism netprofile`` is the command over it.
+
+``backend="gloo"`` (default) times CPU tensors over gloo, one process per
+core; ``backend="nccl"`` times CUDA tensors over NCCL, one process per GPU
+(``cuda:LOCAL_RANK``), and its profile is the one ``prism predict`` uses for
+captures of CUDA runs.
+
+With NCCL a call costs two different things, and the replay needs both: the
+collective's time on the GPU (the cost model's time: the GPU stream is held
+that long) and the CPU time of the call on the thread that makes it
+(``issue_us``: the replay adds it to a GPU rank's CPU clock). Timing calls
+back to back and synchronising measures neither: small calls come out at
+the CPU's issue rate (~40-50 us each on an H200 machine). So each trial
+first holds the GPU with a spin kernel (``torch.cuda._sleep``) long enough
+for the CPU to queue all its calls, times the queuing on the CPU (issue per
+call), and times the calls on the GPU with events from the spin's end to
+the last call's end (GPU time per call, back to back). A trial whose spin
+ended before the CPU had queued everything is repeated with a longer spin.
+Send is a ping-pong timed as before (its half round trip includes both
+sides' CPU).
+
+One real process runs per rank (``OMP_NUM_THREADS=1``, at most one rank per
+core, so ranks do not steal each other's time); each op is timed at each
+message size on groups of each size (the slowest rank's time per call, the
+median over trials).
+
+Where profiles live: ``out`` if given, else ``fitted_profile_path("gloo",
+HOST)``: ``$PRISM_PROFILE_DIR/gloo-HOST.toml`` when that variable is set,
+otherwise ``~/.cache/prism/profiles/gloo-HOST.toml``. ``prism predict`` looks
+there first (backend from the run's device kind, HOST from its manifest), so
+a run is predicted with the profile of the machine it was captured on.
+
+The worker side (``python -m prism.app.netprofile --worker ...``) is an
+ordinary ``torch.distributed`` program started by
+``prism.workloads.harness.run_world``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prism.app.errors import UsageError
+from prism.core.costmodel import parse_profile
+from prism.core.netfit import (Fit, Point, fit_per_op, fit_points, issue_per_op, predict_seconds, profile_toml,
+                               relative_errors)
+
+__all__ = ["NetprofileConfig", "NetprofilePlan", "NetprofileResult", "plan_netprofile", "run_netprofile",
+           "measure", "fitted_profile_path", "backend_of", "usable_cores", "gpu_count", "Point", "Fit",
+           "DEFAULT_OPS", "DEFAULT_SIZES", "NCCL_SIZES", "BACKENDS"]
+
+#: Ops measured by default (torch.distributed names; "send" is a ping-pong, half a round trip).
+DEFAULT_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+               "all_to_all_single", "send")
+#: Bytes each rank contributes (float32 tensors).
+DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
+#: NVLink moves hundreds of GB/s: NCCL's bandwidth shows only in larger messages.
+NCCL_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28)
+BACKENDS = ("gloo", "nccl")
+TRIALS = 5
+#: Each trial runs back-to-back calls for about this long, so barrier skew amortises.
+TRIAL_SECONDS = 0.02
+
+
+def backend_of(device_kind: str) -> str:
+    """The torch.distributed backend a run on ``device_kind`` uses for its ground truth."""
+    return "nccl" if device_kind == "cuda" else "gloo"
+
+
+def fitted_profile_path(backend: str, host: str) -> pathlib.Path:
+    """Where ``netprofile`` writes (and ``predict`` looks for) the profile of ``backend`` on ``host``."""
+    base = os.environ.get("PRISM_PROFILE_DIR")
+    root = pathlib.Path(base) if base else pathlib.Path.home() / ".cache" / "prism" / "profiles"
+    return root / f"{backend}-{host}.toml"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+
+def gpu_count() -> int:
+    """GPUs torch sees here (0 without CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# --- the measurement world (one process per rank) ---------------------------
+def _worker(argv: Sequence[str]) -> None:
+    """One rank of the measurement world (run under ``run_world``)."""
+    import torch
+    import torch.distributed as dist
+
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", required=True)
+    ap.add_argument("--group-sizes", required=True)
+    ap.add_argument("--ops", required=True)
+    ap.add_argument("--backend", default="gloo", choices=BACKENDS)
+    a = ap.parse_args(argv)
+    sizes = [int(x) for x in a.sizes.split(",")]
+    gsizes = [int(x) for x in a.group_sizes.split(",")]
+    ops = a.ops.split(",")
+    device = torch.device("cpu")
+    if a.backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    groups = {n: dist.new_group(list(range(n))) for n in gsizes}
+    for n in gsizes:
+        g = groups[n]
+        if rank >= n:
+            continue
+        for op in ops:
+            if op == "send" and n != 2:
+                continue
+            for nbytes in sizes:
+                fn = _op_call(torch, dist, op, n, nbytes, g, rank, device)
+                if device.type == "cuda" and op != "send":
+                    secs, issue, wall = _time_op_gpu(torch, dist, fn, g, device)
+                    rec = {"op": op, "n": n, "nbytes": nbytes, "seconds": secs, "issue_seconds": issue,
+                           "back_to_back_seconds": wall}
+                else:
+                    rec = {"op": op, "n": n, "nbytes": nbytes, "seconds": _time_op(torch, dist, fn, g, device)}
+                if rank == 0:
+                    print(json.dumps(rec), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _op_call(torch, dist, op: str, n: int, nbytes: int, g, rank: int, device):
+    elems = max(1, nbytes // 4)
+
+    def ones(k: int):
+        return torch.ones(k, device=device)
+
+    def empty(k: int):
+        return torch.empty(k, device=device)
+
+    if op in ("all_gather_into_tensor",):
+        x = ones(elems)
+        out = empty(elems * n)
+        return lambda: dist.all_gather_into_tensor(out, x, group=g)
+    if op in ("reduce_scatter_tensor", "all_to_all_single"):
+        elems = max(n, elems - elems % n)
+        x = ones(elems)
+        if op == "all_to_all_single":
+            out = empty(elems)
+            return lambda: dist.all_to_all_single(out, x, group=g)
+        out = empty(elems // n)
+        return lambda: dist.reduce_scatter_tensor(out, x, group=g)
+    x = ones(elems)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x, group=g)
+    if op == "broadcast":
+        return lambda: dist.broadcast(x, group_src=0, group=g)
+    if op == "send":
+        peer = 1 - rank
+
+        def pingpong():
+            if rank == 0:
+                dist.send(x, peer, group=g)
+                dist.recv(x, peer, group=g)
+            else:
+                dist.recv(x, peer, group=g)
+                dist.send(x, peer, group=g)
+        return pingpong
+    raise ValueError(f"netprofile: unknown op {op!r}; known: {', '.join(DEFAULT_OPS)}")
+
+
+def _time_op(torch, dist, fn, g, device) -> float:
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def agree(seconds: float) -> float:
+        # The slowest rank's time; every rank must agree on the call count.
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+        return t.item()
+
+    fn()
+    fn()
+    sync()
+    dist.barrier(group=g)
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    one = agree(time.perf_counter() - t)
+    k = int(min(50, max(1, TRIAL_SECONDS / max(one, 1e-7))))
+    per_call = []
+    for _ in range(TRIALS):
+        dist.barrier(group=g)
+        sync()
+        t = time.perf_counter()
+        for _ in range(k):
+            fn()
+        sync()
+        per_call.append(agree((time.perf_counter() - t) / k))
+    secs = statistics.median(per_call)
+    return secs  # a ping-pong's half is taken by the caller
+
+
+def _time_op_gpu(torch, dist, fn, g, device) -> tuple[float, float, float]:
+    """(GPU seconds per call, CPU issue seconds per call, back-to-back wall
+    seconds per call) of ``fn`` on a CUDA device: see the module docstring."""
+    wall = _time_op(torch, dist, fn, g, device)
+    sync = torch.cuda.synchronize
+
+    def agree(*values: float) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+        return t.tolist()
+
+    ns_per_cycle = _sleep_clock(torch)
+    # Enough calls that the skew between the members' spin ends is small
+    # against their sum (the first call waits for the last member).
+    k = int(min(200, max(10, TRIAL_SECONDS / max(wall, 1e-7))))
+    spin_s = 2 * k * wall + 2e-3
+    gpu, issue = [], []
+    tries = 0
+    while len(gpu) < TRIALS:
+        tries += 1
+        if tries > 4 * TRIALS:
+            raise RuntimeError(f"netprofile: the CPU could not queue {k} calls within a {spin_s * 1e3:.1f} ms "
+                               "spin of the GPU after several longer tries; is the machine overloaded?")
+        dist.barrier(group=g)
+        sync(device)
+        a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        a.record()
+        torch.cuda._sleep(max(int(spin_s * 1e9 / ns_per_cycle), 1))
+        b.record()
+        t = time.perf_counter()
+        for _ in range(k):
+            fn()
+        queued = time.perf_counter() - t
+        c.record()
+        sync(device)
+        spun = a.elapsed_time(b) / 1e3
+        per_gpu, per_issue, late = agree(b.elapsed_time(c) / 1e3 / k, queued / k, float(queued > 0.8 * spun))
+        if late:  # the GPU may have waited for the CPU: not a GPU time
+            spin_s *= 2
+            continue
+        gpu.append(per_gpu)
+        issue.append(per_issue)
+    return statistics.median(gpu), statistics.median(issue), wall
+
+
+def _sleep_clock(torch) -> float:
+    """ns per ``torch.cuda._sleep`` cycle on the current GPU."""
+    best = None
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(2_000_000)
+        b.record()
+        b.synchronize()
+        ns = a.elapsed_time(b) * 1e6 / 2_000_000
+        best = ns if best is None else min(best, ns)
+    return max(best or 0.5, 0.05)
+
+
+def measure(sizes: Sequence[int], group_sizes: Sequence[int], ops: Sequence[str], *,
+            timeout: float = 600.0, backend: str = "gloo") -> list[Point]:
+    """Run the measurement world (``max(group_sizes)`` processes) and return its points."""
+    from prism.workloads.harness import run_world
+
+    world = max(group_sizes)
+    argv = ["-m", "prism.app.netprofile", "--worker", "--sizes", ",".join(map(str, sizes)),
+            "--group-sizes", ",".join(map(str, group_sizes)), "--ops", ",".join(ops), "--backend", backend]
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = {"OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    results = run_world(argv, world, timeout=timeout, env=env)
+    points = []
+    for line in results[0].stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            secs = d["seconds"] / 2 if d["op"] == "send" else d["seconds"]
+            points.append(Point(d["op"], d["n"], d["nbytes"], secs, d.get("issue_seconds")))
+    return points
+
+
+@dataclass(frozen=True)
+class NetprofileConfig:
+    """What ``prism netprofile`` measures; None means the default for the backend."""
+
+    backend: str = "gloo"
+    out: str | os.PathLike[str] | None = None
+    sizes: Sequence[int] | None = None
+    group_sizes: Sequence[int] | None = None
+    ops: Sequence[str] = DEFAULT_OPS
+    json_out: str | os.PathLike[str] | None = None
+
+
+@dataclass(frozen=True)
+class NetprofilePlan:
+    """A checked ``NetprofileConfig`` with its defaults resolved for this machine."""
+
+    backend: str
+    sizes: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+    ops: tuple[str, ...]
+    #: Ranks per node written into the profile: the cores (gloo) or GPUs (nccl) here.
+    ranks_per_node: int
+    host: str
+    out: pathlib.Path
+    json_out: pathlib.Path | None
+
+    @property
+    def command(self) -> str:
+        """The command that reproduces this measurement (written into the profile)."""
+        return (f"python -m prism netprofile --backend {self.backend} --sizes {','.join(map(str, self.sizes))} "
+                f"--group-sizes {','.join(map(str, self.group_sizes))} --ops {','.join(self.ops)}")
+
+
+@dataclass(frozen=True)
+class NetprofileResult:
+    plan: NetprofilePlan
+    points: list[Point]
+    #: One fit for all ops, and one per op (what predict uses).
+    fit: Fit
+    per_op: dict[str, Fit]
+    #: Relative error per point of the single fit and of the per-op fits.
+    errors_one: np.ndarray
+    errors_per_op: np.ndarray
+    #: Seconds per point under the per-op fits.
+    predicted: np.ndarray
+    wall_s: float
+    profile_text: str = field(repr=False)
+
+
+def plan_netprofile(config: NetprofileConfig) -> NetprofilePlan:
+    """Check ``config`` against this machine; raises ``UsageError`` naming the bad value."""
+    backend = config.backend
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    if backend == "nccl":
+        cores = gpu_count()
+        if cores < 2:
+            raise UsageError(f"--backend nccl needs at least 2 GPUs (one process per GPU); torch sees "
+                             f"{cores} here. Run it on a multi-GPU machine, or profile gloo")
+        unit = "GPU count"
+    else:
+        cores, unit = usable_cores(), "core count"
+    sizes = tuple(config.sizes or (NCCL_SIZES if backend == "nccl" else DEFAULT_SIZES))
+    gsizes = tuple(config.group_sizes or [n for n in (2, 4, 8, 16, 32, 64, 128) if n <= cores] or [2])
+    bad = [n for n in gsizes if n < 2 or n > max(cores, 2)]
+    if bad:
+        raise UsageError(f"group size {bad[0]} must be in 2..{max(cores, 2)} (the {unit}: more ranks "
+                         f"than {'GPUs' if backend == 'nccl' else 'cores'} would time the scheduler, not the backend)")
+    unknown = [o for o in config.ops if o not in DEFAULT_OPS]
+    if unknown:
+        raise UsageError(f"unknown op {unknown[0]!r}; known: {', '.join(DEFAULT_OPS)}")
+    host = socket.gethostname()
+    out = pathlib.Path(config.out) if config.out else fitted_profile_path(backend, host)
+    return NetprofilePlan(backend, sizes, gsizes, tuple(config.ops), cores, host, out,
+                          pathlib.Path(config.json_out) if config.json_out else None)
+
+
+def run_netprofile(plan: NetprofilePlan) -> NetprofileResult:
+    """Measure, fit, and write the profile to ``plan.out`` (and JSON to ``plan.json_out``)."""
+    t0 = time.monotonic()
+    points = measure(plan.sizes, plan.group_sizes, plan.ops, backend=plan.backend)
+    fit = fit_points(points)
+    per_op = fit_per_op(points)
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    text = profile_toml(fit, points, host=plan.host, backend=plan.backend, ranks_per_node=plan.ranks_per_node,
+                        command=plan.command, date=date, per_op=per_op)
+    parse_profile(text, str(plan.out))  # never write what predict cannot read
+    plan.out.parent.mkdir(parents=True, exist_ok=True)
+    plan.out.write_text(text)
+    one = relative_errors(fit, points)
+    err = relative_errors(fit, points, per_op)
+    result = NetprofileResult(plan, points, fit, per_op, one, err, predict_seconds(fit, points, per_op),
+                              time.monotonic() - t0, text)
+    if plan.json_out is not None:
+        plan.json_out.write_text(json.dumps({
+            "host": plan.host, "backend": plan.backend, "command": plan.command,
+            "points": [dataclasses.asdict(p) for p in points],
+            "fit": {"base_latency_s": fit.base_latency, "latency_s": fit.latency, "bandwidth_Bps": fit.bandwidth},
+            "per_op": {op: dataclasses.asdict(f) for op, f in per_op.items()},
+            "relative_error": {"median": float(np.median(one)), "max": float(np.max(one))},
+            "relative_error_per_op_fits": {"median": float(np.median(err)), "max": float(np.max(err))}}, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[2:])
+    else:
+        sys.exit("run `python -m prism netprofile` (this module's main is the measurement worker)")

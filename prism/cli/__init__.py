@@ -1,0 +1,116 @@
+"""``python -m prism``: the command line, the only importer of ``prism.cli.*``.
+
+Each command module (``prism.cli.capture``, ``predict``, ``trace``,
+``report``, ``netprofile``) parses its arguments, calls the library
+(``prism.app``) and prints the result. Each command is registered in
+``_COMMANDS``. A command whose issue has not
+landed yet is listed with the issue that brings it and refuses to run (exit
+status 2) instead of pretending to work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    name: str
+    help: str
+    # None while the command is not built; the issue that brings it.
+    build: Callable[[argparse.ArgumentParser], None] | None = None
+    pending_issue: int | None = None
+
+
+def _build_trace(p: argparse.ArgumentParser) -> None:
+    from prism.cli import trace
+
+    trace.add_arguments(p)
+
+
+def _build_capture(p: argparse.ArgumentParser) -> None:
+    from prism.cli import capture
+
+    capture.add_capture_arguments(p)
+
+
+def _build_coordinator(p: argparse.ArgumentParser) -> None:
+    from prism.cli import capture
+
+    capture.add_coordinator_arguments(p)
+
+
+def _build_demo(p: argparse.ArgumentParser) -> None:
+    from prism.cli import capture
+
+    capture.add_demo_arguments(p)
+
+
+def _build_netprofile(p: argparse.ArgumentParser) -> None:
+    from prism.cli import netprofile
+
+    netprofile.add_arguments(p)
+
+
+def _build_predict(p: argparse.ArgumentParser) -> None:
+    from prism.cli import predict
+
+    predict.add_arguments(p)
+
+
+def _build_report(p: argparse.ArgumentParser) -> None:
+    from prism.cli import report
+
+    report.add_arguments(p)
+
+
+_COMMANDS: tuple[_Command, ...] = (
+    _Command("demo", "capture the bundled GPT at world 16 on CPU and summarise it", build=_build_demo),
+    _Command("capture", "run an unmodified torch.distributed script as N logical ranks and record its trace", build=_build_capture),
+    _Command("coordinator", "run a standalone coordinator for one capture", build=_build_coordinator),
+    _Command("trace", "inspect a PrismTrace run: summary, validate", build=_build_trace),
+    _Command("predict", "predict iteration time and breakdown from a captured run", build=_build_predict),
+    _Command("report", "write timelines (Perfetto, Gantt plot, Chakra ET) for a run", build=_build_report),
+    _Command("netprofile", "measure the local backend (gloo) and fit a communication cost profile", build=_build_netprofile),
+    _Command("emulate", "hybrid emulation with sandbox and virtual ranks (phase 2)", pending_issue=None),
+)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m prism",
+        description="Prism: emulate large-scale distributed LLM training on a few devices.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for cmd in _COMMANDS:
+        if cmd.build is not None:
+            p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+            cmd.build(p)
+        else:
+            where = f"issue #{cmd.pending_issue}" if cmd.pending_issue else "phase 2"
+            sub.add_parser(cmd.name, help=f"[not built yet: {where}] {cmd.help}", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
+    pending = {c.name: c for c in _COMMANDS if c.build is None}
+    if argv and argv[0] in pending:
+        name = argv[0]
+        issue = pending[name].pending_issue
+        where = f"issue #{issue}" if issue else "phase 2"
+        print(
+            f"prism {name}: not built yet; it arrives with {where}. "
+            "Run `python -m prism --help` to see what works today.",
+            file=sys.stderr,
+        )
+        return 2
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)

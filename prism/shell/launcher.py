@@ -1,0 +1,173 @@
+"""Launching the logical ranks of a run (the coordinator's side).
+
+``launch_ranks`` starts the fork server (``python -m prism.rank.forkserver``)
+as a subprocess, hands it the run's spec and returns a ``RankProcesses``
+handle. The coordinator process never forks itself (see the fork server's
+docstring); ranks die with the fork server, which dies (killing them) when
+this process goes away.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import orjson
+
+#: As torchrun's ``--nproc-per-node`` default in Prism's bundled workloads.
+DEFAULT_NPROC_PER_NODE = 8
+_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankProcesses:
+    """Handle on the rank processes of one launch.
+
+    ``pids[r]`` is rank r's pid; ``returncodes[r]`` its exit status once known
+    (the exit code, or ``-signal`` as in ``subprocess``), else None.
+    """
+
+    def __init__(self, server: subprocess.Popen, world_size: int) -> None:
+        self._server = server
+        self.world_size = world_size
+        self.pids: list[int] = [0] * world_size
+        self.returncodes: list[int | None] = [None] * world_size
+        self._cond = threading.Condition()
+        self._started = 0
+        self._done = False
+        self._reader = threading.Thread(target=self._read_events, name="prism-forkserver-events", daemon=True)
+        self._reader.start()
+
+    def _read_events(self) -> None:
+        assert self._server.stdout is not None  # Popen(stdout=PIPE)
+        for line in self._server.stdout:
+            ev = orjson.loads(line)
+            with self._cond:
+                if ev["ev"] == "started":
+                    self.pids[ev["rank"]] = ev["pid"]
+                    self._started += 1
+                elif ev["ev"] == "exit":
+                    self.returncodes[ev["rank"]] = ev["status"]
+                self._cond.notify_all()
+        self._server.stdout.close()
+        self._server.wait()
+        with self._cond:
+            # A fork server that died leaves its ranks dead too (PDEATHSIG).
+            for r, code in enumerate(self.returncodes):
+                if code is None:
+                    self.returncodes[r] = -signal.SIGKILL
+            self._done = True
+            self._cond.notify_all()
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """Wait until every rank is forked (``pids`` complete)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._started == self.world_size or self._done, timeout)
+
+    def poll(self, rank: int | None = None) -> int | None | list[int | None]:
+        """Exit status of ``rank`` (None while it runs), or the list for all ranks."""
+        with self._cond:
+            return list(self.returncodes) if rank is None else self.returncodes[rank]
+
+    def wait(self, rank: int | None = None, timeout: float | None = None) -> int | None | list[int | None]:
+        """Wait for ``rank`` (or all ranks and the fork server) to exit; returns
+        ``poll(rank)`` (None entries if ``timeout`` expired)."""
+        with self._cond:
+            if rank is None:
+                self._cond.wait_for(lambda: self._done, timeout)
+            else:
+                self._cond.wait_for(lambda: self.returncodes[rank] is not None, timeout)
+        if rank is None and self._done:
+            self._reader.join()
+        return self.poll(rank)
+
+    def kill_all(self) -> None:
+        """SIGKILL every rank (and what it spawned: each rank leads its own
+        process group), then let the fork server exit."""
+        for pid, code in zip(self.pids, self.returncodes):
+            if pid and code is None:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        stdin = self._server.stdin
+        if stdin is not None and not stdin.closed:
+            try:
+                stdin.write(b'{"cmd": "kill"}\n')
+                stdin.close()
+            except BrokenPipeError:
+                pass
+
+    def close(self) -> None:
+        """Kill what still runs and reap the fork server."""
+        self.kill_all()
+        self.wait(timeout=30)
+
+
+def launch_ranks(
+    world_size: int,
+    endpoint: str | None,
+    run_dir: str | os.PathLike,
+    command: Sequence[str],
+    *,
+    nproc_per_node: int = DEFAULT_NPROC_PER_NODE,
+    show_ranks: Literal["all"] | Sequence[int] = (0,),
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    run_id: str | None = None,
+) -> RankProcesses:
+    """Start ``world_size`` rank processes running ``command``.
+
+    ``command`` is ``[SCRIPT, args...]`` or ``["-m", MODULE, args...]``.
+    ``endpoint`` is the coordinator's; None runs the script with plain
+    torch.distributed (no Prism backend, a real TCP rendezvous on
+    ``MASTER_PORT``): the ground truth under the same launcher. Output goes to
+    ``run_dir/logs/rank-XXXXXX.log``; the ranks in ``show_ranks`` ("all" or a
+    list) also print to this process's stderr prefixed ``[rank N] ``, and
+    failing ranks print the tail of their log. ``env`` is added to the ranks'
+    environment (it wins over this process's; torchrun's variables win over it).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
+    if not command:
+        raise ValueError("command is empty: give [SCRIPT, args...] or ['-m', MODULE, args...]")
+    run_dir = os.fspath(run_dir)
+    spec = {
+        "world_size": world_size,
+        "endpoint": endpoint,
+        "run_dir": run_dir,
+        "command": list(command),
+        "nproc_per_node": nproc_per_node,
+        "show_ranks": show_ranks if show_ranks == "all" else [int(r) for r in show_ranks],
+        "env": dict(env or {}),
+        "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+        "master_port": _free_port(),
+        "run_id": run_id or os.path.basename(os.path.abspath(run_dir)) or "prism",
+    }
+    server_env = dict(os.environ)
+    server_env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, server_env.get("PYTHONPATH", "")) if p)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prism.rank.forkserver"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=server_env,
+        cwd=spec["cwd"],
+    )
+    assert server.stdin is not None  # Popen(stdin=PIPE)
+    server.stdin.write(orjson.dumps(spec) + b"\n")
+    server.stdin.flush()
+    return RankProcesses(server, world_size)

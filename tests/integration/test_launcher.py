@@ -1,0 +1,152 @@
+"""The launcher and bootstrap: torchrun's environment, any backend the script
+asks for becomes Prism, SCRIPT and -m MODULE, failures, console output, kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from prism.shell.launcher import launch_ranks
+from tests.support.rank_harness import FAKE_ENV, SCRIPTS, log, run_world
+
+pytestmark = pytest.mark.slow
+
+
+def test_torchrun_environment_and_forced_backend(tmp_path):
+    world = 4
+    codes, fc = run_world(tmp_path, world, [str(SCRIPTS / "env_worker.py"), str(tmp_path)], nproc_per_node=3,
+                          env={"TORCHELASTIC_RUN_ID": "ignored"})
+    assert codes == [0] * world, [log(tmp_path, r) for r in range(world)]
+    recs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(world)]
+    ports = {rec["env"]["MASTER_PORT"] for rec in recs}
+    assert len(ports) == 1 and ports.pop().isdigit()
+    for r, rec in enumerate(recs):
+        env = rec["env"]
+        assert env["RANK"] == str(r) and env["WORLD_SIZE"] == str(world)
+        assert env["LOCAL_RANK"] == str(r % 3)
+        assert env["LOCAL_WORLD_SIZE"] == ("3" if r < 3 else "1")
+        assert env["GROUP_RANK"] == env["NODE_RANK"] == str(r // 3)
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["TORCHELASTIC_RUN_ID"] == tmp_path.name
+        assert env["OMP_NUM_THREADS"] == "1" and rec["threads"] == 1
+        assert env["PRISM_COORDINATOR"] == fc.endpoint
+        # "nccl", None, "cpu:gloo,cuda:nccl" and "gloo" all became Prism.
+        assert rec["backend"] == "prism"
+        assert rec["sum"] == world
+        assert rec["argv"] == [str(SCRIPTS / "env_worker.py"), str(tmp_path)]
+    assert recs[0]["child_patched"] == "True"
+    assert all(g.status == "ok" for g in fc.goodbyes.values())
+
+
+def test_user_thread_count_is_kept(tmp_path):
+    codes, _ = run_world(tmp_path, 1, [str(SCRIPTS / "env_worker.py"), str(tmp_path)],
+                         env={"OMP_NUM_THREADS": "2"})
+    assert codes == [0]
+    rec = json.loads((tmp_path / "env0.json").read_text())
+    assert rec["env"]["OMP_NUM_THREADS"] == "2" and rec["threads"] == 2
+
+
+def test_module_and_device_mesh(tmp_path):
+    codes, fc = run_world(tmp_path, 4, ["-m", "mesh_module", str(tmp_path)], cwd=SCRIPTS)
+    assert codes == [0] * 4, [log(tmp_path, r) for r in range(4)]
+    for r in range(4):
+        rec = json.loads((tmp_path / f"mesh{r}.json").read_text())
+        assert rec["backend"] == "prism" and rec["name"] == "__main__"
+        assert rec["argv0"].endswith("mesh_module.py")
+        # rank = dp * 2 + tp: dp groups {tp, tp + 2}, tp groups {2dp, 2dp + 1}
+        assert rec["sums"] == {"dp": float(2 * (r % 2) + 2), "tp": float(4 * (r // 2) + 1)}
+    # WORLD, then dp groups {0,2} {1,3} and tp groups {0,1} {2,3} in creation order.
+    assert {(g.index, g.ranks) for g in fc.group_msgs} == {
+        (0, (0, 1, 2, 3)), (1, (0, 2)), (2, (1, 3)), (3, (0, 1)), (4, (2, 3))}
+
+
+def test_failures_logs_and_console(tmp_path, capfd):
+    codes, fc = run_world(tmp_path, 3, [str(SCRIPTS / "crash_worker.py")])
+    assert codes == [0, 1, 3]
+    assert "ValueError: boom from rank 1" in log(tmp_path, 1)
+    assert "Traceback" in log(tmp_path, 1)
+    assert fc.goodbyes[0].status == "ok"
+    assert fc.goodbyes[1].status == "error" and "ValueError: boom from rank 1" in fc.goodbyes[1].message
+    assert fc.goodbyes[2].status == "error" and "status 3" in fc.goodbyes[2].message
+    err = capfd.readouterr().err
+    # Rank 0 is shown live; failing ranks show their log's tail; all prefixed.
+    assert "[rank 0] line 2 from rank 0" in err
+    assert "[rank 1] ValueError: boom from rank 1" in err
+    assert "[rank 2] line 0 from rank 2" in err
+    for r in range(3):
+        assert f"line 1 from rank {r}\n" in log(tmp_path, r)
+
+
+def test_show_all_ranks(tmp_path, capfd):
+    codes, _ = run_world(tmp_path, 2, [str(SCRIPTS / "env_worker.py"), str(tmp_path)], show_ranks="all")
+    assert codes == [0, 0]
+    err = capfd.readouterr().err
+    assert "[rank 0] rank 0 done" in err and "[rank 1] rank 1 done" in err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie awaiting its parent counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def test_kill_all_leaves_no_orphans(tmp_path):
+    from tests.support.fake_coordinator import FakeCoordinator
+
+    fc = FakeCoordinator(str(tmp_path / "coord.sock"), 2)
+    procs = launch_ranks(2, fc.endpoint, tmp_path, [str(SCRIPTS / "sleep_worker.py")], env=FAKE_ENV)
+    try:
+        assert procs.wait_started(timeout=60)
+        deadline = time.monotonic() + 60
+        grandchildren: list[int] = []
+        while len(grandchildren) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            grandchildren = [int(line.split()[1]) for r in range(2) for line in log(tmp_path, r).splitlines()
+                             if line.startswith("grandchild ")]
+        assert len(grandchildren) == 2
+        assert procs.poll() == [None, None]
+        procs.kill_all()
+        assert procs.wait(timeout=30) == [-9, -9]
+        time.sleep(0.2)
+        assert not any(_alive(p) for p in [*procs.pids, *grandchildren])
+    finally:
+        procs.close()
+        fc.close()
+
+
+def test_coordinator_error_fails_the_call(tmp_path):
+    codes, fc = run_world(tmp_path, 2, [str(SCRIPTS / "mismatch_worker.py")])
+    assert codes == [1, 1]
+    for r in range(2):
+        text = log(tmp_path, r)
+        assert "PrismRankError" in text and "ranks called different collectives" in text
+        assert fc.goodbyes[r].status == "error"
+
+
+def test_unsupported_call_is_named(tmp_path):
+    codes, fc = run_world(tmp_path, 1, [str(SCRIPTS / "unsupported_worker.py")])
+    assert codes == [1]
+    assert "Prism does not support recv from any source" in log(tmp_path, 0)
+
+
+def test_ranks_inherit_the_launching_environment(tmp_path, monkeypatch):
+    # An empty CUDA_VISIBLE_DEVICES hides the GPUs, as under torchrun; losing
+    # it handed a one-GPU machine's GPU to every rank.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("PRISM_TEST_MARKER", "kept")
+    script = tmp_path / "env.py"
+    script.write_text("import os\nprint(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), os.environ.get('PRISM_TEST_MARKER'))\n")
+    procs = launch_ranks(2, None, tmp_path, [str(script)], show_ranks=())
+    try:
+        assert procs.wait() == [0, 0]
+    finally:
+        procs.close()
+    for r in range(2):
+        assert "'' kept" in log(tmp_path, r)

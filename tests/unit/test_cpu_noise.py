@@ -1,0 +1,69 @@
+"""bench/cpu_noise.py and the step clock's scheduler lines: what the FSDP2
+truth study (bench/results/nccl-2026-11-29.md, section 9) reads. Runs on
+CPU; the plain-run path is exercised with gloo on two ranks."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_step_clock_writes_scheduler_lines_its_parser_skips():
+    clock = _load("_stepclock")
+    line = clock._sched_line(3)
+    if not pathlib.Path("/proc/thread-self/schedstat").exists():
+        pytest.skip("no /proc/thread-self/schedstat (not Linux, or no schedstats)")
+    word, step, cpu, run_ns, wait_ns = line.split()
+    assert word == "sched" and step == "3" and int(cpu) >= 0 and int(run_ns) > 0 and int(wait_ns) >= 0
+    ends, mem = clock.parse(f"0 100\n{line}mem-peak 0 5 6\n1 250\n")
+    assert ends == [100, 250] and mem == {"mem-peak": [0, 5, 6]}
+
+
+def test_profiled_sums_randn_and_kernels_and_tolerates_a_missing_file(tmp_path):
+    noise = _load("cpu_noise")
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::randn", "ts": 0, "dur": 47000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::randn", "ts": 50000, "dur": 3000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::normal_", "ts": 1, "dur": 46000},  # nested: not counted
+        {"ph": "X", "cat": "kernel", "name": "sgemm", "ts": 60000, "dur": 5500},
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 1},
+    ]}
+    path = tmp_path / "profile-rank-0.json"
+    path.write_text(json.dumps(trace))
+    assert noise.profiled(path) == {"randn_ms": 50.0, "kernel_ms": 5.5}
+    assert noise.profiled(tmp_path / "missing.json") == {}
+
+
+def test_cpu_pairs_come_from_the_topology():
+    noise = _load("cpu_noise")
+    topo = {"affinity": [0, 1, 2, 3], "siblings": {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"},
+            "core": {0: [0, 0], 1: [0, 1], 2: [0, 0], 3: [0, 1]}}
+    assert noise.pick_cpus(topo) == (2, 0, 1)  # CPU 2, its sibling 0, CPU 1 on another core
+    flat = {"affinity": [0, 1], "siblings": {0: "0", 1: "1"}, "core": {0: [0, 0], 1: [0, 1]}}
+    assert noise.pick_cpus(flat) == (1, -1, 0)
+    assert noise._expand("4-6") == [4, 5, 6]
+
+
+def test_plain_runs_report_steps_cpu_time_and_cpus(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    noise = _load("cpu_noise")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    runs = noise.truth_runs(1, 2, [str(ROOT / "prism" / "workloads" / "frameworks" / "fsdp2.py"),
+                                   "--dim", "16", "--hidden", "32", "--batch", "64", "--steps", "5"], 120.0)
+    (run,) = runs
+    assert len(run["ranks"]) == 2
+    for rank in run["ranks"]:
+        assert len(rank["step_ms"]) == 4 and all(s > 0 for s in rank["step_ms"])
+        assert len(rank["run_ms"]) == 4 and all(r > 0 for r in rank["run_ms"])
+        assert rank["cpus"] and all(c >= 0 for c in rank["cpus"])

@@ -1,0 +1,50 @@
+import json
+
+import pytest
+
+from prism import cli
+import prism.app.predict as app_predict
+from prism.core.synthetic import MegatronSpec, megatron_events
+
+
+@pytest.fixture
+def synthetic_run(monkeypatch):
+    events = megatron_events(MegatronSpec(tp=2, pp=2, dp=2, iterations=4))
+    monkeypatch.setattr(app_predict, "load_run_events", lambda run: events)
+    return events
+
+
+def test_predict_prints_iteration_time_breakdown_and_profile(synthetic_run, capsys):
+    assert cli.main(["predict", "RUN"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted iteration time:" in out and "2 warm-up step(s) dropped" in out
+    assert "cost profile: h200_nvlink_ib400" in out and "not measured here" in out
+    assert "compute" in out and "waiting" in out and "critical path:" in out
+
+
+def test_predict_json(synthetic_run, capsys):
+    assert cli.main(["predict", "RUN", "--net", "zero", "--json", "--warmup", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cost_model"]["name"] == "zero" and data["steps"] == 4 and data["warmup"] == 1
+    assert data["mean_iteration_time_ns"] == sum(data["iteration_times_ns"][1:]) / 3
+    assert data["breakdown_ns"]["communication"]["max"] == 0
+
+
+def test_predict_bad_profile(synthetic_run, capsys):
+    assert cli.main(["predict", "RUN", "--net", "nope"]) == 2
+    assert "cost profile 'nope' not found" in capsys.readouterr().err
+
+
+def test_predict_inconsistent_trace(monkeypatch, capsys):
+    events = megatron_events(MegatronSpec(tp=2, pp=1, dp=1, iterations=1))
+    events[1] = events[1][: len(events[1]) // 2]
+    monkeypatch.setattr(app_predict, "load_run_events", lambda run: events)
+    assert cli.main(["predict", "RUN"]) == 1
+    err = capsys.readouterr().err
+    assert "the trace in RUN is inconsistent" in err and "have no record of it" in err
+
+
+def test_predict_on_a_folder_that_is_no_run_says_which(tmp_path, capsys):
+    assert cli.main(["predict", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"prism predict: cannot read run {tmp_path / 'nothing'}") and "Traceback" not in err
