@@ -1,4 +1,5 @@
-"""Prism's CUDA extension: communication pruning, compensation and prefetch
-buffer pools for phase 2 (hybrid emulation). Nothing is built here yet; the
-hybrid-emulation issue brings the kernels, compiled with
-``torch.utils.cpp_extension`` on demand."""
+"""Prism's CUDA extension for phase 2 (hybrid emulation): prefetch buffer
+pools, stream-ordered release flags, and the kernels of communication pruning
+and compensation, compiled with ``torch.utils.cpp_extension`` on demand, each
+with a pure-torch fallback that defines its semantics. Not built yet; see
+docs/DESIGN.md, "Phase 2: where each part goes"."""

@@ -115,9 +115,10 @@ GLOO_MAX_SEGMENT_BYTES = 1 << 20
 
 #: Chunks of at least this many elements are reduced slice by slice
 #: (world**2 numpy calls); smaller ones in one gather per ring step (world
-#: calls over all elements). Best of 3 on the shared 2-core dev box,
-#: 2026-11-29, float32 SUM: 8 ranks x 26 MB, slices 0.04 s vs gathers 0.80 s;
-#: 512 ranks x 64 KB (chunks of 32 elements), slices 0.26 s vs gathers 0.12 s.
+#: calls over all elements). Slices win on large chunks, gathers on many
+#: small ones (float32 SUM, best of 3 on a 2-core VM): 8 ranks x 26 MB, slices
+#: 0.04 s vs gathers 0.80 s; 512 ranks x 64 KB (chunks of 32 elements), slices
+#: 0.26 s vs gathers 0.12 s.
 _SLICE_MIN_CHUNK = 256
 
 _REDUCING_OPS = frozenset(

@@ -712,9 +712,9 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
     uncalibrated step takes the largest its own wall time allows (its GPU
     work ran inside that wall), else the smallest: the calibration steps may
     differ for real (MoE's routing changes the experts' loads) and the
-    smallest of them then runs low (MoE at world 2: -4..-7% with the
-    smallest, -1..+5% with this rule, over 8 captures; chosen on the 47 kept
-    captures with truths, 2026-11-30, to be confirmed on new ones); a
+    smallest of them then runs low (MoE at world 2, over 8 captures: -4..-7%
+    with the smallest, -1..+5% with this rule; ``python
+    bench/two_clock_check.py`` replays the kept captures against their truths); a
     calibration step's discarded measurement takes the smallest (what
     disturbs a measurement, another process's work on a shared GPU or clocks
     still rising, only adds time). A segment that the alignment did not pair
@@ -728,12 +728,12 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
     smallest share among its counterparts in the uncalibrated steps, itself
     included, for the same reason as the GPU time: what disturbs the CPU's
     issue in a capture (the other ranks' processes, the wait for the GPU
-    before every segment) only adds time. On the 13 GPU captures kept on
-    2026-11-29 with measured truths (``python bench/cpu_share_choice.py``) it
-    gave a median error of 1.6% against 6.4% for ``"own"`` (each segment its own share; calibration steps the
-    median of their counterparts, the behaviour before) and 5.2% for
-    ``"median"`` (all segments the median); chosen on those captures, so to be
-    confirmed on new ones (bench/results/nccl-2026-11-29.md, section 6).
+    before every segment) only adds time. ``python bench/cpu_share_choice.py``
+    compares the three on kept GPU captures with measured truths: over 13 of
+    them, a median error of 1.6% against 6.4% for ``"own"`` (each segment its own share; calibration steps the
+    median of their counterparts) and 5.2% for
+    ``"median"`` (all segments the median). The default was chosen on those
+    captures, so new captures are its out-of-sample check.
 
     Free finish (PrismTrace 1.2): a segment takes the smallest ``free_ns``
     among its counterparts in the uncalibrated steps (the median under
@@ -789,9 +789,9 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
     # more than the segments' own wall times). Aligned segments match by
     # their position in the reference first.
     # Steps equal to the reference (most, in a deterministic script) map one
-    # to one; equal sequences are aligned once. (difflib's matching blocks,
-    # used until 2026-11-30, paired only 84 of 157 MoE segments where 4 were
-    # inserted, and took 0.05-2 s a step: bench/align_cost.py.)
+    # to one; equal sequences are aligned once. (difflib's matching blocks
+    # pair only 84 of 157 MoE segments where 4 were inserted, and take
+    # 0.05-2 s a step: bench/align_cost.py measures both.)
     for r in sorted({r for r, _ in by_step}):
         steps = sorted(st for rr, st in by_step if rr == r)
         cal = [st for st in steps if calibration[r, st]]

@@ -73,7 +73,7 @@ from . import collectives as C
 from .protocol import Buffer
 
 #: How long nothing may happen, while every live rank waits, before the shell
-#: reports a deadlock (the capture issue's default).
+#: reports a deadlock (``--quiet-period``'s default; docs/DESIGN.md, "Failures").
 DEFAULT_DEADLOCK_QUIET_NS = 30 * 10**9
 
 # --- outcomes ------------------------------------------------------------------

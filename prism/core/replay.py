@@ -69,7 +69,7 @@ from prism.core.graph import (
 #: Tie-break priorities: a rank woken by a completion runs before a rank that
 #: merely continues at the same instant (SimPy's URGENT / NORMAL).
 URGENT, NORMAL = 0, 1
-#: Default number of warm-up steps dropped from the mean iteration time (DESIGN.md).
+#: Default number of warm-up steps dropped from the mean iteration time (docs/DESIGN.md).
 DEFAULT_WARMUP = 2
 
 
@@ -206,7 +206,7 @@ class ReplayResult:
     def makespan_ns(self) -> int:
         return int(self.end.max()) if len(self.end) else 0
 
-    # -- iterations (DESIGN.md: job step k ends when the last rank's step k ends)
+    # -- iterations (docs/DESIGN.md: job step k ends when the last rank's step k ends)
     @cached_property
     def steps(self) -> np.ndarray:
         """The step numbers that have end-of-step marks, ascending."""

@@ -3,7 +3,7 @@
 A run captured at ``tp x pp x dp`` (optionally with EP inside DP) is turned
 into the run the same script would produce at ``tp x pp x dp'`` by
 replicating data-parallel replicas and widening the groups that span DP.
-Ranks follow DESIGN.md's layout, ``rank = tp + TP * (dp + DP * pp)``;
+Ranks follow docs/DESIGN.md's layout, ``rank = tp + TP * (dp + DP * pp)``;
 ``ep_rank = dp_rank % EP``.
 
 What happens to each captured group (members ``T x D x P`` in coordinates;

@@ -2,7 +2,7 @@
 
 ``MegatronSpec`` describes a tp x pp x dp (optionally EP) training job laid out
 as Megatron-LM lays it out (``rank = tp + TP * (dp + DP * pp)``, see
-DESIGN.md). Per iteration every rank runs a 1F1B pipeline schedule over
+docs/DESIGN.md). Per iteration every rank runs a 1F1B pipeline schedule over
 ``micro_batches`` micro-batches; each layer's forward and backward have two
 tensor-parallel all_reduces (attention, MLP), optionally wrapped around an
 expert-parallel all_to_all pair; stages exchange activations and gradients
@@ -76,7 +76,7 @@ class MegatronSpec:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"MegatronSpec.{name} must be a positive int, got {v!r}")
         if self.dp % self.ep:
-            raise ValueError(f"MegatronSpec: dp ({self.dp}) must be a multiple of ep ({self.ep}), as DESIGN.md's layout requires")
+            raise ValueError(f"MegatronSpec: dp ({self.dp}) must be a multiple of ep ({self.ep}), as docs/DESIGN.md's layout requires")
         if not 0 <= self.jitter < 1:
             raise ValueError(f"MegatronSpec.jitter must be in [0, 1), got {self.jitter!r}")
 

@@ -22,9 +22,9 @@ GPU's tail. This module gives the recorder, per segment:
   reduce-scatter streams) are covered: every stream the script makes current
   (``torch.cuda.set_stream``, which ``torch.cuda.stream(...)`` uses) is
   remembered; on a calibrated segment each waits for the spin's event, and
-  the closing event, on the spin's stream, waits for each of them. (Before,
-  the closing event went on whatever stream was current, FSDP2's side stream
-  at its calls: negative or partial busy times, 2026-11-30);
+  the closing event, on the spin's stream, waits for each of them. (A closing
+  event on whatever stream is current, FSDP2's side stream at its calls,
+  would give negative or partial busy times);
 - exclusive GPU: ranks that share a physical GPU take turns on it (a
   per-GPU ``flock``, held while the rank computes a segment and while its
   completion thread copies results in), so no segment's times include
@@ -403,8 +403,8 @@ def measure_cold_start(mode: Any = None, rounds: int = 15, wait_s: float = COLD_
     wait at its communication calls (NCCL's calls only enqueue), so the
     replay takes this off segments that follow one. On an H200 host the
     same five calls on 2048 x 1024 tensors took 97-124 us back to back and
-    154-320 us after a 0.3-2 ms wait (``python bench/drain_effect.py --gpt``,
-    2026-11-30); no RNG is drawn (the script's random stream is untouched).
+    154-320 us after a 0.3-2 ms wait (``python bench/drain_effect.py --gpt``
+    measures it); no RNG is drawn (the script's random stream is untouched).
     """
     import torch.nn.functional as F
 
