@@ -36,7 +36,8 @@ class CaptureConfig:
     """What to capture and how. ``command`` is ``[SCRIPT, ARGS...]`` or
     ``["-m", MODULE, ARGS...]``. ``show_ranks``: whose output reaches the
     console besides failing ranks ("all", "none" or a tuple of ranks).
-    ``progress``: "auto", "on" or "off" (a line on stderr)."""
+    ``progress``: "auto", "on" or "off" (a live line on stderr). The
+    library's defaults are quiet; the command line passes its own."""
 
     world_size: int
     command: Sequence[str]
@@ -44,9 +45,9 @@ class CaptureConfig:
     slots: int | None = None
     coordinator: str | None = None
     nproc_per_node: int = 8
-    show_ranks: str | tuple[int, ...] = (0,)
+    show_ranks: str | tuple[int, ...] = ()
     quiet_s: float = 30.0
-    progress: str = "auto"
+    progress: str = "off"
     # GPUs (see prism.shell.gpu_plan)
     gpus: str | None = None
     resident: int | None = None
@@ -213,8 +214,8 @@ def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
 
 
 def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[str], *, slots: int,
-                coordinator: str | None = None, nproc_per_node: int = 8, show_ranks: str | tuple[int, ...] = (0,),
-                quiet_s: float = 30.0, progress: str = "auto", gpu: Any = None) -> CaptureOutcome:
+                coordinator: str | None = None, nproc_per_node: int = 8, show_ranks: str | tuple[int, ...] = (),
+                quiet_s: float = 30.0, progress: str = "off", gpu: Any = None) -> CaptureOutcome:
     """Capture ``cmd`` as ``world_size`` ranks into ``run_dir``. ``gpu`` is a
     ``prism.shell.gpu_plan.GpuPlan`` (None: CPU). Raises ``UsageError`` only
     when a GPU swap cannot be set up."""
@@ -298,7 +299,7 @@ async def _run_and_keep(coord, *, task_status):
 
 
 def serve_coordinator(run_dir: str | os.PathLike[str], world_size: int, endpoint: str, *, slots: int | None = None,
-                      quiet_s: float = 30.0, progress: str = "auto",
+                      quiet_s: float = 30.0, progress: str = "off",
                       on_listening: Callable[[str], None] | None = None) -> CaptureOutcome:
     """A standalone coordinator: listen on ``endpoint`` for ``world_size``
     ranks launched elsewhere (``capture(..., coordinator=ENDPOINT)``) and

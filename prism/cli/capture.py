@@ -145,7 +145,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"prism demo: capturing the bundled GPT at world 16 (tp2 x pp2 x dp4) on CPU with {slots} slots "
           f"into {run_dir}", file=sys.stderr, flush=True)
     # Rank 8 (tp 0, dp 0, last stage) prints the losses.
-    outcome = app_capture.capture_run(run_dir, 16, cmd, slots=slots, show_ranks=(8,))
+    outcome = app_capture.capture_run(run_dir, 16, cmd, slots=slots, show_ranks=(8,), progress="auto")
     print(outcome.text(), file=sys.stderr)
     if not outcome.ok:
         return outcome.exit_code
