@@ -7,7 +7,8 @@ pairs are interleaved and many steps taken):
 truth
     the unmodified workload with plain torch.distributed (gloo), one process
     per rank, one torch thread each, through ``prism.launcher.launch_ranks``
-    with ``endpoint=None``. The script is run by ``bench/_stepclock.py``,
+    with ``endpoint=None``. The script is run by the step clock
+    (``prism/validation/stepclock.py``),
     which registers a global optimizer step post-hook that logs
     CLOCK_MONOTONIC (one clock for the host) per rank per step. The job's
     step k ends when the last rank's optimizer step k returns; the iteration
@@ -51,13 +52,14 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import _stepclock as stepclock  # noqa: E402  (bench/ is on sys.path: this script's folder)
 from prism.capture_cli import capture  # noqa: E402
 from prism.core.costmodel import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.core.trace import read_run  # noqa: E402
 from prism.launcher import launch_ranks  # noqa: E402
+from prism.validation import stepclock  # noqa: E402
+from prism.validation.truthrun import STEPCLOCK  # noqa: E402
 from prism.netprofile_cli import (  # noqa: E402
     DEFAULT_OPS,
     DEFAULT_SIZES,
@@ -83,7 +85,6 @@ CONFIGS: dict[int, dict[str, list[str]]] = {
         "moe-tp2-dp4-ep2": ["--tp", "2", "--dp", "4", "--ep", "2", "--experts", "4"],
     },
 }
-STEPCLOCK = str(ROOT / "bench" / "_stepclock.py")
 
 
 def command(flags: list[str], steps: int) -> list[str]:
