@@ -23,7 +23,7 @@ prism
 Per configuration it prints the truth's mean iteration time and its noise
 floor (coefficient of variation of the per-run means), Prism's mean
 prediction, and the median paired error |pred - truth| / truth with a 95%
-bootstrap CI over runs; writes ``bench/results/accuracy.json`` (machine,
+bootstrap CI over runs; writes ``bench/results/accuracy-DATE[-MACHINE].json`` (machine,
 versions, date, command, every run's numbers).
 
 Fair ground truth needs one core per rank: ``--world`` may not exceed the
@@ -60,6 +60,8 @@ from prism.core.trace import read_run  # noqa: E402
 from prism.launcher import launch_ranks  # noqa: E402
 from prism.validation import stepclock  # noqa: E402
 from prism.validation.truthrun import STEPCLOCK  # noqa: E402
+
+from _results import result_path  # noqa: E402  (bench/ is this script's folder, on sys.path)
 from prism.netprofile_cli import (  # noqa: E402
     DEFAULT_OPS,
     DEFAULT_SIZES,
@@ -167,7 +169,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 runs of 6 steps")
     ap.add_argument("--net", default=None, help="cost profile (default: the fitted gloo profile of this host)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per ground-truth run")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accuracy.json"))
+    ap.add_argument("--out", default=str(result_path("accuracy")))
     a = ap.parse_args()
     if a.quick:
         a.runs, a.steps = 2, 6

@@ -80,7 +80,7 @@ GPT = ["--hidden", "1024", "--layers", "4", "--heads", "16", "--seq-len", "512",
 GPT_CPU = ["--hidden", "64", "--layers", "2", "--heads", "4", "--seq-len", "32", "--batch", "2"]
 #: FSDP2 for a GPU. At --dim 1024 --hidden 4096 each all-gather carried 268 MB
 #: and a capture on 2 H200s took ~40 s per step (every payload goes through
-#: the coordinator; bench/results/nccl-2026-11-29.md, section 6): 4x less
+#: the coordinator; bench/results/archive/nccl_accuracy-2026-11.md, section 6): 4x less
 #: traffic, more samples.
 FSDP2_GPU = ["--dim", "512", "--hidden", "2048", "--layers", "4", "--batch", "4096"]
 FSDP2_CPU = ["--dim", "16", "--hidden", "32", "--layers", "2", "--batch", "4"]

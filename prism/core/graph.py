@@ -733,7 +733,7 @@ def two_clock_columns(cols: NodeColumns, clocks: Mapping[int, tuple], *,
     gave a median error of 1.6% against 6.4% for ``"own"`` (each segment its own share; calibration steps the
     median of their counterparts, the behaviour before) and 5.2% for
     ``"median"`` (all segments the median); chosen on those captures, so to be
-    confirmed on new ones (bench/results/nccl-2026-11-29.md, section 6).
+    confirmed on new ones (bench/results/archive/nccl_accuracy-2026-11.md, section 6).
 
     Free finish (PrismTrace 1.2): a segment takes the smallest ``free_ns``
     among its counterparts in the uncalibrated steps (the median under

@@ -45,9 +45,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "bench" / "results"
 TRACES = RESULTS / "traces"
 #: the NCCL profile the 2026-11-30 captures are replayed with (nvidia-h200-x2)
-NET = str(RESULTS / "nccl-h200x2-issue-profile.toml")
+NET = str(RESULTS / "netprofile-2026-11-29-h200x2-nccl-issue.toml")
 #: the NCCL profile of the 4-GPU machine (what the 2026-11-29 captures were predicted with live)
-NET_H200X4 = str(RESULTS / "nccl-h200x4-profile.toml")
+NET_H200X4 = str(RESULTS / "netprofile-2026-11-29-h200x4-nccl.toml")
 
 #: archive under TRACES -> the folder it unpacks to
 ARCHIVES = {
