@@ -10,7 +10,7 @@ every reference segment; the table gives the time per alignment (best of 3)
 and how many pairs each found. Writes ``bench/results/align_cost-DATE[-MACHINE].json``.
 
 ``--captures`` instead aligns the real steps of the kept GPU captures
-(bench/results/traces, the sets of ``two_clock_check.py``) both ways and
+(bench/results/traces, the sets of ``prism.validation.fidelity``) both ways and
 prints, per distinct alignment, the reference and step lengths, the pairs
 each found and how many of difflib's pairs the longest common subsequence
 shares.
@@ -63,14 +63,11 @@ def via_difflib(a, b) -> list[tuple[int, int]]:
 
 
 def captures() -> None:
-    import tarfile
     import tempfile
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    import two_clock_check as tc
 
     from prism.core import graph
     from prism.core import trace as T
+    from prism.validation import fidelity
 
     seen: dict[tuple, str] = {}
     calls: list[tuple] = []
@@ -83,10 +80,8 @@ def captures() -> None:
     graph.matched_pairs = both
     print(f"{'capture':44s}{'ref':>5}{'step':>6}{'difflib':>9}{'LCS':>6}{'shared':>8}")
     with tempfile.TemporaryDirectory() as tmp:
-        for tgz in sorted(tc.TRACES.glob("*.tgz")):
-            with tarfile.open(tgz) as tf:
-                tf.extractall(tmp, filter="data")
-        for table in (tc.TRUTHS, tc.NEW, tc.SIXTH, tc.SEVENTH):
+        fidelity.extract(tmp)
+        for _, table in fidelity.SETS.values():
             for name in table:
                 calls.clear()
                 graph.ExecutionGraph.from_events(T.read_run(pathlib.Path(tmp) / name).ranks)
