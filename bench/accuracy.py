@@ -7,7 +7,8 @@ pairs are interleaved and many steps taken):
 truth
     the unmodified workload with plain torch.distributed (gloo), one process
     per rank, one torch thread each, through ``prism.shell.launcher.launch_ranks``
-    with ``endpoint=None``. The script is run by ``bench/_stepclock.py``,
+    with ``endpoint=None``. The script is run by the step clock
+    (``prism/validation/stepclock.py``),
     which registers a global optimizer step post-hook that logs
     CLOCK_MONOTONIC (one clock for the host) per rank per step. The job's
     step k ends when the last rank's optimizer step k returns; the iteration
@@ -22,7 +23,7 @@ prism
 Per configuration it prints the truth's mean iteration time and its noise
 floor (coefficient of variation of the per-run means), Prism's mean
 prediction, and the median paired error |pred - truth| / truth with a 95%
-bootstrap CI over runs; writes ``bench/results/accuracy.json`` (machine,
+bootstrap CI over runs; writes ``bench/results/accuracy-DATE[-MACHINE].json`` (machine,
 versions, date, command, every run's numbers).
 
 Fair ground truth needs one core per rank: ``--world`` may not exceed the
@@ -51,13 +52,16 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import _stepclock as stepclock  # noqa: E402  (bench/ is on sys.path: this script's folder)
 from prism.app.capture import capture_run  # noqa: E402
 from prism.core.costmodel import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.core.trace import read_run  # noqa: E402
 from prism.shell.launcher import launch_ranks  # noqa: E402
+from prism.validation import stepclock  # noqa: E402
+from prism.validation.truthrun import STEPCLOCK  # noqa: E402
+
+from _results import result_path  # noqa: E402  (bench/ is this script's folder, on sys.path)
 from prism.app.netprofile import DEFAULT_OPS, DEFAULT_SIZES, fitted_profile_path, measure, usable_cores  # noqa: E402
 from prism.core.netfit import fit_points, profile_toml  # noqa: E402
 
@@ -76,7 +80,6 @@ CONFIGS: dict[int, dict[str, list[str]]] = {
         "moe-tp2-dp4-ep2": ["--tp", "2", "--dp", "4", "--ep", "2", "--experts", "4"],
     },
 }
-STEPCLOCK = str(ROOT / "bench" / "_stepclock.py")
 
 
 def command(flags: list[str], steps: int) -> list[str]:
@@ -160,7 +163,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 runs of 6 steps")
     ap.add_argument("--net", default=None, help="cost profile (default: the fitted gloo profile of this host)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per ground-truth run")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accuracy.json"))
+    ap.add_argument("--out", default=str(result_path("accuracy")))
     a = ap.parse_args()
     if a.quick:
         a.runs, a.steps = 2, 6

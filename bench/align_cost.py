@@ -7,10 +7,10 @@ A step is ``N`` segments of a repeating per-layer pattern (an MoE block:
 join, two all-to-alls, an all-reduce), with ``D`` extra joins inserted at
 random places (the routing's data-dependent ``.tolist()``). Both must pair
 every reference segment; the table gives the time per alignment (best of 3)
-and how many pairs each found. Writes ``bench/results/align_cost.json``.
+and how many pairs each found. Writes ``bench/results/align_cost-DATE[-MACHINE].json``.
 
 ``--captures`` instead aligns the real steps of the kept GPU captures
-(bench/results/traces, the sets of ``two_clock_check.py``) both ways and
+(bench/results/traces, the sets of ``prism.validation.fidelity``) both ways and
 prints, per distinct alignment, the reference and step lengths, the pairs
 each found and how many of difflib's pairs the longest common subsequence
 shares.
@@ -32,6 +32,9 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from prism.core.align import matched_pairs  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import result_path  # noqa: E402
 
 LAYER = [(True, 3, 1, 0), (False, 1, 2, 7), (False, 1, 2, 7), (False, 1, 0, 2)]
 
@@ -60,14 +63,11 @@ def via_difflib(a, b) -> list[tuple[int, int]]:
 
 
 def captures() -> None:
-    import tarfile
     import tempfile
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    import two_clock_check as tc
 
     from prism.core import graph
     from prism.core import trace as T
+    from prism.validation import fidelity
 
     seen: dict[tuple, str] = {}
     calls: list[tuple] = []
@@ -80,10 +80,8 @@ def captures() -> None:
     graph.matched_pairs = both
     print(f"{'capture':44s}{'ref':>5}{'step':>6}{'difflib':>9}{'LCS':>6}{'shared':>8}")
     with tempfile.TemporaryDirectory() as tmp:
-        for tgz in sorted(tc.TRACES.glob("*.tgz")):
-            with tarfile.open(tgz) as tf:
-                tf.extractall(tmp, filter="data")
-        for table in (tc.TRUTHS, tc.NEW, tc.SIXTH, tc.SEVENTH):
+        fidelity.extract(tmp)
+        for _, table in fidelity.SETS.values():
             for name in table:
                 calls.clear()
                 graph.ExecutionGraph.from_events(T.read_run(pathlib.Path(tmp) / name).ranks)
@@ -115,7 +113,7 @@ def main() -> None:
             rows.append({"n": n, "d": d, "difflib_s": t_dl, "myers_s": t_my,
                          "pairs_difflib": len(p_dl), "pairs_myers": len(p_my)})
             print(f"{n:>6}{d:>5}{t_dl:>11.4f}{t_my:>10.4f}{t_dl / max(t_my, 1e-9):>8.1f}{len(p_dl):>10}{len(p_my):>10}")
-    out = pathlib.Path(__file__).resolve().parent / "results" / "align_cost.json"
+    out = result_path("align_cost")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows},

@@ -4,7 +4,7 @@ The same ordinary script (bench/allreduce_script.py) runs in one go under real
 gloo (one process per rank) and under ``prism capture`` (every all_reduce
 travels rank -> coordinator -> rank over ZeroMQ), at each world size, side by
 side in one run. Prints a table (p50/p99 per call as rank 0 sees it) and
-writes bench/results/coordinator.json.
+writes bench/results/coordinator-DATE[-MACHINE].json.
 
     python bench/coordinator.py                 # worlds 16 and 64, 4 KiB
     python bench/coordinator.py --worlds 4 --iters 20
@@ -30,6 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from prism.workloads import harness  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import result_path  # noqa: E402
 
 SCRIPT = str(ROOT / "bench" / "allreduce_script.py")
 
@@ -66,7 +69,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=1024, help="float32 elements (default 1024 = 4 KiB)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--slots", type=int, default=None, help="prism --slots (default: the number of cores)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "coordinator.json"))
+    ap.add_argument("--out", default=str(result_path("coordinator")))
     a = ap.parse_args()
     script_args = ["--numel", str(a.numel), "--iters", str(a.iters)]
     rows = []

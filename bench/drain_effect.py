@@ -4,7 +4,7 @@ A Prism capture drains the GPU at every communication call (the data must
 reach the host), so every compute segment's CPU share is measured right
 after a wait; the real run's CPU never waits there. At world 2 on 2 H200s
 the CPU shares moved by 30% between captures of one script while the GPU
-times agreed within 3% (bench/results/nccl-2026-11-29.md, section 6). This
+times agreed within 3% (bench/results/archive/nccl_accuracy-2026-11.md, section 6). This
 measures the effect on its own, in one process on one GPU:
 
 - ``drained``: ``torch.cuda.synchronize()``, then time the CPU's issue of
@@ -19,7 +19,7 @@ median and quartiles per mode and their ratio; ``--json`` writes them.
     python bench/drain_effect.py [--ops 400] [--rounds 30] [--json OUT.json]
     python bench/drain_effect.py --gpt [--wait-ms 2] [--json OUT.json]   # which wait makes it cold
 
-Needs a CUDA device. Run on an H200 (2026-11-29/30, bench/results/nccl-2026-11-29.md
+Needs a CUDA device. Run on an H200 (2026-11-29/30, bench/results/archive/nccl_accuracy-2026-11.md
 section 7) with 400 ops of 256 x 256 (1.007) and 100 of 128 x 128 (1.061): in
 both the GPU time was above the CPU's issue time, so "ahead" may have waited
 on the launch queue. The defaults are now 200 ops of 64 x 64 (not yet run).

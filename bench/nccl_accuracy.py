@@ -9,7 +9,8 @@ Prism on 2 GPUs, truth, ...):
 
 truth
     the unmodified script, plain torch.distributed over NCCL, one process per
-    GPU (``cuda:LOCAL_RANK``), run by ``bench/_stepclock.py`` with
+    GPU (``cuda:LOCAL_RANK``), run by the step clock
+    (``prism/validation/stepclock.py``) with
     ``PRISM_STEPCLOCK_SYNC=1`` (each optimizer step's end is taken after
     ``torch.cuda.synchronize``). Iteration time: gap between the job's step
     ends (the last rank's), mean over the steps after ``--warmup``. Memory per
@@ -61,7 +62,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import _stepclock as stepclock  # noqa: E402
 from accuracy import bootstrap_median_ci, job_step_ends, mean_iteration  # noqa: E402
 
 from prism.app.capture import capture_run  # noqa: E402
@@ -69,11 +69,10 @@ from prism.core import trace as T  # noqa: E402
 from prism.core.costmodel import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
-from prism.shell.launcher import launch_ranks  # noqa: E402
 from prism.app.netprofile import fitted_profile_path, measure  # noqa: E402
 from prism.core.netfit import fit_points, profile_toml  # noqa: E402
+from prism.validation.truthrun import STEPCLOCK, launch_truth, read_clocks  # noqa: E402
 
-STEPCLOCK = str(ROOT / "bench" / "_stepclock.py")
 FSDP2 = str(ROOT / "prism" / "workloads" / "frameworks" / "fsdp2.py")
 #: GPT size for a GPU: an iteration of tens of ms on an H200, a few GB per rank.
 GPT = ["--hidden", "1024", "--layers", "4", "--heads", "16", "--seq-len", "512", "--batch", "8",
@@ -81,7 +80,7 @@ GPT = ["--hidden", "1024", "--layers", "4", "--heads", "16", "--seq-len", "512",
 GPT_CPU = ["--hidden", "64", "--layers", "2", "--heads", "4", "--seq-len", "32", "--batch", "2"]
 #: FSDP2 for a GPU. At --dim 1024 --hidden 4096 each all-gather carried 268 MB
 #: and a capture on 2 H200s took ~40 s per step (every payload goes through
-#: the coordinator; bench/results/nccl-2026-11-29.md, section 6): 4x less
+#: the coordinator; bench/results/archive/nccl_accuracy-2026-11.md, section 6): 4x less
 #: traffic, more samples.
 FSDP2_GPU = ["--dim", "512", "--hidden", "2048", "--layers", "4", "--batch", "4096"]
 FSDP2_CPU = ["--dim", "16", "--hidden", "32", "--layers", "2", "--batch", "4"]
@@ -115,15 +114,6 @@ def with_steps(cmd: list[str], steps: int) -> list[str]:
     return [*cmd, "--steps", str(steps)]
 
 
-def read_clocks(d: pathlib.Path, world: int) -> tuple[list[list[int]], list[dict]]:
-    ends, mems = [], []
-    for r in range(world):
-        e, m = stepclock.parse((d / f"rank-{r}.txt").read_text())
-        ends.append(e)
-        mems.append(m)
-    return ends, mems
-
-
 def mem_summary(mem: dict) -> dict:
     out = {}
     if "mem-peak" in mem:
@@ -134,20 +124,6 @@ def mem_summary(mem: dict) -> dict:
         if nvml >= 0:
             out["outside_allocator"] = nvml - reserved
     return out
-
-
-def launch_truth(world: int, cmd: list[str], d: pathlib.Path, timeout: float, env: dict | None = None) -> None:
-    """Run ``cmd`` under the step clock as a plain job of ``world`` ranks
-    writing into ``d``; raises with the ranks' log tails if one fails."""
-    env = {"PRISM_STEPCLOCK_DIR": str(d), "PRISM_STEPCLOCK_SYNC": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    h = launch_ranks(world, None, d, [STEPCLOCK, *cmd], env=env, show_ranks=())
-    try:
-        codes = h.wait(timeout=timeout)
-    finally:
-        h.close()  # kills what still runs (a timeout) and closes the fork server's pipe
-    if any(c != 0 for c in codes):
-        logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted((d / "logs").glob("*.log")))
-        raise RuntimeError(f"ground-truth run failed (exit codes {codes}):\n{logs}")
 
 
 def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float, device: str) -> dict:

@@ -3,23 +3,26 @@ their summary: the live errors as each device call predicted them.
 
     python bench/nccl_summary.py [FILES...] [--exclude SUBSTRING ...] [--json OUT]
 
-Default files: this session's world-2 results (``bench/results/
-nccl_accuracy-h200x2-fifth-*.json``) without call b's FSDP2, captured before
-the calibration covered FSDP2's own streams (section 7 of
-``bench/results/nccl-2026-11-29.md``). Needs no GPU.
+Default files: the world-2 results of the PrismTrace-1.1 captures of
+2026-11-30 (the ``share-check`` set of ``prism.validation.fidelity``:
+``bench/results/nccl_accuracy-2026-11-30-h200x2-*.json``, the first runs of
+each workload) without ``fsdp2-1``, captured before the calibration covered
+FSDP2's own streams (section 7 of
+``bench/results/archive/nccl_accuracy-2026-11.md``). Needs no GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import pathlib
 import statistics
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT = sorted(glob.glob(str(ROOT / "bench" / "results" / "nccl_accuracy-h200x2-fifth-*.json")))
+DEFAULT = [str(ROOT / "bench" / "results" / f"nccl_accuracy-2026-11-30-h200x2-{v}.json")
+           for v in ("fsdp2-1", "fsdp2-2", "gpt-pp2-1", "gpt-pp2-2", "gpt-pp2-3", "gpt-tp2-1", "gpt-tp2-2",
+                     "moe-1", "moe-2")]
 
 
 def pairs(path: str) -> list[dict]:
@@ -44,7 +47,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     files = a.files or DEFAULT
-    exclude = a.exclude if a.exclude is not None else (["-b-fsdp2"] if not a.files else [])
+    exclude = a.exclude if a.exclude is not None else (["-fsdp2-1."] if not a.files else [])
     rows = [r for f in files if not any(x in f for x in exclude) for r in pairs(f)]
     if not rows:
         print("no pairs in " + ", ".join(files), file=sys.stderr)

@@ -5,7 +5,7 @@ loop (``replay_reference``), the steppable engine run flat out
 (``SteppableReplay.run``) and the numpy batch path (``replay_batch``, first
 call including its cached plan, and a second call as a what-if sweep would
 make it), checks that all timelines are identical, prints a table and writes
-``bench/results/replay.json``.
+``bench/results/replay-DATE[-MACHINE].json``.
 
     python bench/replay.py                       # tp8 pp8 dp128: 8,192 ranks
     python bench/replay.py --dp 16               # 1,024 ranks, for small boxes
@@ -36,6 +36,9 @@ from prism.core.costmodel import load_profile  # noqa: E402
 from prism.core.replay import SteppableReplay, replay_batch, replay_reference  # noqa: E402
 from prism.core.synthetic import MegatronSpec, megatron_graph  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import result_path  # noqa: E402
+
 
 def timed(fn):
     gc.collect()
@@ -54,7 +57,7 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--dp-buckets", type=int, default=4)
     ap.add_argument("--net", default="h200_nvlink_ib400")
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results" / "replay.json"))
+    ap.add_argument("--out", default=str(result_path("replay")))
     args = ap.parse_args()
     spec = MegatronSpec(tp=args.tp, pp=args.pp, dp=args.dp, micro_batches=args.micro_batches,
                         layers_per_stage=args.layers, iterations=args.iterations, dp_buckets=args.dp_buckets,

@@ -7,7 +7,7 @@ ways and times both, then replays the array-path graph:
 events  ``scale_events`` + ``ExecutionGraph.from_events`` (one Python object per event)
 array   ``scale_graph`` (numpy tiling of the captured graph's columns)
 
-Prints a table and writes ``bench/results/scaleout.json``.
+Prints a table and writes ``bench/results/scaleout-DATE[-MACHINE].json``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from prism.core.scaleout import Layout, scale_events, scale_graph  # noqa: E402
 from prism.core.synthetic import MegatronSpec, megatron_events  # noqa: E402
 from prism.core.trace import read_run  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import result_path  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -39,7 +42,7 @@ def main() -> int:
     ap.add_argument("--events-max-world", type=int, default=8192,
                     help="skip the events path above this world size")
     ap.add_argument("--net", default="h200_nvlink_ib400")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "scaleout.json"))
+    ap.add_argument("--out", default=str(result_path("scaleout")))
     a = ap.parse_args()
     if a.run:
         run = read_run(a.run)

@@ -3,7 +3,7 @@
 Encodes and decodes a typical collective record with ``encode_event`` /
 ``decode_event`` (type-checked both ways) and with bare ``orjson`` on the
 same dict (no checks), and prints the per-record times and their ratio.
-Writes ``bench/results/trace_codec.json``.
+Writes ``bench/results/trace_codec-DATE[-MACHINE].json``.
 
     python bench/trace_codec.py [--n 50000]
 """
@@ -21,6 +21,9 @@ import orjson
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from prism.core.trace import Collective, decode_event, encode_event  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import result_path  # noqa: E402
 
 EV = Collective(
     gid="g3-dfdbea34", seq=41, op="all_to_all_single", reduce_op="", dtype="bfloat16",
@@ -54,7 +57,7 @@ def main() -> None:
     print(f"{'op':<8}{'prism us':>10}{'orjson us':>11}{'ratio':>8}")
     for op, ours, bare in rows:
         print(f"{op:<8}{ours:>10.2f}{bare:>11.2f}{ours / bare:>8.1f}")
-    out = pathlib.Path(__file__).resolve().parent / "results" / "trace_codec.json"
+    out = result_path("trace_codec")
     out.parent.mkdir(exist_ok=True)
     out.write_text(
         json.dumps(

@@ -6,7 +6,7 @@ the capture's: which segments does the replay get wrong?
 
 Runs CMD (as ``bench/nccl_accuracy.py`` runs its truths: plain
 torch.distributed, one process per GPU with NCCL, or gloo on CPU) under
-``bench/_stepclock.py`` with ``PRISM_STEPCLOCK_PROFILE_STEP``: the torch
+the step clock (``prism.validation.stepclock``) with ``PRISM_STEPCLOCK_PROFILE_STEP``: the torch
 profiler records exactly step ``--step`` of every rank. Each rank's step is
 cut at its communication calls (the ``c10d::*`` operators on the script's
 thread), as a capture cuts it; per segment: the CPU span from the previous
@@ -25,8 +25,7 @@ spans are upper bounds (a tiny CPU GPT step on the 2-core VM: 25.4 ms of
 spans against 13.2 ms of capture CPU shares, stretch by stretch 1-10x). The
 GPU busy times are the kernels' own and compare directly.
 
-Written 2026-11-30 for issue 7 (bench/results/nccl-2026-11-29.md, section 7:
-pipeline and FSDP2 predicted 2-5% low, MoE 2-3% high); checked on CPU only.
+The cutting itself is ``prism.validation.truthcut.cut_profile``.
 """
 
 from __future__ import annotations
@@ -40,106 +39,12 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-#: GPU activity launched by the CPU (categories of the torch profiler's Chrome trace)
-GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
-def cut_profile(trace: dict) -> dict:
-    """One rank's profiled step -> {"segments": [...], "comm_gpu_ms", "cpu_ms", "gpu_ms"} (times in ms).
-
-    Each segment: ``ended_by`` (the call's operator, or "step end"), ``cpu_ms``
-    (span on the script's thread), ``gpu_ms`` (busy time of what the span
-    launched), ``launches``.
-    """
-    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    ops = [e for e in ev if e.get("cat") == "cpu_op"]
-    if not ops:
-        raise ValueError("the profile holds no CPU operators: was the step profiled?")
-    comm_all = [e for e in ops if e["name"].startswith("c10d::")]
-    counts: dict = {}
-    for e in comm_all or ops:
-        counts[e["tid"]] = counts.get(e["tid"], 0) + 1
-    main = max(counts, key=counts.get)
-    comm: list[dict] = []
-    for e in sorted((e for e in comm_all if e["tid"] == main), key=lambda e: e["ts"]):
-        if comm and e["ts"] < comm[-1]["ts"] + comm[-1]["dur"]:
-            continue  # nested inside the previous call
-        comm.append(e)
-    mine = [e for e in ev if e.get("tid") == main and e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")]
-    start = min(e["ts"] for e in mine)
-    end = max(e["ts"] + e["dur"] for e in mine)
-    launches = sorted((e for e in ev if e.get("cat") == "cuda_runtime" and e.get("tid") == main),
-                      key=lambda e: e["ts"])
-    gpu_by_corr: dict = {}
-    comm_gpu = []
-    for e in ev:
-        if e.get("cat") in GPU_CATS:
-            iv = (e["ts"], e["ts"] + e["dur"])
-            if "nccl" in e["name"].lower():
-                comm_gpu.append(iv)
-            else:
-                gpu_by_corr.setdefault(e.get("args", {}).get("correlation"), []).append(iv)
-    bounds = [(start, c["ts"], c["name"]) for c in comm[:1]]
-    bounds += [(a["ts"] + a["dur"], b["ts"], b["name"]) for a, b in zip(comm, comm[1:])]
-    bounds.append((comm[-1]["ts"] + comm[-1]["dur"] if comm else start, end, "step end"))
-    segments = []
-    for a, b, name in bounds:
-        corr = [e.get("args", {}).get("correlation") for e in launches if a <= e["ts"] < b]
-        ivs = [iv for c in corr for iv in gpu_by_corr.get(c, [])]
-        segments.append({"ended_by": name, "cpu_ms": (b - a) / 1e3, "gpu_ms": _union(ivs) / 1e3,
-                         "launches": len(corr)})
-    all_gpu = [iv for v in gpu_by_corr.values() for iv in v]
-    return {"segments": segments, "cpu_ms": (end - start) / 1e3, "gpu_ms": _union(all_gpu) / 1e3,
-            "comm_gpu_ms": _union(comm_gpu) / 1e3}
-
-
-def capture_stretches(run: str | pathlib.Path, step: int) -> dict[int, list[dict]]:
-    """Per rank, the capture's step ``step`` cut at its communication calls:
-    the summed CPU shares, GPU times and wall times of its segments (ms),
-    and the call."""
-    from prism.core import trace as T
-    from prism.core.graph import COLL, COMPUTE, OPS, RECV, SEND, ExecutionGraph
-
-    g = ExecutionGraph.from_events(T.read_run(run).ranks)
-    out: dict[int, list[dict]] = {}
-    for r in range(g.world_size):
-        sl = g.nodes_of(r)
-        cur = {"cpu_ms": 0.0, "gpu_ms": 0.0, "wall_ms": 0.0, "segments": 0}
-        rows = []
-        for nd in range(sl.start, sl.stop):
-            if g.step[nd] != step:
-                continue
-            k = int(g.kind[nd])
-            if k == COMPUTE:
-                cpu = g.cpu[nd] if g.cpu is not None and g.cpu[nd] >= 0 else g.dur[nd]
-                gpu = g.gpu[nd] if g.gpu is not None and g.cpu[nd] >= 0 else 0
-                cur["cpu_ms"] += cpu / 1e6
-                cur["gpu_ms"] += gpu / 1e6
-                cur["wall_ms"] += g.dur[nd] / 1e6
-                cur["segments"] += 1
-            elif k in (COLL, SEND, RECV):
-                rows.append({**cur, "ended_by": OPS[int(g.op[nd])] if g.op[nd] >= 0 else "?"})
-                cur = {"cpu_ms": 0.0, "gpu_ms": 0.0, "wall_ms": 0.0, "segments": 0}
-        rows.append({**cur, "ended_by": "step end"})
-        out[r] = rows
-    return out
+from prism.validation.truthcut import capture_stretches, cut_profile  # noqa: E402,F401
+from prism.validation.truthrun import launch_truth  # noqa: E402
 
 
 def run_truth(world: int, cmd: list[str], out: pathlib.Path, step: int, timeout: float,
               extra_env: dict | None = None, tool: str = "truth_segments") -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from nccl_accuracy import launch_truth
-
     try:
         launch_truth(world, cmd, out, timeout, {"PRISM_STEPCLOCK_PROFILE_STEP": str(step), **(extra_env or {})})
     except RuntimeError as e:

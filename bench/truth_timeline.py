@@ -29,9 +29,8 @@ With ``--capture`` the capture's same step is printed beside it, per stretch
 between communication calls: the CPU share, GPU time and, where the capture
 recorded it, the wall time (which, from a drained GPU, is the finish time
 the two-clock replay's ``max(cpu, gpu)`` leaves out). Prints a table per
-rank; ``--json`` writes it. Needs CUDA (NCCL kernels).
-
-Written 2026-11-30 for issue 7 (bench/results/nccl-2026-11-29.md, section 8).
+rank; ``--json`` writes it. Needs CUDA (NCCL kernels). The cutting itself
+is ``prism.validation.truthcut.timeline``.
 """
 
 from __future__ import annotations
@@ -45,67 +44,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from truth_segments import GPU_CATS, _union, add_truth_args, capture_stretches, profiles_folder  # noqa: E402
+from truth_segments import add_truth_args, profiles_folder  # noqa: E402
 
-LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
-
-
-def timeline(trace: dict) -> dict:
-    """One rank's profiled step -> segments between communication kernels (ms)."""
-    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    gpu = sorted((e for e in ev if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
-    if not gpu:
-        raise ValueError("the profile holds no GPU activity: was the step profiled with CUDA?")
-    launch = {}
-    for e in ev:
-        if e.get("cat") in LAUNCH_CATS:
-            c = e.get("args", {}).get("correlation")
-            if c is not None:
-                launch[c] = e["ts"]
-    t0 = min(min(e["ts"] for e in gpu), min(launch.values(), default=gpu[0]["ts"]))
-    segs: list[dict] = []
-    cur: list[dict] = []
-    free = gpu[0]["ts"]
-    comm_prev = None
-    cpu_from = [None]
-
-    def close(next_comm: dict | None) -> None:
-        ivs = [(e["ts"], e["ts"] + e["dur"]) for e in cur]
-        if ivs:
-            first_launch = min(launch.get(e.get("args", {}).get("correlation"), e["ts"]) for e in cur)
-            last_end = max(b for _, b in ivs)
-            start = max(free, first_launch)
-            nl = (launch.get(next_comm.get("args", {}).get("correlation")) if next_comm else None)
-            cpu = ((nl - (cpu_from[0] if cpu_from[0] is not None else first_launch)) / 1e3
-                   if nl is not None else None)
-            segs.append({
-                "cpu_ms": cpu,
-                "after": comm_prev["name"][:32] if comm_prev else "step start",
-                "free_ms": (free - t0) / 1e3,
-                "ahead_ms": (free - first_launch) / 1e3,
-                "busy_ms": _union(ivs) / 1e3,
-                "span_ms": (last_end - start) / 1e3,
-                "end_ms": (last_end - t0) / 1e3,
-                "kernels": len(cur),
-                "next_comm_ahead_ms": ((next_comm["ts"] - launch[next_comm["args"]["correlation"]]) / 1e3
-                                       if next_comm and next_comm.get("args", {}).get("correlation") in launch
-                                       else None),
-            })
-
-    for e in gpu:
-        if "nccl" in e["name"].lower():
-            close(e)
-            cur = []
-            free = e["ts"] + e["dur"]
-            comm_prev = e
-            cpu_from[0] = launch.get(e.get("args", {}).get("correlation"))
-        else:
-            cur.append(e)
-    close(None)
-    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" not in e["name"].lower()])
-    end = max(e["ts"] + e["dur"] for e in gpu)
-    return {"segments": segs, "busy_ms": busy / 1e3, "span_ms": (end - t0) / 1e3}
-
+from prism.validation.truthcut import capture_stretches, timeline  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

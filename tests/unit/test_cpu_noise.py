@@ -1,27 +1,20 @@
-"""bench/cpu_noise.py and the step clock's scheduler lines: what the FSDP2
-truth study (bench/results/nccl-2026-11-29.md, section 9) reads. Runs on
-CPU; the plain-run path is exercised with gloo on two ranks."""
+"""prism.validation.cpunoise and the step clock's scheduler lines: what the
+FSDP2 truth study (bench/cpu_noise.py) reads. Runs on CPU; the plain-run path
+is exercised with gloo on two ranks."""
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
+
+from prism.validation import cpunoise as noise
+from prism.validation import stepclock as clock
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_the_step_clock_writes_scheduler_lines_its_parser_skips():
-    clock = _load("_stepclock")
-    line = clock._sched_line(3)
+    line = clock.sched_line(3)
     if not pathlib.Path("/proc/thread-self/schedstat").exists():
         pytest.skip("no /proc/thread-self/schedstat (not Linux, or no schedstats)")
     word, step, cpu, run_ns, wait_ns = line.split()
@@ -31,7 +24,6 @@ def test_the_step_clock_writes_scheduler_lines_its_parser_skips():
 
 
 def test_profiled_sums_randn_and_kernels_and_tolerates_a_missing_file(tmp_path):
-    noise = _load("cpu_noise")
     trace = {"traceEvents": [
         {"ph": "X", "cat": "cpu_op", "name": "aten::randn", "ts": 0, "dur": 47000},
         {"ph": "X", "cat": "cpu_op", "name": "aten::randn", "ts": 50000, "dur": 3000},
@@ -46,18 +38,15 @@ def test_profiled_sums_randn_and_kernels_and_tolerates_a_missing_file(tmp_path):
 
 
 def test_cpu_pairs_come_from_the_topology():
-    noise = _load("cpu_noise")
     topo = {"affinity": [0, 1, 2, 3], "siblings": {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"},
             "core": {0: [0, 0], 1: [0, 1], 2: [0, 0], 3: [0, 1]}}
     assert noise.pick_cpus(topo) == (2, 0, 1)  # CPU 2, its sibling 0, CPU 1 on another core
     flat = {"affinity": [0, 1], "siblings": {0: "0", 1: "1"}, "core": {0: [0, 0], 1: [0, 1]}}
     assert noise.pick_cpus(flat) == (1, -1, 0)
-    assert noise._expand("4-6") == [4, 5, 6]
+    assert noise.expand_cpus("4-6") == [4, 5, 6]
 
 
 def test_plain_runs_report_steps_cpu_time_and_cpus(tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "bench"))
-    noise = _load("cpu_noise")
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     runs = noise.truth_runs(1, 2, [str(ROOT / "prism" / "workloads" / "frameworks" / "fsdp2.py"),
                                    "--dim", "16", "--hidden", "32", "--batch", "64", "--steps", "5"], 120.0)

@@ -1,59 +1,38 @@
-"""The two-clock model against real runs: the sixth session's 12 GPU
-captures and the seventh's 22 (world 2 on 2 H200s, PrismTrace 1.2, kept in
-bench/results/traces/) replayed with the current graph, cost model and
-replay, against the truths measured beside them (bench/results/
-nccl-2026-11-29.md, sections 8 and 9). The model's choices were made on the
-sixth set; the seventh was taken after, with the model unchanged. A change
-to the model that loses fidelity on these real captures fails here;
-`python bench/two_clock_check.py -v` prints every capture. FSDP2 is left out
-of the bounds: its truth moves with the CPU's speed between runs (its
-``torch.randn`` took 40-80 ms a step on the same machine; section 9). Needs
-no GPU (a few seconds)."""
+"""The two-clock model against real runs: the ``model-fit`` set's 12 GPU
+captures and the ``holdout`` set's 22 (world 2 on 2 H200s, PrismTrace 1.2,
+kept in bench/results/traces/; ``prism.validation.fidelity``) replayed with
+the current graph, cost model and replay, against the truths measured beside
+them. The model's choices were made on ``model-fit``; ``holdout`` was taken
+after, with the model unchanged. A change to the model that loses fidelity
+on these real captures fails here; `python bench/two_clock_check.py -v`
+prints every capture. FSDP2 is left out of the bounds: its truth moves with
+the CPU's speed between runs (its ``torch.randn`` took 40-80 ms a step on the
+same machine). Needs no GPU (a few seconds)."""
 
-import importlib.util
-import pathlib
 import statistics
-import tarfile
 
 import pytest
 
-from prism.core import trace as T
-from prism.core.graph import ExecutionGraph
-from prism.core.replay import replay_batch
-from prism.app.predict import resolve_profile
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TRACES = ROOT / "bench" / "results" / "traces"
-ARCHIVES = ("nccl-h200x2-sixth-captures-2026-11-30.tgz", "nccl-h200x2-seventh-captures-2026-11-30.tgz")
-_spec = importlib.util.spec_from_file_location("two_clock_check", ROOT / "bench" / "two_clock_check.py")
+from prism.validation import fidelity
 
 
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory):
-    """{"sixth" | "seventh": {capture: (workload, error %)}}"""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    check = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(check)
+    """{"model-fit" | "holdout": {capture: (workload, error %)}}"""
     tmp = tmp_path_factory.mktemp("captures")
-    for archive in ARCHIVES:
-        with tarfile.open(TRACES / archive) as tf:
-            tf.extractall(tmp, filter="data")
-    model, _ = resolve_profile(check.NET, None)
+    model = fidelity.load_model(fidelity.NET)
     out = {}
-    for label, table in (("sixth", check.SIXTH), ("seventh", check.SEVENTH)):
-        out[label] = {}
-        for name, (what, truth) in table.items():
-            g = ExecutionGraph.from_events(T.read_run(tmp / name).ranks)
-            ms = replay_batch(g, cost_model=model).mean_iteration_time(3) / 1e6
-            out[label][name] = (what, 100 * (ms - truth) / truth)
+    for label in ("model-fit", "holdout"):
+        archives, table = fidelity.SETS[label]
+        fidelity.extract(tmp, archives)
+        out[label] = {r["capture"]: (r["workload"], 100 * (r["prism_ms"] - r["truth_ms"]) / r["truth_ms"])
+                      for r in fidelity.replay(tmp, table, model, warmup=3)}
     return out
 
 
 @pytest.fixture(scope="module")
 def errors(replayed):
-    return replayed["sixth"]
+    return replayed["model-fit"]
 
 
 def test_gpt_tensor_and_pipeline_parallel_captures_predict_within_2_percent(errors):
@@ -73,19 +52,20 @@ def test_moe_captures_stay_within_5_percent(errors):
 
 
 def test_out_of_sample_gpt_tensor_parallel_within_2_percent(replayed):
-    tp = {n: e for n, (what, e) in replayed["seventh"].items() if what.startswith("GPT tp2")}
+    tp = {n: e for n, (what, e) in replayed["holdout"].items() if what.startswith("GPT tp2")}
     assert len(tp) == 4 and all(abs(e) < 2.0 for e in tp.values()), tp
 
 
 def test_out_of_sample_gpt_pipeline_and_moe(replayed):
     """GPT pp2: within 2% but one 1-GPU capture (+2.5%), all within 3%;
-    MoE: within 5% (as the sixth set), its median within 3% and no bias
+    MoE: within 5% (as the model-fit set), its median within 3% and no bias
     beyond 2% (its truth moved 109.9-116.5 ms between the calls). The
     bound was 4% until the alignment became Myers' (prism.core.align):
-    its worst MoE capture went -3.4 -> -4.3% (report section 10)."""
-    seventh = replayed["seventh"]
-    pp = [e for what, e in seventh.values() if what.startswith("GPT pp2")]
-    moe = [e for what, e in seventh.values() if what.startswith("MoE")]
+    its worst MoE capture went -3.4 -> -4.3%
+    (bench/results/archive/nccl-accuracy-2026-11.md)."""
+    holdout = replayed["holdout"]
+    pp = [e for what, e in holdout.values() if what.startswith("GPT pp2")]
+    moe = [e for what, e in holdout.values() if what.startswith("MoE")]
     assert len(pp) == 4 and all(abs(e) < 3.0 for e in pp) and sum(abs(e) < 2.0 for e in pp) >= 3, pp
     assert len(moe) == 8 and all(abs(e) < 5.0 for e in moe), moe
     assert statistics.median(abs(e) for e in moe) < 3.0, moe

@@ -1,15 +1,10 @@
-"""bench/truth_segments.py cuts a profiled truth step at its communication
-calls the way a capture cuts it (synthetic Chrome trace: no GPU needed)."""
-
-import importlib.util
-import pathlib
+"""prism.validation.truthcut cuts a profiled truth step at its communication
+calls the way a capture cuts it, and a GPU-only profile at its NCCL kernels
+(synthetic Chrome traces: no GPU needed)."""
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("truth_segments", ROOT / "bench" / "truth_segments.py")
-ts = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ts)
+from prism.validation import truthcut as ts
 
 
 def _x(cat, name, t, dur, tid=1, corr=None):
@@ -54,12 +49,6 @@ def test_a_profile_without_operators_is_refused():
 
 
 def test_the_truth_timeline_is_cut_at_nccl_kernels_with_waits_and_cpu_lead():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    _t = importlib.util.spec_from_file_location("truth_timeline", ROOT / "bench" / "truth_timeline.py")
-    tl = importlib.util.module_from_spec(_t)
-    _t.loader.exec_module(tl)
     ev = [
         _x("cuda_runtime", "cudaLaunchKernel", 0, 5, corr=1),
         _x("kernel", "gemm", 10, 100, tid=7, corr=1),
@@ -70,7 +59,7 @@ def test_the_truth_timeline_is_cut_at_nccl_kernels_with_waits_and_cpu_lead():
         _x("cuda_runtime", "cudaLaunchKernel", 200, 5, corr=4),  # the GPU waited 30 us for this one
         _x("kernel", "gemm", 200, 50, tid=7, corr=4),
     ]
-    out = tl.timeline({"traceEvents": ev})
+    out = ts.timeline({"traceEvents": ev})
     first, second = out["segments"]
     assert first["busy_ms"] == pytest.approx(0.1) and first["cpu_ms"] == pytest.approx(0.02)
     assert second["free_ms"] == pytest.approx(0.15) and second["ahead_ms"] == pytest.approx(0.09)

@@ -27,7 +27,7 @@ each large echo (client and server together) shows any extra payload copy.
 Goals: trio server round trip <= 1.5x bare, BlockingClient <= 2x bare,
 throughput >= 80% of bare.
 
-    python bench/transport.py [--blocks N] [--block-iters N] [--transports ipc tcp]
+    python bench/transport_throughput.py [--blocks N] [--block-iters N] [--transports ipc tcp]
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ import zmq  # noqa: E402
 import prism  # noqa: E402
 from prism.core.protocol import CollectiveResult, ProtocolError, encode  # noqa: E402
 from transport import AsyncSocket, BlockingClient  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import result_path  # noqa: E402
 
 STOP = [b"STOP"]  # not a valid message: the trio server stops on its ProtocolError
 
@@ -215,7 +218,7 @@ def main() -> None:
     ap.add_argument("--large-every", type=int, default=4, help="one large echo every N blocks")
     ap.add_argument("--size-mib", type=int, default=64)
     ap.add_argument("--transports", nargs="+", default=["ipc", "tcp"])
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "transport.json"))
+    ap.add_argument("--out", default=str(result_path("transport_throughput")))
     args = ap.parse_args()
 
     load_before = os.getloadavg()

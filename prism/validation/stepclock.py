@@ -1,7 +1,11 @@
 """Run a training command unmodified and log when each optimizer step returns.
 
-Used by ``bench/accuracy.py`` for ground-truth runs (plain torch.distributed,
-no Prism): ``_stepclock.py -m MODULE ARGS...`` or ``_stepclock.py SCRIPT ARGS...``.
+The ground-truth runs of ``bench/accuracy.py`` and ``bench/nccl_accuracy.py``
+(plain torch.distributed, no Prism) and the captures beside them run their
+command under it, as a script: ``prism/validation/stepclock.py -m MODULE
+ARGS...`` or ``prism/validation/stepclock.py SCRIPT ARGS...``
+(``prism.validation.truthrun.STEPCLOCK`` is its path). Importing it needs only the
+standard library (running it needs torch); ``parse`` reads what it wrote.
 A global optimizer step post-hook (``torch.optim.optimizer.register_optimizer_step_post_hook``)
 appends ``STEP MONOTONIC_NS`` to ``$PRISM_STEPCLOCK_DIR/rank-R.txt``; the step
 is counted per rank from 0. CLOCK_MONOTONIC is one clock for the whole host
@@ -20,26 +24,22 @@ boundary, so there the trace's Memory events give the run's peak.
 With ``PRISM_STEPCLOCK_PROFILE_STEP=K`` the torch profiler (CPU, and CUDA
 where the rank uses it) records exactly step K, from step K-1's end to step
 K's end, into ``profile-rank-R.json`` (Chrome trace) beside the step file:
-``bench/truth_segments.py`` cuts it into the segments a capture records.
+``prism.validation.truthcut.cut_profile`` cuts it into the segments a capture records.
 ``PRISM_STEPCLOCK_PROFILE_CPU=0`` records the GPU's activity and the CUDA
-calls only (no operators; GPT tp2 on an H200: 118 ms for the profiled step
-with operators against 44 without the profiler): ``bench/truth_timeline.py``
-reads those.
+calls only (far less CPU overhead than operator records):
+``prism.validation.truthcut.timeline`` reads those.
 
 With ``PRISM_STEPCLOCK_SCHED=1`` every step also writes
 ``sched STEP CPU RUN_NS RUNQUEUE_NS`` for the rank's main thread: the CPU it
 last ran on and its cumulative time on a CPU and waiting for one
 (``/proc/thread-self/schedstat``), so a slow step shows whether its thread ran
-slower or waited (``bench/cpu_noise.py``).
+slower or waited (``prism.validation.cpunoise``).
 """
 
 import os
 import runpy
 import sys
 import time
-
-import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 def _nvml_process_bytes() -> int:
@@ -58,7 +58,7 @@ def _nvml_process_bytes() -> int:
         return -1
 
 
-def _sched_line(step: int) -> str:
+def sched_line(step: int) -> str:
     """``sched STEP CPU RUN_NS RUNQUEUE_NS`` of the calling thread (Linux)."""
     try:
         with open("/proc/thread-self/schedstat") as f:
@@ -71,6 +71,9 @@ def _sched_line(step: int) -> str:
 
 
 def main() -> None:
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
     out_dir = os.environ["PRISM_STEPCLOCK_DIR"]
     rank = int(os.environ["RANK"])
     log = open(os.path.join(out_dir, f"rank-{rank}.txt"), "w", buffering=1)
@@ -91,7 +94,7 @@ def main() -> None:
             prof[0] = None
         log.write(f"{count[0]} {time.monotonic_ns()}\n")
         if sched:
-            log.write(_sched_line(count[0]))
+            log.write(sched_line(count[0]))
         if cuda and count[0] == mem_step:
             log.write(f"mem-step {count[0]} {_nvml_process_bytes()} {torch.cuda.memory_reserved()} "
                       f"{torch.cuda.memory_allocated()}\n")

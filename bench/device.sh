@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# The device runner: runs named benchmark suites on a GPU machine, from the
+# repository root there, each step bounded by a timeout so a suite fits one
+# device call (10 minutes).
+#
+#   bash bench/device.sh SUITE [SUITE...]      # e.g. bash bench/device.sh nccl-accuracy
+#   DRY=1 bash bench/device.sh SUITE           # print the commands, run nothing
+#   bash bench/device.sh list                  # the suites
+#
+# Every suite writes under $OUT/r (default $OUT=/tmp/prism-out) and the runner
+# bundles it into $OUT/results.tgz at the end. Copy what is worth keeping to
+# bench/results/ under the names bench/README.md gives.
+#
+# The device machine lacks some wheels (trio, pyzmq, orjson, pytest-trio):
+# carry them in .whl/ (from ../shared/tools/device-wheels); the runner
+# installs them into /tmp/site and puts them and this checkout on PYTHONPATH.
+#
+# Knobs (environment):
+#   CPUS     the CPUs the steps may use (taskset list; default all)
+#   RUNS     interleaved truth/Prism runs per workload (nccl-accuracy*: default 1)
+#   SPECS    nccl-accuracy's workloads: "name timeout_s capture_gpus config;..."
+#            (config: a bench/nccl_accuracy.py --configs name)
+#   NET      the cost profile the captures are predicted with
+#            (default bench/results/netprofile-2026-11-29-h200x2-nccl-issue.toml)
+#   ACCURACY_ARGS  more options for bench/nccl_accuracy.py (e.g. --variant ...)
+#   GROUP_SIZES    netprofile's group sizes (default 2)
+#   SEGS     truth-segments / truth-timeline workloads (gpt-tp2, pp2, moe, fsdp2)
+#   SMI=0    do not sample the GPUs' clocks into $OUT/r/smi.csv (nccl-accuracy*)
+#   PROBE=1  nccl-accuracy*: sample the CPU's single-thread speed beside the runs
+#   TESTS    gpu-tests: the test files (run with -m gpu)
+set -u
+OUT=${OUT:-/tmp/prism-out}
+R=$OUT/r
+CPUS=${CPUS:-0-$(($(nproc) - 1))}
+NET=${NET:-bench/results/netprofile-2026-11-29-h200x2-nccl-issue.toml}
+export PYTHONUNBUFFERED=1 PRISM_PROFILE_DIR=$OUT/r/profiles
+
+# The accuracy bench's world-2 GPU commands (as bench/nccl_accuracy.py runs them), by name.
+GPT="-m prism.workloads.gpt --hidden 1024 --layers 4 --heads 16 --seq-len 512 --batch 8 --micro-batches 2
+     --vocab 4096 --device cuda --steps 8"
+FSDP2="prism/workloads/frameworks/fsdp2.py --dim 512 --hidden 2048 --layers 4 --batch 4096 --steps 8"
+STEPCLOCK=prism/validation/stepclock.py
+workload_args() {
+  case $1 in
+    gpt-tp2) echo "$GPT --tp 2 --pp 1 --dp 1" ;;
+    pp2) echo "$GPT --tp 1 --pp 2 --dp 1" ;;
+    moe) echo "$GPT --tp 1 --pp 1 --dp 2 --ep 2 --experts 4" ;;
+    fsdp2) echo "$FSDP2" ;;
+    *) echo "unknown workload $1 (gpt-tp2, pp2, moe, fsdp2)" >&2; return 2 ;;
+  esac
+}
+
+x() {  # LOG TIMEOUT CMD...: CMD on $CPUS, bounded by TIMEOUT s, its output in LOG
+  local log=$1 t=$2; shift 2
+  if [ -n "${DRY:-}" ]; then
+    printf 'taskset -c %s timeout %s' "$CPUS" "$t"; printf ' %q' "$@"; printf ' > %s 2>&1\n' "$log"
+    return 0
+  fi
+  taskset -c "$CPUS" timeout "$t" "$@" > "$log" 2>&1
+  echo "exit $?" >> "$log"
+  grep -v "^prism: captured\|^\[" "$log" | tail -n "${TAIL:-8}"
+}
+
+bg() {  # CMD...: start CMD in the background (DRY: print it); its pid in $BG
+  if [ -n "${DRY:-}" ]; then printf '(background)'; printf ' %q' "$@"; printf '\n'; BG=; return 0; fi
+  "$@" & BG=$!
+}
+
+stop() { [ -n "${1:-}" ] && kill "$1" 2>/dev/null; return 0; }
+
+versions() {
+  [ -n "${DRY:-}" ] && { echo "(versions into $R/versions.txt)"; return 0; }
+  { date -u; nproc; nvidia-smi -L; nvidia-smi topo -m
+    python3 -c "import sys, torch; print(sys.version); print('torch', torch.__version__)"
+    python3 -c "import torch; print('nccl', torch.cuda.nccl.version())"
+  } > "$R/versions.txt" 2>&1
+}
+
+smi_start() {
+  SMI_PID=
+  [ "${SMI:-1}" = 0 ] && return 0
+  bg nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader -lms 100 --filename="$R/smi.csv"
+  SMI_PID=$BG
+}
+
+# --- suites (the comment after each name is what `list` prints) ---------------
+
+suite_nccl_accuracy() {  # NCCL ground truth (one process per GPU) vs Prism on 1 and 2 GPUs, traces kept
+  local spec name t gpus config probe=
+  [ -n "${DRY:-}" ] || mkdir -p "$R/keep"
+  smi_start
+  if [ "${PROBE:-0}" = 1 ]; then
+    bg python3 bench/cpu_noise.py --json /dev/null --sample "$R/cpu_noise-probe.log" --interval 0.5
+    probe=$BG
+  fi
+  IFS=';' read -ra specs <<< "${SPECS:-gpt 110 1,2 gpt-tp2;pp2 120 1,2 gpt-pp2;moe 190 1,2 moe-dp2-ep2}"
+  for spec in "${specs[@]}"; do
+    read -r name t gpus config <<< "$spec"
+    # shellcheck disable=SC2086 (ACCURACY_ARGS splits on purpose)
+    x "$R/nccl_accuracy-$name.txt" "$t" python3 bench/nccl_accuracy.py --out-dir "$R/$name" --configs "$config" \
+      --capture-gpus "$gpus" --runs "${RUNS:-1}" --steps 8 --warmup 3 --net "$NET" --keep-runs "$R/keep" ${ACCURACY_ARGS:-}
+  done
+  stop "$probe"; stop "$SMI_PID"
+}
+
+suite_nccl_accuracy_calibrated() {  # the same, each run also captured with every step's GPU time measured
+  RUNS=${RUNS:-2} SPECS=${SPECS:-"moe 330 1,2 moe-dp2-ep2"} \
+    ACCURACY_ARGS="--variant cal:PRISM_GPU_CALIBRATE=2-7 ${ACCURACY_ARGS:-}" suite_nccl_accuracy
+}
+
+suite_netprofile() {  # NCCL collectives on this machine's GPUs, fitted into a cost profile
+  x "$R/netprofile-nccl.txt" 120 python3 -m prism netprofile --backend nccl --group-sizes "${GROUP_SIZES:-2}" \
+    --sizes 1K,16K,128K,1M,4M,16M,64M,256M --out "$R/netprofile-nccl.toml" --json "$R/netprofile-nccl.json"
+}
+
+suite_gpu_tests() {  # the tests marked gpu
+  # shellcheck disable=SC2086 (TESTS splits on purpose)
+  x "$R/gpu-tests.txt" 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    ${TESTS:-tests/integration/test_gputime.py tests/integration/test_devices.py tests/integration/test_backend.py tests/unit/test_netprofile.py tests/integration/test_swap.py}
+}
+
+suite_frameworks() {  # framework coverage on this machine's torch (CPU tensors)
+  x "$R/frameworks.txt" 500 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider tests/integration/test_frameworks.py
+}
+
+suite_cpu_accuracy() {  # gloo on the host's cores: profile, truth vs Prism at world 8, transport and coordinator costs
+  x "$R/netprofile-gloo.txt" 60 python3 -m prism netprofile --group-sizes 2,4,8 --out "$R/netprofile-gloo.toml"
+  x "$R/accuracy-world8.txt" 260 python3 bench/accuracy.py --world 8 --runs 3 --steps 10 --out "$R/accuracy-world8.json"
+  x "$R/transport_throughput.txt" 60 python3 bench/transport_throughput.py --out "$R/transport_throughput.json"
+  x "$R/coordinator.txt" 90 python3 bench/coordinator.py --worlds 16,64 --iters 30 --out "$R/coordinator.json"
+}
+
+suite_truth_segments() {  # a truth step under the profiler, cut at its calls, beside a capture's
+  local s
+  for s in ${SEGS:-pp2 fsdp2}; do
+    # shellcheck disable=SC2046 (the words split on purpose)
+    x "$R/capture-$s.txt" 120 env PRISM_STEPCLOCK_DIR="$R/clk-$s" PRISM_STEPCLOCK_SYNC=1 python3 -m prism capture -n 2 \
+      --nproc-per-node 2 --gpus 0,1 --out "$R/cap-$s" --progress off -- $STEPCLOCK $(workload_args "$s")
+    # shellcheck disable=SC2046
+    x "$R/truth_segments-$s.txt" 120 python3 bench/truth_segments.py --world 2 --step 5 --capture "$R/cap-$s" \
+      --out "$R/truth-$s" --json "$R/truth_segments-$s.json" -- $(workload_args "$s")
+  done
+}
+
+suite_truth_timeline() {  # a truth step's GPU timeline, cut at its NCCL kernels, beside a capture's
+  local s
+  for s in ${SEGS:-gpt-tp2 pp2}; do
+    # shellcheck disable=SC2046 (the words split on purpose)
+    x "$R/capture-$s.txt" 150 env PRISM_STEPCLOCK_DIR="$R/clk-$s" PRISM_STEPCLOCK_SYNC=1 PRISM_STEPCLOCK_PROFILE_STEP=5 \
+      PRISM_STEPCLOCK_PROFILE_CPU=0 python3 -m prism capture -n 2 --nproc-per-node 2 --gpus 0,1 --out "$R/cap-$s" \
+      --progress off -- $STEPCLOCK $(workload_args "$s")
+    # shellcheck disable=SC2046
+    x "$R/truth_timeline-$s.txt" 150 python3 bench/truth_timeline.py --world 2 --step 5 --capture "$R/cap-$s" \
+      --out "$R/truth-$s" --json "$R/truth_timeline-$s.json" -- $(workload_args "$s")
+  done
+}
+
+suite_cpu_noise() {  # FSDP2's CPU draw alone / on SMT siblings / on distinct cores, plain runs' scheduler data
+  # shellcheck disable=SC2046 (the words split on purpose)
+  x "$R/cpu_noise.txt" 200 python3 bench/cpu_noise.py --json "$R/cpu_noise.json" --truth 4 --world 2 \
+    -- $(workload_args fsdp2)
+  # shellcheck disable=SC2046
+  x "$R/cpu_noise-profiled.txt" 150 python3 bench/cpu_noise.py --json "$R/cpu_noise-profiled.json" --no-draws \
+    --truth 5 --profile-step 5 --world 2 -- $(workload_args fsdp2)
+}
+
+suite_drain_effect() {  # CPU issue cost right after a GPU drain vs with the GPU ahead
+  x "$R/drain_effect.txt" 60 python3 bench/drain_effect.py --json "$R/drain_effect.json"
+  x "$R/drain_effect-small.txt" 60 python3 bench/drain_effect.py --ops 100 --size 128 --json "$R/drain_effect-small.json"
+}
+
+suite_gpu_capture() {  # logical devices, raw checkpoint/restore, world 2 and GPT world 8 on one GPU
+  x "$R/gpu_capture.txt" 330 python3 bench/gpu_capture.py --out-dir "$R/gpu_capture"
+}
+
+suite_swap_gangs() {  # GPT world 8 on one GPU with 4 resident, by gang; the same swaps simulated on CPU
+  local g sims= cmd=
+  for g in tpxpp tp 1; do
+    cmd+="CUDA_VISIBLE_DEVICES= timeout 120 python3 -m prism capture -n 8 --resident 4 --gang $g --simulate-swaps"
+    cmd+=" --out /tmp/sim-$g --progress off --show-ranks none -- -m prism.workloads.gpt --tp 2 --pp 2 --dp 2"
+    cmd+=" --steps 2 > $R/sim-$g.txt 2>&1; cp /tmp/sim-$g/telemetry/swaps.json $R/sim-$g-swaps.json; "
+  done
+  bg bash -c "$cmd"
+  sims=$BG
+  x "$R/gpt8-gangs.txt" 500 python3 bench/gpu_capture.py --out-dir "$R/gangs" --only gpt8 --gangs tpxpp,tp,1 \
+    --gpus 0 --resident 4 --swap-timeout 150 --runs-dir /tmp/g8
+  [ -n "$sims" ] && wait "$sims"
+  return 0
+}
+
+suite_cpu_scale() {  # CPU capture of the bundled GPT at 1,024 ranks, 16 slots
+  x "$R/cpu_scale.txt" 520 env CUDA_VISIBLE_DEVICES= python3 bench/gpu_capture.py --out-dir "$R/cpu_scale" \
+    --only cpu_scale --cpu-worlds 1024 --cpu-slots 16 --cpu-timeout 500 --runs-dir /tmp/cs
+}
+
+SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy truth-segments
+truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale"
+
+if [ $# -eq 0 ] || [ "$1" = list ]; then
+  for s in $SUITES; do
+    printf '%-26s %s\n' "$s" "$(grep "^suite_${s//-/_}()" "$0" | sed 's/.*{  *# *//')"
+  done
+  [ $# -eq 0 ] && exit 2
+  exit 0
+fi
+for s in "$@"; do
+  case " $(echo $SUITES) " in
+    *" $s "*) ;;
+    *) echo "unknown suite $s (bash bench/device.sh list)" >&2; exit 2 ;;
+  esac
+done
+
+[ -n "${DRY:-}" ] || mkdir -p "$R"
+if [ -z "${DRY:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+versions
+for s in "$@"; do
+  echo "== $s"
+  "suite_${s//-/_}"
+done
+[ -n "${DRY:-}" ] || tar czf "$OUT/results.tgz" -C "$OUT" r
