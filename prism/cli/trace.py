@@ -25,22 +25,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.set_defaults(func=validate)
 
 
-def summary(args: argparse.Namespace) -> int:
+def _read(path: str):
+    """The run, or None after saying why it cannot be read."""
     try:
-        run = app_trace.read(args.run)
+        return app_trace.read(path)
     except PrismError as e:
         print(f"prism trace: {e}", file=sys.stderr)
-        return e.exit_code
+        return None
+
+
+def summary(args: argparse.Namespace) -> int:
+    run = _read(args.run)
+    if run is None:
+        return 2
     print(app_trace.summary_text(run))
     return 0
 
 
 def validate(args: argparse.Namespace) -> int:
-    try:
-        run = app_trace.read(args.run)
-    except PrismError as e:
-        print(f"prism trace: {e}", file=sys.stderr)
-        return e.exit_code
+    run = _read(args.run)
+    if run is None:
+        return 2
     checked = app_trace.validate(run)
     print(checked.text())
     return 0 if checked.ok else 1
