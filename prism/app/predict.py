@@ -22,6 +22,7 @@ from prism.core.costmodel import CostModel, ProfileError, load_profile
 from prism.core.graph import ExecutionGraph, GraphError
 from prism.core.replay import DEFAULT_WARMUP, ReplayError, ReplayResult, describe_step, replay_batch
 from prism.core.scaleout import Layout, ScaleOutError, scale_graph
+from prism.core.steps import completeness, cut_to_step
 from prism.core.trace import Event, Manifest, Memory, TraceFormatError, decode_manifest, manifest_path
 
 __all__ = ["PredictConfig", "Prediction", "predict", "predict_events", "load_run_events", "load_run_manifest",
@@ -58,6 +59,8 @@ class Prediction:
     profile_choice: str
     #: The captured layout the prediction was scaled from (None: not scaled).
     layout: Layout | None
+    #: What the run lacks (a failed or killed capture), one line each; empty when complete.
+    missing: tuple[str, ...] = ()
 
     @property
     def mean_iteration_ns(self) -> float:
@@ -69,6 +72,8 @@ class Prediction:
         data["cost_model_choice"] = self.profile_choice
         if self.config.scale_dp is not None:
             data["scaled"] = {"from_layout": dataclasses.asdict(self.layout), "to_dp": self.config.scale_dp}
+        if self.missing:
+            data["incomplete_run"] = list(self.missing)
         return data
 
     def text(self) -> str:
@@ -78,6 +83,8 @@ class Prediction:
         if self.config.scale_dp is not None:
             text = (f"scaled from {self.layout} (world {self.layout.world_size}) to dp {self.config.scale_dp} "
                     f"(world {self.result.graph.world_size}): replicas copied, see prism.core.scaleout\n") + text
+        if self.missing:
+            text = "".join(f"incomplete run: {line}\n" for line in self.missing) + text
         return text
 
 
@@ -103,17 +110,35 @@ def predict(config: PredictConfig) -> Prediction:
     except ValueError as e:  # ScaleOutError is one
         raise UsageError(str(e)) from None
     ranks = load_run_events(run)
+    ranks, missing = _complete_steps(run, ranks)
     try:
         model, why = resolve_profile(config.net, manifest, traced_device_kind(ranks))
     except ProfileError as e:
         raise UsageError(str(e)) from None
     try:
         result = predict_events(ranks, model, scale_dp=config.scale_dp, layout=layout)
+        result.iteration_times  # noqa: B018  (computed here, so a bad trace fails here, not while printing)
     except ScaleOutError as e:
         raise UsageError(f"cannot scale {run} to dp {config.scale_dp}: {e}") from None
     except (GraphError, ReplayError) as e:
         raise InconsistentTraceError(f"the trace in {run} is inconsistent: {e}") from None
-    return Prediction(config, result, why, layout)
+    return Prediction(config, result, why, layout, missing)
+
+
+def _complete_steps(run, ranks: dict[int, list[Event]]) -> tuple[dict[int, list[Event]], tuple[str, ...]]:
+    """``ranks`` cut to the steps every rank completed, and what is missing;
+    a complete run comes back as it is."""
+    done = completeness(ranks)
+    if not (done.failed or done.uneven):
+        return ranks, ()
+    if not done.common:
+        raise InconsistentTraceError(f"nothing to predict in {run}: no step was completed by every rank ("
+                                     + "; ".join(done.describe()) + ")")
+    if done.uneven:
+        ranks = cut_to_step(ranks, done.common[-1])
+    first, last = done.common[0], done.common[-1]
+    return ranks, (f"the capture did not finish: predicted from the {len(done.common)} step(s) every rank "
+                   f"completed ({first}..{last})", *done.describe())
 
 
 def load_run_events(run_dir: str | os.PathLike[str]) -> dict[int, list[Event]]:
