@@ -45,6 +45,7 @@ from prism.core import protocol
 from prism.rank import backend as _backend
 from prism.rank import compat as _compat
 from prism.rank import devices as _devices
+from prism.rank import memstats as _memstats
 from prism.rank import runtime as _rt
 
 #: ``module:function`` replacing ``transport.client.BlockingClient.connect``
@@ -80,6 +81,9 @@ def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) ->
     _backend.register()
     rt.start(physical_device=_devices.physical_name(device))
     _rt.install_step_hooks(rt)
+    if device != "cpu":
+        gpus = os.environ.get(_devices.GPUS_ENV)
+        _memstats.install(shared_gpu=bool(gpus) and world_size > len(_devices.parse_gpus(gpus)))
     return rt
 
 

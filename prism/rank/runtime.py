@@ -458,23 +458,20 @@ class _StepTracker:
 
 
 def _cuda_memory_sample(t_ns: int, step: int) -> trace.Memory | None:
-    """Memory event for the current CUDA device (peak since the last sample),
-    then reset the peak; None where CUDA was never initialised."""
+    """Memory event for the current CUDA device (peak since the last sample);
+    None where CUDA was never initialised. The script's own readings are not
+    affected (``prism.rank.memstats``)."""
     import torch
+
+    from prism.rank import memstats
 
     if not torch.cuda.is_initialized():
         return None
-    dev = torch.cuda.current_device()
-    ev = trace.Memory(
-        t_ns=t_ns,
-        device=f"cuda:{dev}",
-        allocated=torch.cuda.memory_allocated(dev),
-        reserved=torch.cuda.memory_reserved(dev),
-        peak_allocated=torch.cuda.max_memory_allocated(dev),
-        step=step,
-    )
-    torch.cuda.reset_peak_memory_stats(dev)
-    return ev
+    memstats.install()
+    dev = torch.cuda.current_device()  # the script's (logical) index names the device in the trace
+    allocated, reserved, peak = memstats.step_sample(torch._C._cuda_getDevice())  # the in-process one reads it
+    return trace.Memory(t_ns=t_ns, device=f"cuda:{dev}", allocated=allocated, reserved=reserved,
+                        peak_allocated=peak, step=step)
 
 
 _step_tracker: _StepTracker | None = None
