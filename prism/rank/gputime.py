@@ -207,7 +207,11 @@ class GpuTiming:
 
     def _set_debug_mode(self) -> None:
         try:
-            torch.cuda.set_sync_debug_mode("warn")
+            # torch warns once that the mode is a prototype: Prism's doing,
+            # not the script's, so it stays out of the rank's log.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+                torch.cuda.set_sync_debug_mode("warn")
         except Exception:  # noqa: BLE001 (older torch or no CUDA: joins then come from synchronize only)
             pass
 
