@@ -46,6 +46,7 @@ from prism.rank import backend as _backend
 from prism.rank import compat as _compat
 from prism.rank import devices as _devices
 from prism.rank import memstats as _memstats
+from prism.rank import oom as _oom
 from prism.rank import runtime as _rt
 
 #: ``module:function`` replacing ``transport.client.BlockingClient.connect``
@@ -82,6 +83,9 @@ def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) ->
     rt.start(physical_device=_devices.physical_name(device))
     _rt.install_step_hooks(rt)
     if device != "cpu":
+        limit = os.environ.get(_oom.MEMORY_LIMIT_ENV)
+        if limit:
+            _oom.set_limit(int(limit))
         gpus = os.environ.get(_devices.GPUS_ENV)
         _memstats.install(shared_gpu=bool(gpus) and world_size > len(_devices.parse_gpus(gpus)))
     return rt
@@ -173,6 +177,10 @@ def run_command(command: Sequence[str]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
+def _uses_cuda() -> bool:
+    return "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
+
+
 def _exit_code(e: SystemExit) -> int:
     if e.code is None:
         return 0
@@ -201,10 +209,14 @@ def child_main(command: Sequence[str], *, rank: int, world_size: int, local_rank
             code = _exit_code(e)
             if code != 0:
                 status, message = "error", f"the script exited with status {code}"
-    except BaseException:
+    except BaseException as e:
         message = traceback.format_exc()
         traceback.print_exc()
         status, code = "error", 1
+        report = _oom.describe(e, rank, rt.recorder.step if rt is not None else -1) if _uses_cuda() else None
+        if report is not None:
+            status, message = "oom", report + "\n\n" + message
+            print(f"prism: {report}", file=sys.stderr)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
