@@ -1,9 +1,19 @@
 """The trio coordinator against fake ranks speaking the protocol over real
 ZeroMQ (no torch): registration, collectives, slots, and the failure paths
-(mismatch, deadlock, a dead rank) ending as results with a valid trace."""
+(mismatch, deadlock, a dead rank) ending as results with a valid trace.
+
+Tests that wait for a quiet period, a grace period or a registration stall
+run on trio's virtual clock (``autojump_clock``): the fake ranks are trio
+tasks in the coordinator's loop and talk over ``inproc://``, where a send
+reaches the peer's socket within the sending call, so no party acts outside
+the loop while the clock jumps. (Over ``ipc://`` ZeroMQ's I/O thread carries
+the bytes, and the clock could jump past a quiet period while a message is
+in flight.) Where the coordinator launches "processes" (a worker thread),
+the clock stays frozen (``mock_clock``) until that launch returns."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -67,7 +77,14 @@ class FakeRank:
 
 def make(tmp_path, world, **kw) -> Coordinator:
     return Coordinator(tmp_path / "run", world, slots=kw.pop("slots", 2),
-                       endpoint=default_endpoint(tmp_path / "run"), **kw)
+                       endpoint=kw.pop("endpoint", None) or default_endpoint(tmp_path / "run"), **kw)
+
+
+_inproc = itertools.count()
+
+
+def inproc() -> str:
+    return f"inproc://prism-test-coordinator-{os.getpid()}-{next(_inproc)}"
 
 
 async def serve(tmp_path, world: int, rank_main: Callable[[int, str], Awaitable[None]], *,
@@ -110,7 +127,7 @@ async def test_collective_roundtrip_and_valid_trace(tmp_path):
     assert all(type(evs[-1]).__name__ == "RankEnd" for evs in run.ranks.values())
 
 
-async def test_mismatch_names_ranks_group_and_both_calls(tmp_path):
+async def test_mismatch_names_ranks_group_and_both_calls(tmp_path, autojump_clock):
     async def rank_main(r, endpoint):
         fr = FakeRank(r, 2, endpoint)
         await fr.start()
@@ -119,11 +136,12 @@ async def test_mismatch_names_ranks_group_and_both_calls(tmp_path):
         fr.close()
 
     t0 = trio.current_time()
-    result = await serve(tmp_path, 2, rank_main, grace_s=0.5)
+    result = await serve(tmp_path, 2, rank_main, grace_s=0.5, endpoint=inproc())
     assert result.status == "mismatch"
     assert result.exit_code == 1
     msg = result.message
     assert "all_reduce" in msg and "all_gather_into_tensor" in msg and "world" in msg
+    # Within 5 s of the coordinator's clock: the grace period is all it waits.
     assert trio.current_time() - t0 < 5
     # The trace so far is closed with rank_end records.
     for r in range(2):
@@ -131,7 +149,7 @@ async def test_mismatch_names_ranks_group_and_both_calls(tmp_path):
         assert type(events[-1]).__name__ == "RankEnd"
 
 
-async def test_deadlock_reported_rank_by_rank(tmp_path):
+async def test_deadlock_reported_rank_by_rank(tmp_path, autojump_clock):
 
     async def rank_main(r, endpoint):
         fr = FakeRank(r, 2, endpoint)
@@ -149,8 +167,9 @@ async def test_deadlock_reported_rank_by_rank(tmp_path):
         fr.close()
 
     t0 = trio.current_time()
-    result = await serve(tmp_path, 2, rank_main, quiet_s=1.0, grace_s=0.5)
+    result = await serve(tmp_path, 2, rank_main, quiet_s=1.0, grace_s=0.5, endpoint=inproc())
     assert result.status == "deadlock", result.message
+    assert trio.current_time() - t0 >= 1.0  # after the quiet period, not before
     text = result.message
     assert "rank 0:" in text and "rank 1:" in text
     assert "missing: 1" in text or "missing" in text
@@ -158,13 +177,18 @@ async def test_deadlock_reported_rank_by_rank(tmp_path):
 
 
 class FakeProcesses:
-    """The launcher's handle, for rank tasks that play processes."""
+    """The launcher's handle, for rank tasks that play processes. Launching
+    it (in the coordinator's worker thread) lets the virtual clock jump: up to
+    then it stands still, so it cannot run past a quiet period while the
+    thread is on its way."""
 
-    def __init__(self):
+    def __init__(self, clock: trio.testing.MockClock):
         self.exited: dict[int, int] = {}
         self.killed = self.closed = False
+        self.clock = clock
 
     def launch(self, endpoint: str) -> FakeProcesses:
+        trio.from_thread.run_sync(setattr, self.clock, "autojump_threshold", 0)
         return self
 
     def poll(self):
@@ -180,8 +204,8 @@ class FakeProcesses:
         self.closed = True
 
 
-async def test_dead_rank_stops_the_others(tmp_path):
-    procs = FakeProcesses()
+async def test_dead_rank_stops_the_others(tmp_path, mock_clock):
+    procs = FakeProcesses(mock_clock)
 
     async def rank_main(r, endpoint):
         fr = FakeRank(r, 2, endpoint)
@@ -194,17 +218,17 @@ async def test_dead_rank_stops_the_others(tmp_path):
             procs.exited[1] = -9
         fr.close()
 
-    result = await serve(tmp_path, 2, rank_main, grace_s=0.5, launch=procs.launch)
+    result = await serve(tmp_path, 2, rank_main, grace_s=0.5, launch=procs.launch, endpoint=inproc())
     assert result.status == "rank_failed"
     assert "rank 1" in result.message and "SIGKILL" in result.message
     assert procs.killed and procs.closed
     assert set(result.failed_ranks) == {1}
 
 
-async def test_exit_seen_before_the_goodbye_is_not_a_crash(tmp_path):
+async def test_exit_seen_before_the_goodbye_is_not_a_crash(tmp_path, mock_clock):
     # Under load the process watcher can see a rank's exit (status 0) before
     # its Goodbye is read from the socket (seen at world 256 on a busy host).
-    procs = FakeProcesses()
+    procs = FakeProcesses(mock_clock)
 
     async def rank_main(r, endpoint):
         fr = FakeRank(r, 2, endpoint)
@@ -220,12 +244,12 @@ async def test_exit_seen_before_the_goodbye_is_not_a_crash(tmp_path):
         fr.close()
         procs.exited[r] = 0
 
-    result = await serve(tmp_path, 2, rank_main, launch=procs.launch)
+    result = await serve(tmp_path, 2, rank_main, launch=procs.launch, endpoint=inproc())
     assert result.status == "ok", result.message
     assert procs.closed
 
 
-async def test_registration_fails_only_when_it_stalls(tmp_path):
+async def test_registration_fails_only_when_it_stalls(tmp_path, autojump_clock):
     # Ranks keep arriving (each within the stall limit, all of them later than
     # it): the run goes on. Then one never comes: the run ends, naming it.
     world = 4
@@ -242,7 +266,7 @@ async def test_registration_fails_only_when_it_stalls(tmp_path):
             fr.close()
 
     t0 = trio.current_time()
-    result = await serve(tmp_path, world, rank_main, cancel_ranks=True, register_stall_s=1.0)
+    result = await serve(tmp_path, world, rank_main, cancel_ranks=True, register_stall_s=1.0, endpoint=inproc())
     assert result.status == "deadlock", result.message
     assert "only 3 of 4 ranks registered" in result.message and "missing: 3" in result.message
     assert trio.current_time() - t0 > 2.0  # rank 2 came after 1.2 s and did not end the run
