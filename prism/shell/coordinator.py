@@ -201,6 +201,10 @@ class RankSession:
         self.writer.close()
 
 
+#: Handles a registered rank's message: (its session, the message, now).
+_MessageHandler = Callable[[RankSession, Any, int], Awaitable[None]]
+
+
 class Processes(Protocol):
     """The launcher's handle on the rank processes (``prism.shell.launcher.RankProcesses``)."""
 
@@ -215,6 +219,15 @@ class Processes(Protocol):
     def close(self) -> None:
         """Kill what still runs and reap."""
         ...
+
+
+class Swapper(Protocol):
+    """Carries out the policy's swaps of a rank's process (``prism.shell.swap.SwapExecutor``).
+    Both block for up to seconds: the coordinator calls them in a worker thread."""
+
+    def swap_out(self, rank: int, pid: int, step: int) -> Any: ...
+
+    def swap_in(self, rank: int, pid: int, step: int) -> Any: ...
 
 
 class Progress:
@@ -263,8 +276,7 @@ class Coordinator:
     deadlock watchdog names it. ``on_listening(bound_endpoint)`` is called in
     the loop once the socket is bound. ``policy`` decides GPU residency
     (default ``NoSwap``); ``swapper`` carries out its ``SwapOut``/``SwapIn``
-    (``prism.shell.swap.SwapExecutor``: ``swap_out(rank, pid, step)``,
-    ``swap_in(rank, pid, step)``); None on CPU.
+    with the pid from each rank's Hello; None on CPU.
     """
 
     def __init__(
@@ -283,7 +295,7 @@ class Coordinator:
         progress: Progress | None = None,
         authenticated: bool = False,
         policy: S.SwapPolicy | None = None,
-        swapper: Any = None,
+        swapper: Swapper | None = None,
         register_stall_s: float | None = None,
     ) -> None:
         if world_size < 1:
@@ -338,7 +350,7 @@ class Coordinator:
             Tick: self._on_tick,
         }
         #: Messages a registered rank may send (Hello is the one that comes before a session).
-        self._message_handlers: dict[type, Callable[[RankSession, Any, int], Awaitable[None]]] = {
+        self._message_handlers: dict[type, _MessageHandler] = {
             P.TraceRecords: self._on_trace,
             P.CollectiveArrive: self._matched(self.matcher.arrive),
             P.Send: self._matched(self.matcher.send),
@@ -355,7 +367,9 @@ class Coordinator:
     def _now(self) -> int:
         """The coordinator's time in integer nanoseconds on the ranks' clock.
         trio's clock is ``perf_counter`` plus a random offset (or virtual
-        under a ``MockClock``); the ranks stamp ``time.monotonic_ns()``."""
+        under a ``MockClock``); the ranks stamp ``time.monotonic_ns()``. On
+        Linux both read CLOCK_MONOTONIC, so the anchor maps one onto the
+        other without drift and the trace's times stay the ranks'."""
         return self._anchor_ns + round((trio.current_time() - self._anchor_s) * 1e9)
 
     # --- the event loop -----------------------------------------------------
@@ -505,15 +519,21 @@ class Coordinator:
         # On one host (ipc or loopback) the monotonic clocks are the same one.
         local = self.bound_endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://[::1]"))
         session = RankSession(self._sock, identity, hello, writer, 0 if local else now - hello.t_ns)
-        self.ranks[hello.rank] = self.sessions[hello.rank] = session
-        self._last_hello = now
+        self.sessions[hello.rank] = session
         self.by_identity[identity] = hello.rank
+        self._admit(session, now)
         await session.deliver(P.Welcome(P.PROTOCOL_VERSION, self.run_id, now, self.small_tensor_limit,
                                         swapping=self.swapper is not None))
 
+    def _admit(self, member: Participant, now: int) -> None:
+        """``member`` joins the world: a rank session at its Hello (phase 2:
+        the virtual ranks too, when the hybrid engine starts)."""
+        self.ranks[member.rank] = member
+        self._last_hello = now
+
     # --- messages of a registered rank ------------------------------------------
 
-    def _matched(self, event: Callable[[Any, int], list[M.Outcome]]) -> Callable[[RankSession, Any, int], Awaitable[None]]:
+    def _matched(self, event: Callable[[Any, int], list[M.Outcome]]) -> _MessageHandler:
         """A handler that gives the message to the matcher and carries out its outcomes."""
         async def handle(session: RankSession, msg: P.Message, now: int) -> None:
             await self._outcomes(event(msg, now), now)

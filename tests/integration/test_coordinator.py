@@ -295,3 +295,39 @@ class Refused(Exception):
 def test_bad_world_size(tmp_path, bad):
     with pytest.raises(ValueError, match="world size must be at least 1"):
         make(tmp_path, bad)
+
+
+async def test_messages_out_of_place_are_refused(tmp_path, autojump_clock):
+    # Before Hello, and a type no rank may send: each gets Error(bad_message)
+    # and the capture goes on.
+    async def rank_main(r, endpoint):
+        fr = FakeRank(r, 1, endpoint)
+        await fr.sock.send_message(P.SlotRequest(0))
+        _, early = await fr.sock.recv_message()
+        assert isinstance(early, P.Error) and early.code == "bad_message" and "before Hello" in early.message
+        assert isinstance(await fr.hello(), P.Welcome)
+        await fr.sock.send_message(P.SlotGrant(0))
+        _, odd = await fr.sock.recv_message()
+        assert isinstance(odd, P.Error) and odd.code == "bad_message" and odd.rank == 0
+        assert "a rank may not send SlotGrant" in odd.message
+        await fr.bye()
+        fr.close()
+
+    result = await serve(tmp_path, 1, rank_main, endpoint=inproc())
+    assert result.status == "ok", result.message
+
+
+async def test_coordinator_time_is_the_ranks_clock(tmp_path):
+    # On the real clock the coordinator's now (here: the Welcome's) is
+    # time.monotonic_ns(), the clock ranks stamp their trace with.
+    async def rank_main(r, endpoint):
+        fr = FakeRank(r, 1, endpoint)
+        before = time.monotonic_ns()
+        welcome = await fr.hello()
+        after = time.monotonic_ns()
+        assert before - 1_000_000 <= welcome.t_ns <= after + 1_000_000
+        await fr.bye()
+        fr.close()
+
+    result = await serve(tmp_path, 1, rank_main)
+    assert result.status == "ok", result.message
