@@ -118,10 +118,10 @@ def swap_raw(sizes=(1.0, 8.0)) -> dict:
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert holder.stdout.readline().startswith("ready")
-            ex = swap.SwapExecutor(drv, pid_of=lambda r: holder.pid, memory_of=telemetry.process_memory)
-            o = ex.swap_out(0)
+            ex = swap.SwapExecutor(drv, memory_of=telemetry.process_memory)
+            o = ex.swap_out(0, holder.pid)
             mem_out = telemetry.process_memory(holder.pid)
-            i = ex.swap_in(0)
+            i = ex.swap_in(0, holder.pid)
             holder.stdin.write("check\n")
             holder.stdin.flush()
             check = holder.stdout.readline().strip()

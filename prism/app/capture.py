@@ -244,42 +244,28 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         return CaptureOutcome(run_dir, 1 if bad else 0, failed_exits=bad, coordinator=coordinator,
                               world_size=world_size)
 
-    coord = Coordinator(run_dir, world_size, slots=slots, endpoint=default_endpoint(run_dir),
-                        quiet_s=quiet_s, progress=Progress(world_size, mode=progress))
     if gpu is not None:
         from prism.shell.swap import SwapError
 
         try:
-            gpu.setup(coord)
+            gpu.setup(run_dir)
         except SwapError as e:
             raise UsageError(f"cannot swap ranks on the GPU: {e}") from None
+    coord = Coordinator(run_dir, world_size, slots=slots, endpoint=default_endpoint(run_dir),
+                        quiet_s=quiet_s, progress=Progress(world_size, mode=progress),
+                        launch=lambda endpoint: launch_ranks(world_size, endpoint, run_dir, cmd,
+                                                             nproc_per_node=nproc_per_node,
+                                                             show_ranks=show_ranks, env=env),
+                        policy=gpu.policy if gpu is not None else None,
+                        swapper=gpu.executor if gpu is not None else None)
     from prism.shell.telemetry import GpuSampler
 
     sampler = GpuSampler(run_dir, gpu.gpus if gpu is not None and not gpu.simulated else None)
     sampler.start()
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            endpoint = await nursery.start(_run_and_keep, coord)
-            try:
-                coord.processes = await trio.to_thread.run_sync(
-                    lambda: launch_ranks(world_size, endpoint, run_dir, cmd, nproc_per_node=nproc_per_node,
-                                         show_ranks=show_ranks, env=env))
-            except BaseException:
-                nursery.cancel_scope.cancel()
-                raise
-        return coord.result
-
     try:
-        result = trio.run(main)
-        if coord.processes is not None and result.status == "ok":
-            # Every rank said goodbye; let them finish tearing down (ZeroMQ
-            # flushing, interpreter exit) rather than killing them mid-exit.
-            coord.processes.wait(timeout=30)
+        result = trio.run(coord.run)
     finally:
         sampler.stop()
-        if coord.processes is not None:
-            coord.processes.close()
     outcome = CaptureOutcome(run_dir, result.exit_code, result, world_size=world_size)
     if gpu is not None:
         from prism.shell import swap
@@ -292,10 +278,6 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         outcome.swap_line = (swap.format_summary(outcome.swaps)
                              + f" [resident {gpu.resident}/GPU {where}, gang {gpu.gang}]")
     return outcome
-
-
-async def _run_and_keep(coord, *, task_status):
-    coord.result = await coord.run(task_status=task_status)
 
 
 def serve_coordinator(run_dir: str | os.PathLike[str], world_size: int, endpoint: str, *, slots: int | None = None,
@@ -314,14 +296,6 @@ def serve_coordinator(run_dir: str | os.PathLike[str], world_size: int, endpoint
     T.make_run_dir(run_dir)
     T.write_manifest(run_dir, manifest_for(run_dir, world_size, [], slots, "cpu"))
     coord = Coordinator(run_dir, world_size, slots=slots, endpoint=endpoint, quiet_s=quiet_s,
-                        progress=Progress(world_size, mode=progress))
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(_run_and_keep, coord)
-            if on_listening is not None:
-                on_listening(bound)
-        return coord.result
-
-    result = trio.run(main)
+                        progress=Progress(world_size, mode=progress), on_listening=on_listening)
+    result = trio.run(coord.run)
     return CaptureOutcome(run_dir, result.exit_code, result, world_size=world_size)

@@ -33,25 +33,38 @@ the pinned ranks ask for it or say ``Taken`` (the policy pokes the
 scheduler). A resident gang leaves the GPU when all its ranks block, so
 every waiting rank is granted in the end.
 
-Public API: ``GangResidency(max_resident, gang_of=None, gpu_of=None)`` with
-the ``SwapPolicy`` hooks, ``pick``, ``wake(rank, sched, pin=True)``,
-``taken(rank, sched)``, ``returning(rank)``, ``unpin_blocked(sched)``, ``retry(sched)``,
-``resident(gpu=None)``; ``megatron_gangs(world_size, tp, dp, pp, kind)``.
+Rescue (``rescue``, called on the coordinator's watchdog tick): after
+``RESCUE_QUIET_NS`` without a completion or a swap, pins of blocked ranks are
+dropped if ranks wait for a slot, then checkpointed ranks that wait for no
+known operation are restored without a pin. Sans-IO: time and the matcher's
+view (``waiting_for(rank)``) come in as arguments; the coordinator carries out
+the actions.
+
+Public API: ``GangResidency(max_resident, gang_of=None, gpu_of=None)``, a
+complete ``SwapPolicy`` (``pick``, ``before_grant``, ``on_release``,
+``on_finish``, ``returning``, ``wake(rank, sched, pin=True)``, ``taken``,
+``unpin_blocked``, ``retry``, ``is_resident``, ``rescue``) plus
+``resident(gpu=None)``; ``RESCUE_QUIET_NS``; ``megatron_gangs(world_size,
+tp, dp, pp, kind)``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from prism.core.scheduler import Action, RankState, Scheduler, SchedulerError, SwapIn, SwapOut
+from prism.core.scheduler import Action, RankState, Rescue, Scheduler, SchedulerError, SwapIn, SwapOut
+
+#: With ranks checkpointed, this long without progress (nor a swap) restores
+#: them (``GangResidency.rescue``): well above one swap (about 1 s per GB out).
+RESCUE_QUIET_NS = 5_000_000_000
 
 GANG_KINDS = ("1", "tp", "tpxpp")
 
 
 def megatron_gangs(world_size: int, tp: int, dp: int, pp: int, kind: str) -> dict[int, int]:
     """``rank -> gang id`` for the Megatron layout ``rank = tp_rank + TP *
-    (dp_rank + DP * pp_rank)`` (DESIGN.md): ``"1"`` one rank per gang, ``"tp"``
+    (dp_rank + DP * pp_rank)`` (docs/DESIGN.md): ``"1"`` one rank per gang, ``"tp"``
     the TP groups, ``"tpxpp"`` the TP groups of one pipeline (all ranks with
     the same dp_rank)."""
     if tp * dp * pp != world_size:
@@ -97,6 +110,8 @@ class GangResidency:
         self.pinned: set[int] = set()
         self._wakes: deque[int] = deque()
         self._returning: set[int] = set()
+        #: When ``rescue`` last acted on a quiet spell.
+        self._rescued_ns = 0
 
     # --- queries -------------------------------------------------------------
 
@@ -155,7 +170,7 @@ class GangResidency:
             self._wakes.remove(rank)
         return []
 
-    def pick(self, queue, sched: Scheduler) -> int | None:
+    def pick(self, queue: Sequence[int], sched: Scheduler) -> int | None:
         """Which waiting rank to grant: the first one that is resident (no
         swap needed); else the first whose gang can come in without evicting
         a pinned rank (one that just got data and is about to ask for a slot:
@@ -231,6 +246,32 @@ class GangResidency:
             rank = self._wakes.popleft()
             actions += self.wake(rank, sched)
         return actions
+
+    def rescue(self, now: int, last_progress_ns: int, waiting_for: Callable[[int], object | None],
+               sched: Scheduler) -> Iterator[Rescue]:
+        """After ``RESCUE_QUIET_NS`` without progress (``last_progress_ns``:
+        the last completion or swap), bring checkpointed ranks back as if
+        data had reached them. A rank can be released without being blocked
+        in communication (the stall monitor judges by CPU use; a GPU wait
+        looks the same), and a checkpointed rank that still had work to do
+        would otherwise hang the capture. First, if ranks wait for a slot,
+        the pins of blocked ranks are dropped (a grant held back for a pinned
+        rank that never asked again). A rescue counts as progress: the next
+        one comes a quiet period later."""
+        quiet = now - max(last_progress_ns, self._rescued_ns)
+        if quiet < RESCUE_QUIET_NS:
+            return
+        self._rescued_ns = now
+        if sched.waiting and (actions := self.unpin_blocked(sched)):
+            yield Rescue(None, quiet, tuple(actions))
+        for rank in sched.ranks:
+            # Only checkpointed ranks that wait for no known operation (those
+            # come back when their data arrives). A rescued rank is not pinned:
+            # if it has nothing to do after all, it may go out again.
+            if self.is_resident(rank) or waiting_for(rank) is not None:
+                continue
+            if (actions := self.wake(rank, sched, pin=False)):
+                yield Rescue(rank, quiet, tuple(actions))
 
     # --- making room ---------------------------------------------------------
 

@@ -25,17 +25,17 @@ Public API
 ----------
 ``Scheduler(slots, ranks, policy=None)`` with ``request(rank)``,
 ``release(rank)``, ``unblock(rank)``, ``finish(rank)`` (each ``-> list[Action]``),
-``state(rank)``, ``running``, ``waiting``;
+``state(rank)``, ``ranks``, ``running``, ``waiting``;
 ``RankState``, ``Grant``, ``SwapIn``, ``SwapOut``, ``Action``,
-``SwapPolicy`` (protocol), ``NoSwap``, ``ResidentLimit(max_resident)``,
-``SchedulerError``.
+``SwapPolicy`` (protocol: every call made on a policy), ``Rescue``,
+``NoSwap``, ``ResidentLimit(max_resident)``, ``SchedulerError``.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,7 +78,20 @@ Action = Grant | SwapOut | SwapIn
 
 
 class SwapPolicy(Protocol):
-    """Decides GPU residency around grants; must be deterministic."""
+    """Decides GPU residency around grants; must be deterministic.
+
+    These are every call the coordinator and the scheduler make on a policy:
+    a policy that does not swap answers each with no actions (``NoSwap``).
+    The scheduler calls ``pick``, ``before_grant``, ``on_release`` and
+    ``on_finish``; the coordinator calls the others as it learns what the
+    ranks do (data delivered, data taken in, a release that crossed its
+    result, a quiet spell).
+    """
+
+    def pick(self, queue: Sequence[int], sched: Scheduler) -> int | None:
+        """Index in ``queue`` (waiting ranks, first in line first) of the rank
+        to grant next, or None to hold the free slot back for now."""
+        ...
 
     def before_grant(self, rank: int, sched: Scheduler) -> list[Action]:
         """Actions to run before ``rank`` is granted (``SwapIn``, ``SwapOut``)."""
@@ -92,9 +105,59 @@ class SwapPolicy(Protocol):
         """Actions after ``rank`` finished."""
         ...
 
+    def returning(self, rank: int) -> None:
+        """``rank`` is about to release its slot although what it waits for
+        has already completed (it asks again at once)."""
+        ...
+
+    def wake(self, rank: int, sched: Scheduler, pin: bool = True) -> list[Action]:
+        """Data was delivered to ``rank``: actions that give it its device
+        back. ``pin=False``: a rescue, the rank may go out again."""
+        ...
+
+    def taken(self, rank: int, sched: Scheduler) -> list[Action]:
+        """``rank`` took its delivered data in and still waits."""
+        ...
+
+    def unpin_blocked(self, sched: Scheduler) -> list[Action]:
+        """Last resort after a quiet spell: drop what holds grants back for
+        blocked ranks."""
+        ...
+
+    def retry(self, sched: Scheduler) -> list[Action]:
+        """Actions deferred until room is made (run after every batch)."""
+        ...
+
+    def is_resident(self, rank: int) -> bool:
+        """Whether ``rank``'s state is on its device now."""
+        ...
+
+    def rescue(self, now: int, last_progress_ns: int, waiting_for: Callable[[int], object | None],
+               sched: Scheduler) -> Iterator[Rescue]:
+        """Called on the coordinator's watchdog tick: what to do when nothing
+        progressed (no completion, no swap) since ``last_progress_ns``.
+        ``waiting_for(rank)`` is what the rank waits for, None when it waits
+        for no known operation. Lazy: the shell carries out each step (and
+        ``retry``) before the next is decided."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Rescue:
+    """One step of a rescue after ``quiet_ns`` without progress: ``rank``
+    restored (None: pins of blocked ranks dropped so that a held-back grant
+    goes), by ``actions``."""
+
+    rank: int | None
+    quiet_ns: int
+    actions: tuple[Action, ...]
+
 
 class NoSwap:
     """CPU: every rank stays where it is; slots only bound concurrency."""
+
+    def pick(self, queue: Sequence[int], sched: Scheduler) -> int | None:
+        return 0
 
     def before_grant(self, rank: int, sched: Scheduler) -> list[Action]:
         return []
@@ -105,8 +168,30 @@ class NoSwap:
     def on_finish(self, rank: int, sched: Scheduler) -> list[Action]:
         return []
 
+    def returning(self, rank: int) -> None:
+        pass
 
-class ResidentLimit:
+    def wake(self, rank: int, sched: Scheduler, pin: bool = True) -> list[Action]:
+        return []
+
+    def taken(self, rank: int, sched: Scheduler) -> list[Action]:
+        return []
+
+    def unpin_blocked(self, sched: Scheduler) -> list[Action]:
+        return []
+
+    def retry(self, sched: Scheduler) -> list[Action]:
+        return []
+
+    def is_resident(self, rank: int) -> bool:
+        return True
+
+    def rescue(self, now: int, last_progress_ns: int, waiting_for: Callable[[int], object | None],
+               sched: Scheduler) -> Iterator[Rescue]:
+        return iter(())
+
+
+class ResidentLimit(NoSwap):
     """GPU: at most ``max_resident`` ranks keep their state on the device.
 
     A rank about to be granted is swapped in if it is not resident; to make
@@ -114,7 +199,8 @@ class ResidentLimit:
     not running) is swapped out first. A finished rank leaves residency
     without a swap (its memory is simply freed). ``max_resident`` must be at
     least the scheduler's slot count, or running ranks could not all be
-    resident.
+    resident. It swaps only around grants: a blocked rank that receives data
+    stays out until it asks for a slot, so the other hooks are ``NoSwap``'s.
     """
 
     def __init__(self, max_resident: int):
@@ -145,12 +231,12 @@ class ResidentLimit:
             actions.append(SwapIn(rank))
         return actions
 
-    def on_release(self, rank: int, sched: Scheduler) -> list[Action]:
-        return []
-
     def on_finish(self, rank: int, sched: Scheduler) -> list[Action]:
         self.resident.pop(rank, None)
         return []
+
+    def is_resident(self, rank: int) -> bool:
+        return rank in self.resident
 
 
 class Scheduler:
@@ -167,6 +253,11 @@ class Scheduler:
         self.running: list[int] = []
         #: Ranks that have been granted at least once.
         self.started: set[int] = set()
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every scheduled rank, in the order given."""
+        return tuple(self._state)
 
     @property
     def waiting(self) -> tuple[int, ...]:
@@ -233,8 +324,7 @@ class Scheduler:
         actions: list[Action] = []
         while self._queue and len(self.running) < self.slots:
             # A policy may grant out of FIFO order (GangResidency: resident ranks first, bounded).
-            pick = getattr(self.policy, "pick", None)
-            i = pick(self._queue, self) if pick is not None else 0
+            i = self.policy.pick(self._queue, self)
             if i is None:
                 # The policy holds the slot back (GangResidency: room is
                 # about to be asked for by ranks it keeps); ``poke`` retries.

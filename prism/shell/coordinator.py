@@ -1,11 +1,23 @@
 """The phase-1 coordinator: a trio shell around the sans-IO matcher and
 scheduler (``prism.core.matcher``, ``prism.core.scheduler``).
 
-One task reads the ROUTER socket, one watches the rank processes (when the
-coordinator launched them), one ticks the watchdog; each feeds a single
-*event channel*, and one loop owns every piece of state and is the only
-sender on the socket. So the state needs no locks, and a thousand ranks cost
-a thousand dictionary entries, not a thousand tasks.
+One task reads the ROUTER socket, one launches and watches the rank processes
+(when the coordinator is given a ``launch``), one ticks the watchdog; each
+feeds typed events (``Received``, ``Malformed``, ``RankExited``, ``Tick``)
+into a single *event channel*, and one loop owns every piece of state and is
+the only sender on the socket. So the state needs no locks, and a thousand
+ranks cost a thousand dictionary entries, not a thousand tasks. The loop
+dispatches by table: event type -> handler, message type -> handler.
+
+The members of the world are *participants* (``Participant``): today every
+one is a ``RankSession``, a rank process behind the socket. Residency (GPU
+swaps) is the ``SwapPolicy``'s: the coordinator tells it what ranks do and
+carries out the actions it returns, through the swap executor.
+
+Time comes from trio (``trio.current_time()``), mapped onto the ranks'
+``time.monotonic_ns()`` by an anchor taken when ``run`` starts: real runs keep
+the ranks' timestamps, and under a virtual clock (``trio.testing.MockClock``)
+the coordinator's quiet periods and grace periods pass without waiting.
 
 The capture stops at the first failure, which becomes the result instead of a
 hang: a collective mismatch (reported at the arrival that shows it), a
@@ -17,15 +29,16 @@ are closed with a ``rank_end`` record for every rank, so the run stays valid.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 import zmq
@@ -42,11 +55,10 @@ log = logging.getLogger("prism.shell.coordinator")
 #: matcher reports a mismatch at that very arrival, so this only bounds how
 #: long ranks get to flush their traces before they are killed.
 DEFAULT_GRACE_S = 3.0
-#: DESIGN.md: deadlocks are reported after a configurable quiet period.
+#: docs/DESIGN.md: deadlocks are reported after a configurable quiet period.
 DEFAULT_QUIET_S = 30.0
-#: With ranks checkpointed, this long without progress (nor a swap) restores
-#: them (``Coordinator._rescue``): well above one swap (about 1 s per GB out).
-RESCUE_QUIET_NS = 5_000_000_000
+#: How long a rank's exit waits for its Goodbye before it counts as a crash.
+EXIT_GRACE_NS = 3_000_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +75,159 @@ class CaptureResult:
     wall_s: float = 0.0
 
 
-@dataclass
-class _RankInfo:
+# --- events on the coordinator's channel ---------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A message read from the socket, from the peer ``identity``."""
+
     identity: bytes
-    hello: P.Hello
+    msg: P.Message
+
+
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """Bytes from ``identity`` (None: unknown) that are no valid message."""
+
+    identity: bytes | None
+    error: P.ProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class RankExited:
+    """The launcher saw ``rank``'s process end with ``code`` (``-signal`` if killed)."""
+
+    rank: int
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """The watchdog's beat: progress line, deadlock and registration checks,
+    rescues, exits waiting for their Goodbye."""
+
+
+Event = Received | Malformed | RankExited | Tick
+
+
+# --- participants -----------------------------------------------------------------
+
+
+class Participant(Protocol):
+    """A member of the world, as the coordinator sees it: its rank, whether
+    it is done, how results and errors reach it (``deliver``), and its trace
+    (``writer``, ended by ``end`` and ``close``).
+
+    Today every participant is a ``RankSession``: a rank process behind the
+    ROUTER socket. Phase 2's virtual ranks (objects driven by the core's
+    hybrid engine, ``prism/core/hybrid.py``, not processes) will be a second
+    implementation, entered in ``Coordinator.ranks`` beside the sessions, so
+    that matching, results and failure reports go through one path.
+    """
+
+    rank: int
+    done: bool
+    #: "ok", "error" or "died" once ended ("" before).
+    status: str
+    #: The last step it completed (-1: none yet).
+    step: int
     writer: T.TraceWriter
-    done: bool = False
-    status: str = ""
-    message: str = ""
-    wrote_end: bool = False
-    step: int = -1
-    #: coordinator_ns - rank_ns, from the Hello (one host: the transit time).
-    clock_offset_ns: int = 0
+
+    async def deliver(self, msg: P.Message) -> None:
+        """Give ``msg`` (a result, a grant, an error, a shutdown) to it."""
+        ...
+
+    def end(self, status: str, message: str) -> None:
+        """It ended (said goodbye or died): it gets nothing more."""
+        ...
+
+    def close(self, now: int, stopped: str) -> None:
+        """Close its trace at ``now``; ``stopped`` says why the capture
+        stopped it ("" if it did not)."""
+        ...
+
+
+class RankSession:
+    """A real rank: a process that said ``Hello`` on the socket as ``identity``."""
+
+    def __init__(self, sock: AsyncSocket, identity: bytes, hello: P.Hello, writer: T.TraceWriter,
+                 clock_offset_ns: int) -> None:
+        self._sock = sock
+        self.identity = identity
+        self.hello = hello
+        self.rank = hello.rank
+        self.writer = writer
+        #: coordinator_ns - rank_ns, from the Hello (one host: the same clock, 0).
+        self.clock_offset_ns = clock_offset_ns
+        self.done = False
+        self.status = ""
+        self.message = ""
+        self.wrote_end = False
+        self.step = -1
+
+    @property
+    def pid(self) -> int:
+        """The rank's process (the swap executor checkpoints it)."""
+        return self.hello.pid
+
+    async def deliver(self, msg: P.Message) -> None:
+        try:
+            await self._sock.send_message(msg, identity=self.identity)
+        except zmq.ZMQError as e:
+            # EHOSTUNREACH: the peer disconnected; its exit is handled elsewhere.
+            log.debug("could not send %s to rank %d: %s", type(msg).__name__, self.rank, e)
+
+    def record(self, lines: Iterable[bytes]) -> None:
+        """Write trace lines the rank sent, noting its end record and steps."""
+        for line in lines:
+            line = bytes(line)
+            if line.startswith(b'{"k":"rank_end"'):
+                self.wrote_end = True
+            elif line.startswith(b'{"k":"iter"'):
+                self.step = max(self.step, T.decode_event(line).step)
+            self.writer.write_line(line)
+
+    def end(self, status: str, message: str) -> None:
+        self.done, self.status, self.message = True, status, message
+        self.writer.flush()
+
+    def close(self, now: int, stopped: str) -> None:
+        if not self.wrote_end:
+            status = self.status or "killed"
+            self.writer.write(T.RankEnd(now - self.clock_offset_ns,
+                                        status if status in ("ok", "error", "died") else "killed",
+                                        (self.message or stopped)[:4000]))
+        self.writer.close()
+
+
+#: Handles a registered rank's message: (its session, the message, now).
+_MessageHandler = Callable[[RankSession, Any, int], Awaitable[None]]
+
+
+class Processes(Protocol):
+    """The launcher's handle on the rank processes (``prism.shell.launcher.RankProcesses``)."""
+
+    def poll(self) -> list[int | None]:
+        """Exit code of every rank, None while it runs."""
+        ...
+
+    def kill_all(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> Any: ...
+
+    def close(self) -> None:
+        """Kill what still runs and reap."""
+        ...
+
+
+class Swapper(Protocol):
+    """Carries out the policy's swaps of a rank's process (``prism.shell.swap.SwapExecutor``).
+    Both block for up to seconds: the coordinator calls them in a worker thread."""
+
+    def swap_out(self, rank: int, pid: int, step: int) -> Any: ...
+
+    def swap_in(self, rank: int, pid: int, step: int) -> Any: ...
 
 
 class Progress:
@@ -115,10 +268,15 @@ class Progress:
 class Coordinator:
     """Serves one capture of ``world_size`` ranks into ``run_dir``.
 
-    ``processes`` (optional; may be set after ``run`` started) is the
-    launcher's handle on the rank processes (``poll() -> list`` of exit
-    codes, None while a rank runs; ``kill_all()``); without it (a standalone coordinator) a dead rank is
-    noticed by its silence: the deadlock watchdog names it.
+    ``launch(bound_endpoint)`` (optional) starts the rank processes; it is
+    called in a worker thread once the socket is bound and returns their
+    handle (``Processes``), which the coordinator watches, kills when the
+    capture fails and reaps at the end. Without it (a standalone coordinator;
+    ranks launched elsewhere) a dead rank is noticed by its silence: the
+    deadlock watchdog names it. ``on_listening(bound_endpoint)`` is called in
+    the loop once the socket is bound. ``policy`` decides GPU residency
+    (default ``NoSwap``); ``swapper`` carries out its ``SwapOut``/``SwapIn``
+    with the pid from each rank's Hello; None on CPU.
     """
 
     def __init__(
@@ -132,12 +290,12 @@ class Coordinator:
         grace_s: float = DEFAULT_GRACE_S,
         small_tensor_limit: int = T.DEFAULT_SMALL_TENSOR_LIMIT,
         run_id: str = "",
-        processes: Any = None,
+        launch: Callable[[str], Processes] | None = None,
+        on_listening: Callable[[str], None] | None = None,
         progress: Progress | None = None,
-        clock: Callable[[], int] = time.monotonic_ns,
         authenticated: bool = False,
         policy: S.SwapPolicy | None = None,
-        swapper: Any = None,
+        swapper: Swapper | None = None,
         register_stall_s: float | None = None,
     ) -> None:
         if world_size < 1:
@@ -155,52 +313,108 @@ class Coordinator:
         self.grace_s = grace_s
         self.small_tensor_limit = small_tensor_limit
         self.run_id = run_id or self.run_dir.name
-        self.processes = processes
+        self.launch = launch
+        self.on_listening = on_listening
         self.progress = progress
-        self.clock = clock
         self.authenticated = authenticated
         self.matcher = M.Matcher(world_size)
         self.scheduler = S.Scheduler(slots, range(world_size), policy)
-        #: Carries out SwapOut/SwapIn (``prism.shell.swap.SwapExecutor``); None on CPU.
+        self.policy: S.SwapPolicy = self.scheduler.policy
         self.swapper = swapper
         self._last_swap_ns = 0
-        #: Ranks restored by ``_rescue`` (each after a quiet spell).
+        #: Ranks restored by the policy's rescue (each after a quiet spell).
         self.rescues = 0
-        self.ranks: dict[int, _RankInfo] = {}
+        #: Every member of the world, by rank.
+        self.ranks: dict[int, Participant] = {}
+        #: The real ranks among them (processes behind the socket), by rank and by identity.
+        self.sessions: dict[int, RankSession] = {}
         self.by_identity: dict[bytes, int] = {}
         self.colls_done = 0
         self.bound_endpoint = ""
         self._sock: AsyncSocket | None = None
+        self._processes: Processes | None = None
         self._result: CaptureResult | None = None
         self._failed: dict[int, str] = {}
         #: Exits seen before the rank's Goodbye was handled: rank -> (code, when).
         self._exits: dict[int, tuple[int, int]] = {}
+        #: trio's clock and the ranks' clock at the same instant (set by ``run``).
+        self._anchor_s = 0.0
+        self._anchor_ns = 0
         self._t0 = 0
         #: When the last rank registered (registration stalls end the run).
         self._last_hello = 0
+        self._event_handlers: dict[type, Callable[[Any, int], Awaitable[None]]] = {
+            Received: self._on_received,
+            Malformed: self._on_malformed,
+            RankExited: self._on_exit,
+            Tick: self._on_tick,
+        }
+        #: Messages a registered rank may send (Hello is the one that comes before a session).
+        self._message_handlers: dict[type, _MessageHandler] = {
+            P.TraceRecords: self._on_trace,
+            P.CollectiveArrive: self._matched(self.matcher.arrive),
+            P.Send: self._matched(self.matcher.send),
+            P.RecvPost: self._matched(self.matcher.recv_post),
+            P.Wait: self._matched(self.matcher.wait),
+            P.GroupCreate: self._matched(self.matcher.group_create),
+            P.SlotRequest: self._on_slot_request,
+            P.SlotRelease: self._on_slot_release,
+            P.Taken: self._on_taken,
+            P.Heartbeat: self._on_heartbeat,
+            P.Goodbye: self._on_goodbye,
+        }
+
+    def _now(self) -> int:
+        """The coordinator's time in integer nanoseconds on the ranks' clock.
+        trio's clock is ``perf_counter`` plus a random offset (or virtual
+        under a ``MockClock``); the ranks stamp ``time.monotonic_ns()``. On
+        Linux both read CLOCK_MONOTONIC, so the anchor maps one onto the
+        other without drift and the trace's times stay the ranks'."""
+        return self._anchor_ns + round((trio.current_time() - self._anchor_s) * 1e9)
 
     # --- the event loop -----------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> CaptureResult:
+    async def run(self) -> CaptureResult:
         """Serve until every rank has ended or the capture failed; returns how
-        it ended. ``task_status.started`` gets the bound endpoint."""
-        self._t0 = self.clock()
+        it ended (and, after a capture that went well, once the launched
+        processes have exited)."""
+        self._anchor_s, self._anchor_ns = trio.current_time(), time.monotonic_ns()
+        self._t0 = self._now()
         self._last_hello = self._t0
         self.matcher.last_progress_ns = self._t0
         T.make_run_dir(self.run_dir)
         _raise_open_files_limit(self.world_size)
+        try:
+            await self._serve()
+            result = self._result or CaptureResult("ok", f"all {self.world_size} ranks finished", 0)
+            steps = min((r.step for r in self.ranks.values()), default=-1) + 1
+            result = CaptureResult(result.status, result.message, result.exit_code, dict(self._failed),
+                                   steps, (self._now() - self._t0) / 1e9)
+            if self._processes is not None and result.status == "ok":
+                # Every rank said goodbye; let them finish tearing down (ZeroMQ
+                # flushing, interpreter exit) rather than killing them mid-exit.
+                await trio.to_thread.run_sync(functools.partial(self._processes.wait, timeout=30))
+            return result
+        finally:
+            if self._processes is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self._processes.close)
+
+    async def _serve(self) -> None:
         sock = AsyncSocket.create(zmq.ROUTER)
         self._sock = sock
         try:
             sock.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self.bound_endpoint = sock.bind(self.endpoint, authenticated=self.authenticated)
-            send, recv = trio.open_memory_channel[tuple](math.inf)
+            send, recv = trio.open_memory_channel[Event](math.inf)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read_socket, sock, send.clone())
                 nursery.start_soon(self._tick, send.clone())
-                nursery.start_soon(self._watch_processes, send.clone())
+                if self.launch is not None:
+                    nursery.start_soon(self._launch_and_watch, self.launch, send.clone())
                 send.close()
-                task_status.started(self.bound_endpoint)
+                if self.on_listening is not None:
+                    self.on_listening(self.bound_endpoint)
                 async for event in recv:
                     await self._handle(event)
                     if self._finished() or self._result is not None:
@@ -209,161 +423,150 @@ class Coordinator:
                     await self._stop(recv)
                 nursery.cancel_scope.cancel()
         finally:
-            self._close_writers()
+            self._close_traces()
             sock.close()
             if self.progress is not None:
                 self.progress.close()
-        result = self._result or CaptureResult("ok", f"all {self.world_size} ranks finished", 0)
-        steps = min((r.step for r in self.ranks.values()), default=-1) + 1
-        return CaptureResult(result.status, result.message, result.exit_code, dict(self._failed),
-                             steps, (self.clock() - self._t0) / 1e9)
 
-    async def _read_socket(self, sock: AsyncSocket, out: trio.MemorySendChannel) -> None:
+    async def _read_socket(self, sock: AsyncSocket, out: trio.MemorySendChannel[Event]) -> None:
         async with out:
             while True:
                 try:
                     identity, msg = await sock.recv_message()
                 except P.ProtocolError as e:
-                    await out.send(("bad", getattr(e, "identity", None), e))
+                    await out.send(Malformed(getattr(e, "identity", None), e))
                     continue
-                await out.send(("msg", identity, msg))
+                await out.send(Received(identity, msg))
 
-    async def _tick(self, out: trio.MemorySendChannel) -> None:
+    async def _tick(self, out: trio.MemorySendChannel[Event]) -> None:
         async with out:
             while True:
                 await trio.sleep(0.5)
-                await out.send(("tick", None, None))
+                await out.send(Tick())
 
-    async def _watch_processes(self, out: trio.MemorySendChannel) -> None:
-        seen: set[int] = set()
+    async def _launch_and_watch(self, launch: Callable[[str], Processes],
+                                out: trio.MemorySendChannel[Event]) -> None:
         async with out:
+            # Starting a world of processes blocks for seconds: not in the loop.
+            self._processes = await trio.to_thread.run_sync(launch, self.bound_endpoint)
+            seen: set[int] = set()
             while True:
                 await trio.sleep(0.1)
-                if self.processes is None:
-                    continue
-                for rank, code in enumerate(self.processes.poll()):
+                for rank, code in enumerate(self._processes.poll()):
                     if code is not None and rank not in seen:
                         seen.add(rank)
-                        await out.send(("exit", rank, code))
+                        await out.send(RankExited(rank, code))
 
     def _finished(self) -> bool:
         return len(self.ranks) == self.world_size and all(r.done for r in self.ranks.values())
 
-    async def _handle(self, event: tuple) -> None:
-        kind, a, b = event
-        now = self.clock()
-        if kind == "msg":
-            await self._on_message(a, b, now)
-        elif kind == "bad":
-            await self._on_bad_message(a, b)
-        elif kind == "exit":
-            await self._on_exit(a, b, now)
-        elif kind == "tick":
-            self._on_tick(now)
-            await self._rescue(now)
-            await self._judge_exits(now)
+    async def _handle(self, event: Event) -> None:
+        await self._event_handlers[type(event)](event, self._now())
 
-    async def _send(self, rank_or_identity: int | bytes, msg: P.Message) -> None:
-        if isinstance(rank_or_identity, int):
-            info = self.ranks.get(rank_or_identity)
-            if info is None or info.done:
-                return
-            identity = info.identity
-        else:
-            identity = rank_or_identity
+    async def _send(self, rank: int, msg: P.Message) -> None:
+        """Deliver ``msg`` to participant ``rank`` unless it has ended."""
+        member = self.ranks.get(rank)
+        if member is not None and not member.done:
+            await member.deliver(msg)
+
+    async def _reply(self, identity: bytes, msg: P.Message) -> None:
+        """Answer a peer that has no session (yet): a refused Hello, a message before Hello."""
         try:
             await self._sock.send_message(msg, identity=identity)
         except zmq.ZMQError as e:
-            # EHOSTUNREACH: the peer disconnected; its exit is handled elsewhere.
             log.debug("could not send %s: %s", type(msg).__name__, e)
 
-    async def _on_bad_message(self, identity: bytes | None, err: Exception) -> None:
-        rank = self.by_identity.get(identity, -1) if identity else -1
+    # --- events -----------------------------------------------------------------
+
+    async def _on_malformed(self, ev: Malformed, now: int) -> None:
+        rank = self.by_identity.get(ev.identity, -1) if ev.identity else -1
         who = f"rank {rank}" if rank >= 0 else "an unregistered peer"
-        text = f"malformed message from {who}: {err}"
-        if identity is not None:
-            await self._send(identity, P.Error("bad_message", text, rank=rank))
+        text = f"malformed message from {who}: {ev.error}"
+        if ev.identity is not None:
+            await self._reply(ev.identity, P.Error("bad_message", text, rank=rank))
         if rank >= 0:
             self._fail("invalid", f"{text}\nThis is a Prism bug or a version mismatch; please report it.", 1)
 
-    async def _on_message(self, identity: bytes, msg: P.Message, now: int) -> None:
+    async def _on_received(self, ev: Received, now: int) -> None:
+        msg = ev.msg
         if isinstance(msg, P.Hello):
-            await self._on_hello(identity, msg, now)
+            await self._on_hello(ev.identity, msg, now)
             return
-        rank = self.by_identity.get(identity)
+        rank = self.by_identity.get(ev.identity)
         if rank is None:
-            await self._send(identity, P.Error("bad_message", f"{type(msg).__name__} before Hello: say Hello first"))
+            await self._reply(ev.identity, P.Error("bad_message",
+                                                   f"{type(msg).__name__} before Hello: say Hello first"))
             return
-        info = self.ranks[rank]
-        if isinstance(msg, P.TraceRecords):
-            for line in msg.payloads:
-                line = bytes(line)
-                if line.startswith(b'{"k":"rank_end"'):
-                    info.wrote_end = True
-                elif line.startswith(b'{"k":"iter"'):
-                    info.step = max(info.step, T.decode_event(line).step)
-                info.writer.write_line(line)
+        handler = self._message_handlers.get(type(msg))
+        if handler is None:
+            await self._reply(ev.identity, P.Error("bad_message", f"a rank may not send {type(msg).__name__}",
+                                                   rank=rank))
             return
-        if isinstance(msg, P.CollectiveArrive):
-            await self._outcomes(self.matcher.arrive(msg, now), now)
-        elif isinstance(msg, P.Send):
-            await self._outcomes(self.matcher.send(msg, now), now)
-        elif isinstance(msg, P.RecvPost):
-            await self._outcomes(self.matcher.recv_post(msg, now), now)
-        elif isinstance(msg, P.Wait):
-            await self._outcomes(self.matcher.wait(msg, now), now)
-        elif isinstance(msg, P.GroupCreate):
-            await self._outcomes(self.matcher.group_create(msg, now), now)
-        elif isinstance(msg, P.SlotRequest):
-            await self._actions(self.scheduler.request(rank))
-        elif isinstance(msg, P.SlotRelease):
-            returning = getattr(self.scheduler.policy, "returning", None)
-            if (returning is not None and self.scheduler.state(rank) == S.RankState.RUNNING
-                    and self.matcher.waiting_for(rank) is None):
-                # What it waits for completed while its Wait and release were
-                # on their way: it asks again once it has taken the data in,
-                # and must not be swapped out before (it could not ask).
-                returning(rank)
-            await self._actions(self.scheduler.release(rank))
-        elif isinstance(msg, P.Taken):
-            taken = getattr(self.scheduler.policy, "taken", None)
-            # Only a rank that still waits for something incomplete may go:
-            # if what it waits for has completed, it asks for a slot at once
-            # (a Taken for other data can cross that completion).
-            if taken is not None and self.matcher.waiting_for(rank) is not None:
-                await self._actions(taken(rank, self.scheduler))
-        elif isinstance(msg, P.Heartbeat):
-            info.step = max(info.step, msg.step)
-        elif isinstance(msg, P.Goodbye):
-            await self._on_goodbye(rank, msg, now)
-        else:
-            await self._send(identity, P.Error("bad_message", f"a rank may not send {type(msg).__name__}", rank=rank))
+        await handler(self.sessions[rank], msg, now)
 
     async def _on_hello(self, identity: bytes, hello: P.Hello, now: int) -> None:
         try:
             P.check_hello(hello, world_size=self.world_size)
             if hello.rank in self.ranks and not self.ranks[hello.rank].done:
                 raise P.ProtocolError(
-                    f"rank {hello.rank} registered twice (pids {self.ranks[hello.rank].hello.pid} and "
+                    f"rank {hello.rank} registered twice (pids {self.sessions[hello.rank].pid} and "
                     f"{hello.pid}): two launches are using the same coordinator")
         except P.ProtocolError as e:
             code = "version" if isinstance(e, P.VersionMismatch) else "bad_message"
-            await self._send(identity, P.Error(code, str(e), rank=hello.rank))
+            await self._reply(identity, P.Error(code, str(e), rank=hello.rank))
             return
         writer = T.TraceWriter(self.run_dir, hello.rank)
         # On one host (ipc or loopback) the monotonic clocks are the same one.
         local = self.bound_endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://[::1]"))
-        self.ranks[hello.rank] = _RankInfo(identity, hello, writer, clock_offset_ns=0 if local else now - hello.t_ns)
-        self._last_hello = now
+        session = RankSession(self._sock, identity, hello, writer, 0 if local else now - hello.t_ns)
+        self.sessions[hello.rank] = session
         self.by_identity[identity] = hello.rank
-        await self._send(identity, P.Welcome(P.PROTOCOL_VERSION, self.run_id, now, self.small_tensor_limit,
-                                                  swapping=self.swapper is not None))
+        self._admit(session, now)
+        await session.deliver(P.Welcome(P.PROTOCOL_VERSION, self.run_id, now, self.small_tensor_limit,
+                                        swapping=self.swapper is not None))
 
-    async def _on_goodbye(self, rank: int, msg: P.Goodbye, now: int) -> None:
-        info = self.ranks[rank]
-        info.status, info.message = msg.status, msg.message
-        info.done = True
-        info.writer.flush()
+    def _admit(self, member: Participant, now: int) -> None:
+        """``member`` joins the world: a rank session at its Hello (phase 2:
+        the virtual ranks too, when the hybrid engine starts)."""
+        self.ranks[member.rank] = member
+        self._last_hello = now
+
+    # --- messages of a registered rank ------------------------------------------
+
+    def _matched(self, event: Callable[[Any, int], list[M.Outcome]]) -> _MessageHandler:
+        """A handler that gives the message to the matcher and carries out its outcomes."""
+        async def handle(session: RankSession, msg: P.Message, now: int) -> None:
+            await self._outcomes(event(msg, now), now)
+        return handle
+
+    async def _on_trace(self, session: RankSession, msg: P.TraceRecords, now: int) -> None:
+        session.record(msg.payloads)
+
+    async def _on_heartbeat(self, session: RankSession, msg: P.Heartbeat, now: int) -> None:
+        session.step = max(session.step, msg.step)
+
+    async def _on_slot_request(self, session: RankSession, msg: P.SlotRequest, now: int) -> None:
+        await self._actions(self.scheduler.request(session.rank))
+
+    async def _on_slot_release(self, session: RankSession, msg: P.SlotRelease, now: int) -> None:
+        rank = session.rank
+        if self.scheduler.state(rank) == S.RankState.RUNNING and self.matcher.waiting_for(rank) is None:
+            # What it waits for completed while its Wait and release were
+            # on their way: it asks again once it has taken the data in,
+            # and must not be swapped out before (it could not ask).
+            self.policy.returning(rank)
+        await self._actions(self.scheduler.release(rank))
+
+    async def _on_taken(self, session: RankSession, msg: P.Taken, now: int) -> None:
+        # Only a rank that still waits for something incomplete may go:
+        # if what it waits for has completed, it asks for a slot at once
+        # (a Taken for other data can cross that completion).
+        if self.matcher.waiting_for(session.rank) is not None:
+            await self._actions(self.policy.taken(session.rank, self.scheduler))
+
+    async def _on_goodbye(self, session: RankSession, msg: P.Goodbye, now: int) -> None:
+        rank = session.rank
+        session.end(msg.status, msg.message)
         await self._actions(self.scheduler.finish(rank))
         if msg.status == "ok":
             await self._outcomes(self.matcher.rank_finished(rank, now), now)
@@ -373,42 +576,50 @@ class Coordinator:
             if self._result is None:
                 self._fail("rank_failed", f"rank {rank} failed:\n{msg.message.rstrip()}", 1)
 
-    async def _on_exit(self, rank: int, code: int, now: int) -> None:
-        info = self.ranks.get(rank)
-        if info is None or not info.done:
+    # --- process exits ------------------------------------------------------------
+
+    async def _on_exit(self, ev: RankExited, now: int) -> None:
+        session = self.sessions.get(ev.rank)
+        if session is None or not session.done:
             # Its last messages (Goodbye, a failure report) may still be on
             # the way: the process watcher and the sockets are separate
             # sources, and under load the exit can be seen first. Judge it
             # after a grace period.
-            self._exits[rank] = (code, now)
+            self._exits[ev.rank] = (ev.code, now)
             return
-        await self._judge_exit(rank, code, now)
+        await self._judge_exit(ev.rank, ev.code, now)
 
     async def _judge_exits(self, now: int) -> None:
         for rank, (code, seen) in list(self._exits.items()):
-            info = self.ranks.get(rank)
-            if (info is not None and info.done) or now - seen >= EXIT_GRACE_NS:
+            session = self.sessions.get(rank)
+            if (session is not None and session.done) or now - seen >= EXIT_GRACE_NS:
                 del self._exits[rank]
                 await self._judge_exit(rank, code, now)
 
     async def _judge_exit(self, rank: int, code: int, now: int) -> None:
-        info = self.ranks.get(rank)
-        if info is not None and info.done:
-            if code != 0 and info.status == "ok" and self._result is None:
+        session = self.sessions.get(rank)
+        if session is not None and session.done:
+            if code != 0 and session.status == "ok" and self._result is None:
                 self._failed[rank] = f"exited with status {code} after saying goodbye"
                 self._fail("rank_failed", f"rank {rank} exited with status {code} after its script ended", 1)
             return
         what = _describe_exit(code)
-        if info is not None:
-            info.done, info.status, info.message = True, "died", what
-            info.writer.flush()
+        if session is not None:
+            session.end("died", what)
         self._failed[rank] = what
         await self._actions(self.scheduler.finish(rank))
         await self._outcomes(self.matcher.rank_failed(rank, what, now), now)
         if self._result is None:
             self._fail("rank_failed", f"rank {rank} {what} (see {T.log_path(self.run_dir, rank)})", 1)
 
-    def _on_tick(self, now: int) -> None:
+    # --- the watchdog -------------------------------------------------------------
+
+    async def _on_tick(self, ev: Tick, now: int) -> None:
+        self._watchdog(now)
+        await self._rescue(now)
+        await self._judge_exits(now)
+
+    def _watchdog(self, now: int) -> None:
         if self.progress is not None:
             steps = [r.step for r in self.ranks.values()] or [-1]
             self.progress.update(now, len(self.ranks), min(steps), max(steps), self.colls_done)
@@ -421,10 +632,27 @@ class Coordinator:
                            f"last {(now - self._last_hello) / 1e9:.0f} s; missing: {_ranks_text(missing)}. Are they "
                            f"launched against {self.bound_endpoint}?", 1)
             return
-        live = [r for r, info in self.ranks.items() if not info.done]
+        live = [r for r, member in self.ranks.items() if not member.done]
         report = self.matcher.deadlock_report(live, now)
         if report is not None:
             self._fail("deadlock", report.text, 1)
+
+    async def _rescue(self, now: int) -> None:
+        """Carry out the policy's rescue of ranks after a quiet spell
+        (``SwapPolicy.rescue``; a swap counts as progress)."""
+        if self._result is not None:
+            return
+        last = max(self.matcher.last_progress_ns, self._last_swap_ns)
+        for step in self.policy.rescue(now, last, self.matcher.waiting_for, self.scheduler):
+            self.rescues += 1
+            if step.rank is None:
+                log.warning("rescue: granting after %.1f s without progress, pins of blocked ranks dropped",
+                            step.quiet_ns / 1e9)
+            else:
+                log.info("rescue: restoring rank %d after %.1f s without progress", step.rank, step.quiet_ns / 1e9)
+            await self._actions(step.actions)
+
+    # --- carrying out what the core decided -------------------------------------
 
     async def _outcomes(self, outcomes: list[M.Outcome], now: int) -> None:
         for out in outcomes:
@@ -443,7 +671,7 @@ class Coordinator:
                     status = {"mismatch": "mismatch", "deadlock": "deadlock", "peer_failed": "rank_failed"}.get(out.code, "invalid")
                     self._fail(status, out.message, 1)
 
-    async def _actions(self, actions: list[S.Action]) -> None:
+    async def _actions(self, actions: Sequence[S.Action]) -> None:
         for act in actions:
             if isinstance(act, S.Grant):
                 await self._send(act.rank, P.SlotGrant(act.rank))
@@ -452,8 +680,7 @@ class Coordinator:
                 raise S.SchedulerError(f"{act!r}: no swap executor is configured; please report this")
             elif not await self._swap(act):
                 return
-        retry = getattr(self.scheduler.policy, "retry", None)
-        if retry is not None and self._result is None and (more := retry(self.scheduler)):
+        if self._result is None and (more := self.policy.retry(self.scheduler)):
             await self._actions(more)
 
     async def _swap(self, act: S.SwapOut | S.SwapIn) -> bool:
@@ -462,86 +689,49 @@ class Coordinator:
         step = min((r.step for r in self.ranks.values()), default=-1)
         fn = self.swapper.swap_out if isinstance(act, S.SwapOut) else self.swapper.swap_in
         try:
-            await trio.to_thread.run_sync(fn, act.rank, step)
+            await trio.to_thread.run_sync(fn, act.rank, self.sessions[act.rank].pid, step)
         except Exception as e:  # SwapError, or the driver vanished
             self._fail("swap_failed", str(e), 1)
             return False
         finally:
-            self._last_swap_ns = self.clock()
+            self._last_swap_ns = self._now()
         return True
 
-    async def _wake(self, ranks: Any) -> None:
+    async def _wake(self, ranks: Iterable[int]) -> None:
         """Data went to ``ranks``: a checkpointed one must come back to copy
-        it onto its GPU (see ``prism.core.residency``)."""
-        wake = getattr(self.scheduler.policy, "wake", None)
-        if wake is None or self._result is not None:
+        it onto its GPU (``SwapPolicy.wake``)."""
+        if self._result is not None:
             return
         for rank in ranks:
-            if (actions := wake(rank, self.scheduler)):
+            if (actions := self.policy.wake(rank, self.scheduler)):
                 await self._actions(actions)
 
-    async def _rescue(self, now: int) -> None:
-        """Nothing progressed for ``RESCUE_QUIET_NS`` although ranks are
-        checkpointed: bring them back as if data had reached them. A rank can
-        be released without being blocked in communication (the stall monitor
-        judges by CPU use; a GPU wait looks the same), and a checkpointed rank
-        that still had work to do would otherwise hang the capture. First,
-        pins of blocked ranks are dropped if ranks wait for a slot (a grant
-        held back for a pinned rank that never asked again)."""
-        wake = getattr(self.scheduler.policy, "wake", None)
-        quiet = now - max(self.matcher.last_progress_ns, self._last_swap_ns)
-        if wake is None or self._result is not None or quiet < RESCUE_QUIET_NS:
-            return
-        self._last_swap_ns = now
-        unpin = getattr(self.scheduler.policy, "unpin_blocked", None)
-        if unpin is not None and self.scheduler.waiting and (actions := unpin(self.scheduler)):
-            # A grant was held back for a pinned rank that never asked again.
-            self.rescues += 1
-            log.warning("rescue: granting after %.1f s without progress, pins of blocked ranks dropped",
-                        quiet / 1e9)
-            await self._actions(actions)
-        is_resident = getattr(self.scheduler.policy, "is_resident", lambda rank: True)
-        for rank in range(self.world_size):
-            # Only checkpointed ranks that wait for no known operation (those
-            # come back when their data arrives). A rescued rank is not pinned:
-            # if it has nothing to do after all, it may go out again.
-            if is_resident(rank) or self.matcher.waiting_for(rank) is not None:
-                continue
-            if (actions := wake(rank, self.scheduler, pin=False)):
-                self.rescues += 1
-                log.info("rescue: restoring rank %d after %.1f s without progress", rank, quiet / 1e9)
-                await self._actions(actions)
+    # --- stopping -------------------------------------------------------------------
 
     def _fail(self, status: str, message: str, code: int) -> None:
         if self._result is None:
             self._result = CaptureResult(status, message, code)
 
-    async def _stop(self, events: trio.MemoryReceiveChannel) -> None:
+    async def _stop(self, events: trio.MemoryReceiveChannel[Event]) -> None:
         """Tell every live rank why the capture stops, keep recording what they
         flush for ``grace_s``, then kill what is left."""
         reason = self._result.message.splitlines()[0] if self._result else "stopped"
-        for rank, info in self.ranks.items():
-            if not info.done:
+        for rank, member in self.ranks.items():
+            if not member.done:
                 await self._send(rank, P.Shutdown(f"capture stopped: {reason}"))
         with trio.move_on_after(self.grace_s):
             async for event in events:
                 await self._handle(event)
-                if all(i.done for i in self.ranks.values()):
+                if all(m.done for m in self.ranks.values()):
                     break
-        if self.processes is not None:
-            await trio.to_thread.run_sync(self.processes.kill_all)
+        if self._processes is not None:
+            await trio.to_thread.run_sync(self._processes.kill_all)
 
-    def _close_writers(self) -> None:
-        now = self.clock()
-        for rank, info in self.ranks.items():
-            if not info.wrote_end:
-                status = info.status or "killed"
-                message = info.message or ("stopped by Prism: " + self._result.message.splitlines()[0]
-                                           if self._result else "")
-                info.writer.write(T.RankEnd(now - info.clock_offset_ns,
-                                            status if status in ("ok", "error", "died") else "killed",
-                                            message[:4000]))
-            info.writer.close()
+    def _close_traces(self) -> None:
+        now = self._now()
+        stopped = "stopped by Prism: " + self._result.message.splitlines()[0] if self._result else ""
+        for member in self.ranks.values():
+            member.close(now, stopped)
 
 
 def _raise_open_files_limit(world_size: int) -> None:
@@ -558,10 +748,6 @@ def _raise_open_files_limit(world_size: int) -> None:
 
 def _ranks_text(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:20])) + (f" and {len(ranks) - 20} more" if len(ranks) > 20 else "")
-
-
-#: How long a rank's exit waits for its Goodbye before it counts as a crash.
-EXIT_GRACE_NS = 3_000_000_000
 
 
 def _describe_exit(code: int) -> str:

@@ -3,23 +3,24 @@ which ranks form gangs, and the objects that carry it out.
 
 ``plan_gpus`` turns the capture options (``--gpus``, ``--resident``,
 ``--gang``, ``--rank-memory``) and the script's layout flags into a
-``GpuPlan``; ``GpuPlan.setup(coordinator)`` makes the swap policy
+``GpuPlan``; ``GpuPlan.setup(run_dir)`` makes the swap policy
 (``prism.core.residency.GangResidency``) and executor (``prism.shell.swap``) when
-not every rank fits. The ranks learn their GPU from ``PRISM_GPUS``
+not every rank fits, for the coordinator to take at construction. The ranks learn their GPU from ``PRISM_GPUS``
 (``prism.rank.devices``). Used by ``prism capture``; returns None when the
 capture does not use GPUs (the CPU path is untouched).
 
 Defaults: the GPUs are every GPU NVML sees; one rank computes per GPU at a
-time (``--slots`` = GPUs) as DESIGN.md asks for cleaner durations; all ranks
+time (``--slots`` = GPUs) as docs/DESIGN.md asks for cleaner durations; all ranks
 stay resident when ``ranks per GPU x --rank-memory`` fits in the GPU's free
 memory, else as many as fit (at least one gang). ``--rank-memory`` is an
 estimate the user gives (default 2 GiB: a CUDA context with torch's kernels
-takes about 0.6 GiB on an H200, DESIGN.md), not a measurement.
+takes about 0.6 GiB on an H200, docs/DESIGN.md), not a measurement.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ class GpuPlan:
     gang_of: dict[int, int]
     slots: int
     why: str
+    #: Made by ``setup`` when swapping (else None): ``prism.shell.swap.SwapExecutor``
+    #: and ``prism.core.residency.GangResidency``.
     executor: Any = None
     policy: Any = None
     #: The checkpoint driver (default ``prism.shell.swap.CheckpointDriver()``; tests plug in a fake).
@@ -64,19 +67,18 @@ class GpuPlan:
     def gpu_of(self) -> dict[int, int]:
         return {r: D.choose_gpu(r, self.world_size, self.gpus) for r in range(self.world_size)}
 
-    def setup(self, coordinator: Any) -> None:
-        """Give ``coordinator`` the swap policy and executor (when swapping)."""
+    def setup(self, run_dir: str | os.PathLike[str]) -> None:
+        """Make the swap policy and executor (when swapping) of a capture into
+        ``run_dir``: ``policy`` and ``executor``, for the coordinator. Raises
+        ``prism.shell.swap.SwapError`` when the checkpoint driver cannot load."""
         if not self.swapping:
             return
         from prism.shell import swap, telemetry
 
         self.policy = GangResidency(self.resident, self.gang_of, self.gpu_of())
         self.executor = swap.SwapExecutor(self.driver or swap.CheckpointDriver(),
-                                          pid_of=lambda rank: coordinator.ranks[rank].hello.pid,
                                           memory_of=telemetry.process_memory,
-                                          log=Path(coordinator.run_dir) / "telemetry" / "swaps.jsonl")
-        coordinator.scheduler.policy = self.policy
-        coordinator.swapper = self.executor
+                                          log=Path(run_dir) / "telemetry" / "swaps.jsonl")
 
 
 def free_memory(gpus: Sequence[int]) -> dict[int, int] | None:

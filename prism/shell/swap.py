@@ -21,8 +21,8 @@ recorded as ``skipped``.
 
 Public API: ``CheckpointDriver`` (ctypes binding; ``available()``),
 ``SimulatedDriver`` (SIGSTOP/SIGCONT, for ``--simulate-swaps`` on CPU),
-``SwapExecutor(driver, pid_of, memory_of=None)`` with ``swap_out(rank,
-step)``/``swap_in(rank, step)`` and ``records``; ``SwapRecord``;
+``SwapExecutor(driver, memory_of=None)`` with ``swap_out(rank, pid,
+step)``/``swap_in(rank, pid, step)`` and ``records``; ``SwapRecord``;
 ``SwapError``; ``summarize(records, steps)`` and ``write_report(run_dir,
 records, steps)`` (``RUN/telemetry/swaps.json``).
 """
@@ -165,14 +165,15 @@ class SwapRecord:
 
 
 class SwapExecutor:
-    """Carries out swaps by rank. ``pid_of(rank)`` gives the rank's pid;
-    ``memory_of(pid)`` its GPU memory in bytes (for the GB/s figures)."""
+    """Carries out swaps of a rank's process, by the pid the coordinator
+    gives with each call (it learns them as ranks say Hello, after the
+    executor exists); ``memory_of(pid)`` is the process's GPU memory in bytes
+    (for the GB/s figures)."""
 
-    def __init__(self, driver: CheckpointDriver, pid_of: Callable[[int], int],
-                 memory_of: Callable[[int], int] | None = None, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, driver: CheckpointDriver, memory_of: Callable[[int], int] | None = None,
+                 clock: Callable[[], float] = time.perf_counter,
                  log: str | os.PathLike[str] | None = None) -> None:
         self.driver = driver
-        self.pid_of = pid_of
         self.memory_of = memory_of or (lambda pid: 0)
         self.clock = clock
         self.records: list[SwapRecord] = []
@@ -190,9 +191,8 @@ class SwapExecutor:
                          "stops: a rank whose GPU state could not be saved or restored cannot go on. If this "
                          "repeats, capture with more resident ranks (--resident) or on CPU.")
 
-    def swap_out(self, rank: int, step: int = -1) -> SwapRecord:
-        """Lock and checkpoint ``rank``'s process (its GPU memory moves to host)."""
-        pid = self.pid_of(rank)
+    def swap_out(self, rank: int, pid: int, step: int = -1) -> SwapRecord:
+        """Lock and checkpoint ``rank``'s process ``pid`` (its GPU memory moves to host)."""
         t0 = self.clock()
         try:
             if self.driver.state(pid) is None:
@@ -205,9 +205,8 @@ class SwapExecutor:
         self._out_bytes[rank] = size
         return self._record(SwapRecord(rank, pid, "out", "ok", t0, self.clock() - t0, size, step))
 
-    def swap_in(self, rank: int, step: int = -1) -> SwapRecord:
-        """Restore and unlock ``rank``'s process (same addresses as before)."""
-        pid = self.pid_of(rank)
+    def swap_in(self, rank: int, pid: int, step: int = -1) -> SwapRecord:
+        """Restore and unlock ``rank``'s process ``pid`` (same addresses as before)."""
         t0 = self.clock()
         try:
             if self.driver.state(pid) != "checkpointed":
@@ -258,7 +257,7 @@ def write_report(run_dir: str | os.PathLike[str], records: Sequence[SwapRecord],
                  settings: dict | None = None, rescues: int = 0) -> dict:
     """Write ``RUN/telemetry/swaps.json`` (summary, settings and every swap);
     returns the summary. ``rescues``: ranks the coordinator restored after a
-    quiet spell (each such spell cost ``RESCUE_QUIET_NS``)."""
+    quiet spell (each such spell cost ``prism.core.residency.RESCUE_QUIET_NS``)."""
     summary = summarize(records, steps)
     summary["rescues"] = rescues
     path = Path(run_dir) / "telemetry"

@@ -65,7 +65,7 @@ class CheckingDriver(FakeDriver):
         self.granted_while_out: list[int] = []
 
     def _rank(self, pid):
-        return next(r for r, info in self.coord.ranks.items() if info.hello.pid == pid)
+        return next(r for r, session in self.coord.sessions.items() if session.pid == pid)
 
     def lock(self, pid):
         from prism.core.scheduler import RankState
@@ -82,7 +82,7 @@ class CheckingDriver(FakeDriver):
         async def checked_send(rank, msg):
             from prism.core import protocol as P
 
-            if isinstance(msg, P.SlotGrant) and self.state(coord.ranks[rank].hello.pid) != "running":
+            if isinstance(msg, P.SlotGrant) and self.state(coord.sessions[rank].pid) != "running":
                 self.violations.append(f"rank {rank} granted while checkpointed")
             return await send(rank, msg)
 
@@ -92,14 +92,14 @@ class CheckingDriver(FakeDriver):
 def test_executor_runs_the_driver_calls_in_order_and_summarizes():
     drv = FakeDriver()
     clock = iter(range(100)).__next__
-    ex = swap.SwapExecutor(drv, pid_of=lambda r: 1000 + r, memory_of=lambda pid: 2 * 10**9, clock=clock)
-    out = ex.swap_out(3, step=0)
-    back = ex.swap_in(3, step=1)
+    ex = swap.SwapExecutor(drv, memory_of=lambda pid: 2 * 10**9, clock=clock)
+    out = ex.swap_out(3, 1003, step=0)
+    back = ex.swap_in(3, 1003, step=1)
     assert drv.calls == [("lock", 1003), ("checkpoint", 1003), ("restore", 1003), ("unlock", 1003)]
     assert (out.direction, out.status, out.bytes, out.seconds) == ("out", "ok", 2 * 10**9, 1)
     assert (back.direction, back.status, back.bytes) == ("in", "ok", 2 * 10**9)
     # A process without CUDA state (never checkpointed) is skipped.
-    assert ex.swap_in(4).status == "skipped"
+    assert ex.swap_in(4, 1004).status == "skipped"
     s = swap.summarize(ex.records, steps=2)
     assert (s["swaps"], s["skipped"], s["swaps_out"], s["swaps_in"]) == (2, 1, 1, 1)
     assert s["gb_per_s_out"] == 2.0 and s["swaps_per_step"] == {"1": 1, "2": 1}
@@ -107,9 +107,9 @@ def test_executor_runs_the_driver_calls_in_order_and_summarizes():
 
 
 def test_executor_failure_names_rank_pid_and_driver_error():
-    ex = swap.SwapExecutor(FakeDriver(fail_on="checkpoint"), pid_of=lambda r: 4242)
+    ex = swap.SwapExecutor(FakeDriver(fail_on="checkpoint"))
     with pytest.raises(swap.SwapError, match=r"swapping rank 5 \(pid 4242\) out at step 2 failed: .*ILLEGAL_STATE"):
-        ex.swap_out(5, step=2)
+        ex.swap_out(5, 4242, step=2)
 
 
 def test_driver_absent_says_what_is_needed():
@@ -127,15 +127,19 @@ GPT = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--steps", "2", "-
 def _plan(driver, gang="tp"):
     plan = plan_gpus(4, {"tp": 2, "pp": 2}, uses_cuda=False, gpus="0", resident=2, gang=gang, slots=1)
     plan.driver = driver
-    if isinstance(driver, CheckingDriver):
-        setup = plan.setup
-
-        def attach_then_setup(coord):
-            driver.attach(coord)
-            setup(coord)
-
-        plan.setup = attach_then_setup
     return plan
+
+
+def _checked_by(driver, monkeypatch):
+    """Let ``driver`` watch the coordinator that ``capture_run`` builds."""
+    from prism.shell import coordinator
+
+    class Watched(coordinator.Coordinator):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            driver.attach(self)
+
+    monkeypatch.setattr(coordinator, "Coordinator", Watched)
 
 
 @pytest.mark.slow
@@ -143,6 +147,7 @@ def _plan(driver, gang="tp"):
 def test_capture_with_swaps_keeps_every_rank_data(tmp_path, monkeypatch, launched, gang):
     monkeypatch.chdir(ROOT)
     drv = CheckingDriver()
+    _checked_by(drv, monkeypatch)
     code = capture_run(tmp_path / "run", 4, GPT, slots=1, progress="off", show_ranks=(), quiet_s=15,
                        gpu=_plan(drv, gang)).exit_code
     assert code == 0
@@ -224,10 +229,10 @@ def test_checkpoint_driver_round_trip_keeps_data():
     try:
         assert holder.stdout.readline().startswith("ready")
         drv = swap.CheckpointDriver()
-        ex = swap.SwapExecutor(drv, pid_of=lambda r: holder.pid)
-        assert ex.swap_out(0).status == "ok"
+        ex = swap.SwapExecutor(drv)
+        assert ex.swap_out(0, holder.pid).status == "ok"
         assert drv.state(holder.pid) == "checkpointed"
-        assert ex.swap_in(0).status == "ok"
+        assert ex.swap_in(0, holder.pid).status == "ok"
         assert drv.state(holder.pid) == "running"
         holder.stdin.write("check\n")
         holder.stdin.flush()

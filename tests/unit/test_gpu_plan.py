@@ -26,6 +26,22 @@ def test_explicit_plan_places_ranks_in_blocks_and_swaps_when_not_all_fit():
     assert not all_fit.swapping
 
 
+def test_setup_builds_policy_and_executor_before_any_coordinator(tmp_path):
+    from prism.core.residency import GangResidency
+    from prism.shell.swap import SimulatedDriver
+
+    plan = plan_gpus(8, {"tp": 2}, uses_cuda=True, gpus="0,1", resident=2, gang=None, slots=None)
+    plan.driver = SimulatedDriver()
+    plan.setup(tmp_path / "run")
+    assert isinstance(plan.policy, GangResidency) and plan.policy.gpu_of == plan.gpu_of()
+    assert plan.executor.driver is plan.driver
+    plan.executor.close()
+    assert (tmp_path / "run" / "telemetry" / "swaps.jsonl").exists()
+    all_fit = plan_gpus(8, {}, uses_cuda=True, gpus="0", resident=8, gang="1", slots=None)
+    all_fit.setup(tmp_path / "other")
+    assert all_fit.policy is None and all_fit.executor is None
+
+
 def test_tpxpp_with_expert_parallelism_gets_a_note():
     # Dense: one DP all-reduce per step crosses pipelines, tpxpp swapped least
     # on the H200 (19 swaps per iteration vs 32 with TP gangs): no note.

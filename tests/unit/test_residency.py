@@ -1,9 +1,11 @@
-"""Gang-aware residency (prism/core/residency.py) through the scheduler."""
+"""Gang-aware residency (prism/core/residency.py) through the scheduler,
+and its rescue rule (sans-IO: time and the matcher's view are arguments)."""
 
 import pytest
 
-from prism.core.residency import GangResidency, megatron_gangs
-from prism.core.scheduler import Grant, RankState, Scheduler, SchedulerError, SwapIn, SwapOut
+from prism.core.residency import RESCUE_QUIET_NS, GangResidency, megatron_gangs
+from prism.core.scheduler import (Grant, NoSwap, RankState, Rescue, ResidentLimit, Scheduler, SchedulerError,
+                                  SwapIn, SwapOut, SwapPolicy)
 
 
 def test_megatron_gangs_from_the_layout():
@@ -180,3 +182,62 @@ def test_stale_pins_are_dropped_as_a_last_resort():
     # 0 never asks nor says Taken: the coordinator's rescue drops the pin.
     assert p.unpin_blocked(s) == [SwapOut(0), SwapIn(1), Grant(1)]
     assert p.pinned == set() and p.unpin_blocked(s) == []
+
+
+def test_rescue_restores_checkpointed_ranks_that_wait_for_nothing_known():
+    s, p = _sched(3, 1)
+    s.request(0), s.request(1), s.request(2)
+    s.release(0)  # 0 out, grant 1
+    s.release(1)  # 1 out, grant 2
+    s.release(2)
+    # 0 and 1 are checkpointed. 1 waits for a receive (its data will wake
+    # it); 0 waits for nothing the matcher knows (released by the stall
+    # monitor with work left): only 0 is rescued, and not pinned.
+    waits = {1: "p2p:0:1:7:0", 2: "world:0"}.get
+    last = 1_000
+    assert list(p.rescue(last + RESCUE_QUIET_NS - 1, last, waits, s)) == []
+    now = last + RESCUE_QUIET_NS
+    assert list(p.rescue(now, last, waits, s)) == [Rescue(0, RESCUE_QUIET_NS, (SwapOut(2), SwapIn(0)))]
+    assert p.pinned == set() and p.resident() == [0]
+    # A rescue counts as progress: the next one comes a quiet period later.
+    assert list(p.rescue(now + RESCUE_QUIET_NS - 1, last, lambda r: None, s)) == []
+    assert next(p.rescue(now + RESCUE_QUIET_NS, last, lambda r: None, s)) == Rescue(
+        1, RESCUE_QUIET_NS, (SwapOut(0), SwapIn(1)))
+
+
+def test_rescue_first_drops_pins_that_hold_a_grant_back():
+    s, p = _sched(2, 1)
+    s.request(0), s.request(1)
+    s.release(0), s.release(1)
+    assert p.wake(0, s) == [SwapOut(1), SwapIn(0)]
+    assert s.request(1) == []  # held back for the pinned 0, which never asks
+    steps = list(p.rescue(2 * RESCUE_QUIET_NS, 0, {0: "world:3"}.get, s))
+    assert steps == [Rescue(None, 2 * RESCUE_QUIET_NS, (SwapOut(0), SwapIn(1), Grant(1)))]
+    assert p.pinned == set()
+
+
+def test_rescue_leaves_pins_alone_when_no_rank_waits_for_a_slot():
+    s, p = _sched(2, 1)
+    s.request(0), s.request(1)
+    s.release(0), s.release(1)
+    p.wake(0, s)
+    assert list(p.rescue(RESCUE_QUIET_NS, 0, {1: "world:3"}.get, s)) == []
+    assert p.pinned == {0}
+
+
+def test_policies_without_wakes_never_rescue():
+    for policy in (NoSwap(), ResidentLimit(1)):
+        s = Scheduler(1, range(2), policy)
+        s.request(0), s.request(1)
+        s.release(0)
+        assert list(policy.rescue(10 * RESCUE_QUIET_NS, 0, lambda r: None, s)) == []
+        assert policy.wake(0, s) == [] and policy.taken(0, s) == [] and policy.retry(s) == []
+        assert policy.unpin_blocked(s) == []
+
+
+def test_every_policy_answers_every_call_of_the_protocol():
+    calls = {name for name in vars(SwapPolicy) if not name.startswith("_")}
+    assert {"pick", "before_grant", "on_release", "on_finish", "returning", "wake", "taken",
+            "unpin_blocked", "retry", "is_resident", "rescue"} <= calls
+    for policy in (NoSwap(), ResidentLimit(2), GangResidency(2)):
+        assert [c for c in sorted(calls) if not callable(getattr(policy, c, None))] == [], type(policy).__name__
