@@ -27,6 +27,13 @@ from prism import __version__
 from prism.app.errors import UsageError
 from prism.core import trace as T
 
+#: What a rank's GPU holds outside torch's allocator: a CUDA context with
+#: torch's kernels takes about 0.6 GiB on an H200 (docs/DESIGN.md, pitfalls).
+#: NCCL's own buffers (0.8-1.5 GiB per rank, measured on H200s:
+#: bench/results/nccl_accuracy-2026-11-30.md) are not in the default: add them
+#: with ``memory_overhead_gib`` for a job that uses NCCL.
+DEFAULT_MEMORY_OVERHEAD_GIB = 0.6
+
 __all__ = ["CaptureConfig", "CapturePlan", "CaptureOutcome", "capture", "plan_capture", "capture_run",
            "serve_coordinator", "default_out", "layout_of", "device_kind_of", "manifest_for"]
 
@@ -55,6 +62,11 @@ class CaptureConfig:
     rank_memory_gib: float = 2.0
     #: CPU dry run of the GPU swap policy; seconds per swap (None: off).
     simulate_swaps: float | None = None
+    #: Emulate a GPU of this many GiB for every rank (None: the real device's memory).
+    memory_limit_gib: float | None = None
+    #: Of ``memory_limit_gib``, what the real job holds outside torch's allocator
+    #: that Prism's ranks do not (the CUDA context; NCCL's buffers).
+    memory_overhead_gib: float = DEFAULT_MEMORY_OVERHEAD_GIB
 
 
 @dataclass
@@ -151,13 +163,14 @@ def _torch_version() -> str:
         return "not installed"
 
 
-def manifest_for(run_dir: Path, world_size: int, cmd: Sequence[str], slots: int, device_kind: str) -> T.Manifest:
+def manifest_for(run_dir: Path, world_size: int, cmd: Sequence[str], slots: int, device_kind: str,
+                 notes: Sequence[tuple[str, str]] = ()) -> T.Manifest:
     """The manifest a capture of ``cmd`` into ``run_dir`` writes."""
     return T.Manifest(
         version=T.TRACE_VERSION, run_id=run_dir.name, world_size=world_size,
         created_unix_ns=time.time_ns(), command=tuple(cmd), device_kind=device_kind,
         prism_version=__version__, torch_version=_torch_version(), hostname=socket.gethostname(),
-        layout=layout_of(cmd), notes=(("slots", str(slots)),),
+        layout=layout_of(cmd), notes=(("slots", str(slots)), *notes),
     )
 
 
@@ -193,6 +206,21 @@ def plan_capture(config: CaptureConfig) -> CapturePlan:
         gpu.simulated = True
         gpu.settings["simulated"] = {"driver": "SIGSTOP/SIGCONT", "seconds_per_swap": simulate}
     notes = list(gpu.notes) if gpu is not None else []
+    if config.memory_limit_gib is not None:
+        if gpu is None or gpu.simulated:
+            raise UsageError("--memory-limit emulates a smaller GPU for ranks that use one: give the script a cuda "
+                             "device (or --gpus)")
+        budget = config.memory_limit_gib - config.memory_overhead_gib
+        if budget <= 0:
+            raise UsageError(f"--memory-limit {config.memory_limit_gib} GiB leaves nothing for torch's allocator "
+                             f"after --memory-overhead {config.memory_overhead_gib} GiB")
+        gpu.memory_limit_bytes = int(budget * 2**30)
+        notes.append(f"--memory-limit {config.memory_limit_gib:g} GiB: torch's allocator may hold {budget:.2f} GiB "
+                     f"per rank, the limit less {config.memory_overhead_gib:g} GiB (--memory-overhead) for what a "
+                     "rank's GPU holds outside the allocator and Prism cannot see: the CUDA context (about 0.6 GiB "
+                     "on an H200) and, in the real job, NCCL's buffers (0.8-1.5 GiB per rank measured on H200s; "
+                     "add them to --memory-overhead for a job that uses NCCL); a request past the budget raises "
+                     "torch.OutOfMemoryError in the rank")
     if gpu is None and simulate is None and not any(w == "cpu" or w.startswith("cpu:") for w in cmd):
         seen = visible_gpus()
         if seen:
@@ -233,7 +261,9 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
     # A GPU plan means the ranks drive GPUs, whether or not the command says
     # so (scripts that take CUDA when it is there); simulated swaps run on CPU.
     kind = "cuda" if gpu is not None and not getattr(gpu, "simulated", False) else device_kind_of(cmd)
-    T.write_manifest(run_dir, manifest_for(run_dir, world_size, cmd, slots, kind))
+    limit = getattr(gpu, "memory_limit_bytes", None)
+    T.write_manifest(run_dir, manifest_for(run_dir, world_size, cmd, slots, kind,
+                                           (("allocator_limit_bytes", str(limit)),) if limit else ()))
 
     env = gpu.env() if gpu is not None else {}
     if coordinator is not None:

@@ -129,7 +129,8 @@ def _complete_steps(run, ranks: dict[int, list[Event]]) -> tuple[dict[int, list[
     """``ranks`` cut to the steps every rank completed, and what is missing;
     a complete run comes back as it is."""
     done = completeness(ranks)
-    if not (done.failed or done.uneven):
+    if not done.failed:
+        # A run that ended well and still lacks marks is inconsistent: the graph says how.
         return ranks, ()
     if not done.common:
         raise InconsistentTraceError(f"nothing to predict in {run}: no step was completed by every rank ("

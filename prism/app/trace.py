@@ -118,6 +118,12 @@ def summary_text(run: T.Run) -> str:
         )
     out += _table(gheader, grows, left=frozenset({0, 3, 5}))
     out += _gpu_timing(run)
+    ooms = [(rank, ev.message.split("\n\n", 1)[0]) for rank, events in run.ranks.items() for ev in events
+            if type(ev) is T.RankEnd and ev.status == "oom"]
+    if ooms:
+        out.append("")
+        out.append("out of GPU memory:")
+        out += [f"  {text}" for _, text in ooms]
     if run.warnings:
         out.append("")
         out.append(f"{len(run.warnings)} warning(s):")

@@ -3,7 +3,7 @@ printing over ``prism.app.capture``.
 
 ``capture`` exits with the capture's status: 0 when every rank finished, 1
 on a mismatch, a deadlock or a failed rank (the trace so far is kept and
-valid), 2 on bad arguments.
+valid), 2 on bad arguments, 3 when a rank ran out of GPU memory.
 """
 
 from __future__ import annotations
@@ -75,6 +75,13 @@ def add_capture_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU dry run of --resident/--gang: ranks run on CPU as if they shared GPU 0 (or --gpus); "
                         "a swapped-out rank is stopped (SIGSTOP) until swapped in, optionally SECONDS per swap; "
                         "reports the swaps per iteration the GPU capture would make")
+    g.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
+                   help="emulate a GPU of GIB GiB for every rank (e.g. 80 on a 141 GB H200): torch's allocator gets "
+                        "GIB less --memory-overhead, and a request past it raises OutOfMemoryError in the rank")
+    g.add_argument("--memory-overhead", type=float, default=app_capture.DEFAULT_MEMORY_OVERHEAD_GIB, metavar="GIB",
+                   help="of --memory-limit, what the real job's GPU holds outside torch's allocator and Prism's "
+                        "ranks do not: the CUDA context, NCCL's buffers (default "
+                        f"{app_capture.DEFAULT_MEMORY_OVERHEAD_GIB}: the context; add ~0.8-1.5 for NCCL)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- SCRIPT ARGS, or -- -m MODULE ARGS")
     p.set_defaults(func=run_capture)
@@ -103,7 +110,8 @@ def run_capture(args: argparse.Namespace) -> int:
         world_size=args.world_size, command=args.command, out=args.out, slots=args.slots,
         coordinator=args.coordinator, nproc_per_node=args.nproc_per_node, show_ranks=args.show_ranks,
         quiet_s=args.quiet_period, progress=args.progress, gpus=args.gpus, resident=args.resident, gang=args.gang,
-        rank_memory_gib=args.rank_memory, simulate_swaps=args.simulate_swaps)
+        rank_memory_gib=args.rank_memory, simulate_swaps=args.simulate_swaps, memory_limit_gib=args.memory_limit,
+        memory_overhead_gib=args.memory_overhead)
     try:
         plan = app_capture.plan_capture(config)
     except PrismError as e:

@@ -59,12 +59,16 @@ DEFAULT_GRACE_S = 3.0
 DEFAULT_QUIET_S = 30.0
 #: How long a rank's exit waits for its Goodbye before it counts as a crash.
 EXIT_GRACE_NS = 3_000_000_000
+#: Exit status of a capture a rank ended by running out of GPU memory (1 is
+#: every other failure, 2 bad arguments).
+EXIT_OOM = 3
 
 
 @dataclass(frozen=True, slots=True)
 class CaptureResult:
-    """How a capture ended. ``status`` is "ok", "mismatch", "deadlock",
-    "rank_failed", "swap_failed", "invalid" or "internal"; ``exit_code`` is non-zero unless ok."""
+    """How a capture ended. ``status`` is "ok", "mismatch", "deadlock", "oom"
+    (exit code ``EXIT_OOM``), "rank_failed", "swap_failed", "invalid" or
+    "internal"; ``exit_code`` is non-zero unless ok."""
 
     status: str
     message: str
@@ -196,7 +200,7 @@ class RankSession:
         if not self.wrote_end:
             status = self.status or "killed"
             self.writer.write(T.RankEnd(now - self.clock_offset_ns,
-                                        status if status in ("ok", "error", "died") else "killed",
+                                        status if status in ("ok", "error", "died", "oom") else "killed",
                                         (self.message or stopped)[:4000]))
         self.writer.close()
 
@@ -572,6 +576,10 @@ class Coordinator:
             await self._outcomes(self.matcher.rank_finished(rank, now), now)
         else:
             self._failed[rank] = msg.message
+            if msg.status == "oom" and self._result is None:
+                # A named result before the peers' failures it causes.
+                report = msg.message.split("\n\n", 1)[0]
+                self._fail("oom", f"{report}\n(the traceback is in {T.log_path(self.run_dir, rank)})", EXIT_OOM)
             await self._outcomes(self.matcher.rank_failed(rank, msg.message, now), now)
             if self._result is None:
                 self._fail("rank_failed", f"rank {rank} failed:\n{msg.message.rstrip()}", 1)

@@ -56,13 +56,22 @@ class GpuPlan:
     simulated: bool = False
     #: Advice for the user about the chosen options (printed by ``prism capture``).
     notes: list[str] = field(default_factory=list)
+    #: torch's allocator budget per rank under ``--memory-limit`` (None: the device's memory).
+    memory_limit_bytes: int | None = None
 
     @property
     def swapping(self) -> bool:
         return self.resident < math.ceil(self.world_size / len(self.gpus))
 
     def env(self) -> dict[str, str]:
-        return {} if self.simulated else {D.GPUS_ENV: ",".join(map(str, self.gpus))}
+        if self.simulated:
+            return {}
+        env = {D.GPUS_ENV: ",".join(map(str, self.gpus))}
+        if self.memory_limit_bytes is not None:
+            from prism.rank.oom import MEMORY_LIMIT_ENV
+
+            env[MEMORY_LIMIT_ENV] = str(self.memory_limit_bytes)
+        return env
 
     def gpu_of(self) -> dict[int, int]:
         return {r: D.choose_gpu(r, self.world_size, self.gpus) for r in range(self.world_size)}

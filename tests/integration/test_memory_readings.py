@@ -39,3 +39,30 @@ def test_a_scripts_memory_readings_are_its_own_under_prism(tmp_path):
         mem = [e for e in events if isinstance(e, T.Memory)]
         assert [e.step for e in mem] == [0, 1, 2, 3, 4]
         assert all(e.peak_allocated >= e.allocated for e in mem)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_an_oom_under_a_memory_limit_is_a_named_result(tmp_path):
+    script = str(ROOT / "tests" / "support" / "scripts" / "oom_worker.py")
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "prism", "capture", "-n", "2", "--gpus", "0", "--out", str(run),
+                           "--memory-limit", "4.6", "--progress", "off", "--show-ranks", "none", "--",
+                           script, "0.5"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    # rank 1 asks for 1, 2, 3, 4 GiB: the 4 GiB of step 3 passes the 4.0 GiB budget (4.6 - 0.6)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "capture FAILED (oom)" in proc.stderr
+    assert re.search(r"rank 1 ran out of GPU memory in step 3: it asked for 4\.00 GiB with [\d.]+ GiB allocated "
+                     r"and [\d.]+ GiB reserved by torch's allocator, against the --memory-limit allocator budget of "
+                     r"4\.00 GiB; at .*oom_worker\.py:\d+ in <module>: held = \[torch\.ones\(n, device=dev\)\]",
+                     proc.stderr), proc.stderr[-3000:]
+    ends = {r: [e for e in evs if isinstance(e, T.RankEnd)][-1] for r, evs in T.read_run(run).ranks.items()}
+    assert ends[1].status == "oom" and "ran out of GPU memory" in ends[1].message
+    summary = subprocess.run([sys.executable, "-m", "prism", "trace", "summary", str(run)], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert "out of GPU memory:" in summary.stdout and "rank 1 ran out of GPU memory in step 3" in summary.stdout
+    pred = subprocess.run([sys.executable, "-m", "prism", "predict", str(run), "--warmup", "0"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert pred.returncode == 0, pred.stderr
+    assert "incomplete run: rank 1 ended oom: " in pred.stdout

@@ -33,6 +33,8 @@ def test_a_cut_file_counts_as_not_ended():
     events = _rank(2)[:-1]  # no rank_end: killed mid-write
     done = completeness({0: _rank(2), 1: events})
     assert done.ended[1][0] == "without an end record" and done.common == (0, 1)
+    # events built in memory have no end records at all: nothing is judged failed
+    assert not completeness({0: _rank(2)[:-1], 1: _rank(2)[:-1]}).failed
 
 
 def test_only_a_prefix_of_steps_counts():

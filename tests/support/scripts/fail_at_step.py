@@ -4,6 +4,7 @@ the step's all_reduce, so the others wait in it; "after": after it, before the
 optimizer step, so the others finish the step and wait in the next one."""
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ for step in range(steps):
     for p in model.parameters():
         dist.all_reduce(p.grad)
     if rank == fail_rank and step == fail_step and where == "after":
+        time.sleep(1.0)  # the others end the step meanwhile (they only step their optimizer)
         raise RuntimeError(f"rank {rank} fails at step {step}")
     opt.step()
     opt.zero_grad()
