@@ -57,9 +57,12 @@ def main():
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default=None,
+                        help="torch.distributed backend (default: nccl with CUDA, else gloo; gloo on CUDA tensors "
+                             "runs two ranks on one GPU, which NCCL refuses)")
     args = parser.parse_args()
 
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(args.backend or ("nccl" if torch.cuda.is_available() else "gloo"))
     rank, world = dist.get_rank(), dist.get_world_size()
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
