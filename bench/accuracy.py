@@ -53,10 +53,10 @@ sys.path.insert(0, str(ROOT))
 
 import _stepclock as stepclock  # noqa: E402  (bench/ is on sys.path: this script's folder)
 from prism.app.capture import capture_run  # noqa: E402
-from prism.core.costmodel import load_profile  # noqa: E402
+from prism.shell.profiles import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
-from prism.core.trace import read_run  # noqa: E402
+from prism.shell.runfolder import read_run  # noqa: E402
 from prism.shell.launcher import launch_ranks  # noqa: E402
 from prism.app.netprofile import DEFAULT_OPS, DEFAULT_SIZES, fitted_profile_path, measure, usable_cores  # noqa: E402
 from prism.core.netfit import fit_points, profile_toml  # noqa: E402

@@ -67,7 +67,7 @@ def captures() -> None:
     import two_clock_check as tc
 
     from prism.core import graph
-    from prism.core import trace as T
+    from prism.shell import runfolder
 
     seen: dict[tuple, str] = {}
     calls: list[tuple] = []
@@ -86,7 +86,7 @@ def captures() -> None:
         for table in (tc.TRUTHS, tc.NEW, tc.SIXTH, tc.SEVENTH):
             for name in table:
                 calls.clear()
-                graph.ExecutionGraph.from_events(T.read_run(pathlib.Path(tmp) / name).ranks)
+                graph.ExecutionGraph.from_events(runfolder.read_run(pathlib.Path(tmp) / name).ranks)
                 for c in calls:
                     if c[2] != c[3] or c[4] != c[2]:
                         if c not in seen:

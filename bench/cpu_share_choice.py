@@ -29,7 +29,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prism.core import trace as T  # noqa: E402
+from prism.shell import runfolder  # noqa: E402
 from prism.core.graph import CPU_SHARES, ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.app.predict import resolve_profile  # noqa: E402
@@ -98,7 +98,7 @@ def main() -> int:
         for label, table in (("chosen on", TRUTHS), ("new", NEW)):
             rows = []
             for name, (what, truth) in table.items():
-                ranks = T.read_run(pathlib.Path(tmp) / name).ranks
+                ranks = runfolder.read_run(pathlib.Path(tmp) / name).ranks
                 row = {"capture": name, "workload": what, "truth_ms": truth}
                 for est in CPU_SHARES:
                     res = replay_batch(ExecutionGraph.from_events(ranks, cpu_share=est), cost_model=model)

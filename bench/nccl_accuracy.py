@@ -66,7 +66,8 @@ from accuracy import bootstrap_median_ci, job_step_ends, mean_iteration  # noqa:
 
 from prism.app.capture import capture_run  # noqa: E402
 from prism.core import trace as T  # noqa: E402
-from prism.core.costmodel import load_profile  # noqa: E402
+from prism.shell import runfolder  # noqa: E402
+from prism.shell.profiles import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.shell.launcher import launch_ranks  # noqa: E402
@@ -146,7 +147,7 @@ def launch_truth(world: int, cmd: list[str], d: pathlib.Path, timeout: float, en
     finally:
         h.close()  # kills what still runs (a timeout) and closes the fork server's pipe
     if any(c != 0 for c in codes):
-        logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted((d / "logs").glob("*.log")))
+        logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted((d / runfolder.LOGS_DIR).glob("*.log")))
         raise RuntimeError(f"ground-truth run failed (exit codes {codes}):\n{logs}")
 
 
@@ -182,7 +183,7 @@ def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpu
     wall = time.monotonic() - t0
     if status != 0:
         raise RuntimeError(f"prism capture on {n_gpus} GPU(s) failed with status {status}; kept {run}")
-    events = T.read_run(run).ranks
+    events = runfolder.read_run(run).ranks
     peaks = {r: max((e.peak_allocated for e in evs if isinstance(e, T.Memory)), default=None)
              for r, evs in events.items()}
     _, mems = read_clocks(clocks, world)
@@ -190,7 +191,7 @@ def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpu
     if keep:  # the capture's trace for later study (rank files, manifest, telemetry)
         # config, GPUs, then the temporary name (unique); the manifest has the command and its time
         dst = pathlib.Path(keep) / f"{name}-{n_gpus}gpu-{d.name}"
-        shutil.copytree(run, dst, ignore=shutil.ignore_patterns("logs", "*.sock"))
+        shutil.copytree(run, dst, ignore=shutil.ignore_patterns(runfolder.LOGS_DIR, "*.sock"))
     out = {"graph": ExecutionGraph.from_events(events), "wall_s": wall,
            "memory": [{**mem_summary(mems[r]), "trace_peak_allocated": peaks.get(r)} for r in range(world)],
            "resident": plan.settings if plan is not None else None}

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from cpu_share_choice import NEW, TRACES, TRUTHS  # noqa: E402
 
 from prism.core import trace as T  # noqa: E402
+from prism.shell import runfolder  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.app.predict import resolve_profile  # noqa: E402
@@ -170,7 +171,7 @@ def main() -> int:
         for label, table in ((w, known[w]) for w in wanted):
             rows = []
             for name, (what, truth) in table.items():
-                ranks = T.read_run(pathlib.Path(tmp) / name).ranks
+                ranks = runfolder.read_run(pathlib.Path(tmp) / name).ranks
                 if cold is not None:
                     ranks = emulate_12(ranks, cold)
                 ms = replay_batch(ExecutionGraph.from_events(ranks, cpu_share=a.cpu_share), cost_model=model).mean_iteration_time(a.warmup) / 1e6

@@ -34,6 +34,7 @@ from prism.core import matcher as M
 from prism.core import protocol as P
 from prism.core import scheduler as S
 from prism.core import trace as T
+from prism.shell import runfolder
 from transport.trio_socket import AsyncSocket
 
 log = logging.getLogger("prism.shell.coordinator")
@@ -67,7 +68,7 @@ class CaptureResult:
 class _RankInfo:
     identity: bytes
     hello: P.Hello
-    writer: T.TraceWriter
+    writer: runfolder.TraceWriter
     done: bool = False
     status: str = ""
     message: str = ""
@@ -187,7 +188,7 @@ class Coordinator:
         self._t0 = self.clock()
         self._last_hello = self._t0
         self.matcher.last_progress_ns = self._t0
-        T.make_run_dir(self.run_dir)
+        runfolder.make_run_dir(self.run_dir)
         _raise_open_files_limit(self.world_size)
         sock = AsyncSocket.create(zmq.ROUTER)
         self._sock = sock
@@ -350,7 +351,7 @@ class Coordinator:
             code = "version" if isinstance(e, P.VersionMismatch) else "bad_message"
             await self._send(identity, P.Error(code, str(e), rank=hello.rank))
             return
-        writer = T.TraceWriter(self.run_dir, hello.rank)
+        writer = runfolder.TraceWriter(self.run_dir, hello.rank)
         # On one host (ipc or loopback) the monotonic clocks are the same one.
         local = self.bound_endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://[::1]"))
         self.ranks[hello.rank] = _RankInfo(identity, hello, writer, clock_offset_ns=0 if local else now - hello.t_ns)
@@ -406,7 +407,7 @@ class Coordinator:
         await self._actions(self.scheduler.finish(rank))
         await self._outcomes(self.matcher.rank_failed(rank, what, now), now)
         if self._result is None:
-            self._fail("rank_failed", f"rank {rank} {what} (see {T.log_path(self.run_dir, rank)})", 1)
+            self._fail("rank_failed", f"rank {rank} {what} (see {runfolder.log_path(self.run_dir, rank)})", 1)
 
     def _on_tick(self, now: int) -> None:
         if self.progress is not None:

@@ -17,7 +17,7 @@ import tarfile
 
 import pytest
 
-from prism.core import trace as T
+from prism.shell import runfolder
 from prism.core.graph import ExecutionGraph
 from prism.core.replay import replay_batch
 from prism.app.predict import resolve_profile
@@ -45,7 +45,7 @@ def replayed(tmp_path_factory):
     for label, table in (("sixth", check.SIXTH), ("seventh", check.SEVENTH)):
         out[label] = {}
         for name, (what, truth) in table.items():
-            g = ExecutionGraph.from_events(T.read_run(tmp / name).ranks)
+            g = ExecutionGraph.from_events(runfolder.read_run(tmp / name).ranks)
             ms = replay_batch(g, cost_model=model).mean_iteration_time(3) / 1e6
             out[label][name] = (what, 100 * (ms - truth) / truth)
     return out
