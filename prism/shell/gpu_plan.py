@@ -20,7 +20,6 @@ takes about 0.6 GiB on an H200, DESIGN.md), not a measurement.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,13 +67,13 @@ class GpuPlan:
         """Give ``coordinator`` the swap policy and executor (when swapping)."""
         if not self.swapping:
             return
-        from prism.shell import swap, telemetry
+        from prism.shell import runfolder, swap, telemetry
 
         self.policy = GangResidency(self.resident, self.gang_of, self.gpu_of())
         self.executor = swap.SwapExecutor(self.driver or swap.CheckpointDriver(),
                                           pid_of=lambda rank: coordinator.ranks[rank].hello.pid,
                                           memory_of=telemetry.process_memory,
-                                          log=Path(coordinator.run_dir) / "telemetry" / "swaps.jsonl")
+                                          log=runfolder.swap_log_path(coordinator.run_dir))
         coordinator.scheduler.policy = self.policy
         coordinator.swapper = self.executor
 
