@@ -1,7 +1,7 @@
 """Ground truth vs Prism: iteration-time error of ``prism capture`` + ``predict``.
 
 For each configuration (a layout of the bundled GPT or MoE), runs alternately
-(truth, prism, truth, prism, ...; DESIGN.md: CPU ground truth is noisy, so
+(truth, prism, truth, prism, ...; docs/DESIGN.md: CPU ground truth is noisy, so
 pairs are interleaved and many steps taken):
 
 truth

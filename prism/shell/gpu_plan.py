@@ -10,11 +10,11 @@ not every rank fits. The ranks learn their GPU from ``PRISM_GPUS``
 capture does not use GPUs (the CPU path is untouched).
 
 Defaults: the GPUs are every GPU NVML sees; one rank computes per GPU at a
-time (``--slots`` = GPUs) as DESIGN.md asks for cleaner durations; all ranks
+time (``--slots`` = GPUs) as docs/DESIGN.md asks for cleaner durations; all ranks
 stay resident when ``ranks per GPU x --rank-memory`` fits in the GPU's free
 memory, else as many as fit (at least one gang). ``--rank-memory`` is an
 estimate the user gives (default 2 GiB: a CUDA context with torch's kernels
-takes about 0.6 GiB on an H200, DESIGN.md), not a measurement.
+takes about 0.6 GiB on an H200, docs/DESIGN.md), not a measurement.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """End-to-end captures through ``python -m prism capture``: real rank
 processes, the real coordinator, real ZeroMQ. Expected groups and collective
-counts come from the layout (DESIGN.md), never from the trace under test."""
+counts come from the layout (docs/DESIGN.md), never from the trace under test."""
 
 from __future__ import annotations
 
