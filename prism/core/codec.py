@@ -28,11 +28,13 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LENGTH", "RANGE", "TYPE", "Field", "Mismatch", "Schema", "converters", "float_fields", "optional_of", "schema"]
+__all__ = [
+    "LENGTH", "RANGE", "TYPE", "Field", "Mismatch", "Schema", "converters", "float_fields", "optional_of", "schema",
+]
 
 Fn = Callable[[Any], Any]
 
@@ -116,7 +118,7 @@ def _optional(conv: Fn, hint: Any) -> Fn:
     return run
 
 
-def _items(conv: Fn, plain: type | None, v: Iterable[Any]) -> list[Any]:
+def _items(conv: Fn, plain: type | None, v: Sequence[Any]) -> list[Any]:
     # Plain ints are checked in one pass (most sequences are shapes).
     if plain is not None and all(type(x) is plain for x in v):
         return list(v)

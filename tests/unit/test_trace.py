@@ -520,6 +520,13 @@ def test_rule_every_rank_has_a_file():
     ranks = {r: rank_events(r) for r in range(W - 1)}
     p = _only_problem(runfolder.in_memory_run("RUN", MANIFEST, ranks))
     assert (p.rank, p.message) == (3, "no rank file for rank 3 (world_size 4)")
+    assert p.file == os.path.join("RUN", "ranks", "rank-000003.jsonl")
+
+
+def test_a_run_built_without_file_names_is_named_by_rank():
+    ranks = {r: rank_events(r) for r in range(W - 1)}
+    p = _only_problem(T.Run("RUN", MANIFEST, ranks))
+    assert (p.file, p.rank) == ("rank 3", 3)
 
 
 def test_rule_collective_times_ordered():
