@@ -1,7 +1,7 @@
 """Ground truth vs Prism: iteration-time error of ``prism capture`` + ``predict``.
 
 For each configuration (a layout of the bundled GPT or MoE), runs alternately
-(truth, prism, truth, prism, ...; DESIGN.md: CPU ground truth is noisy, so
+(truth, prism, truth, prism, ...; docs/DESIGN.md: CPU ground truth is noisy, so
 pairs are interleaved and many steps taken):
 
 truth
@@ -53,10 +53,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from prism.app.capture import capture_run  # noqa: E402
-from prism.core.costmodel import load_profile  # noqa: E402
+from prism.shell.profiles import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
-from prism.core.trace import read_run  # noqa: E402
+from prism.shell.runfolder import read_run  # noqa: E402
 from prism.shell.launcher import launch_ranks  # noqa: E402
 from prism.validation import stepclock  # noqa: E402
 from prism.validation.truthrun import STEPCLOCK  # noqa: E402

@@ -67,6 +67,7 @@ def captures() -> None:
 
     from prism.core import graph
     from prism.core import trace as T
+    from prism.shell import runfolder
     from prism.validation import fidelity
 
     seen: dict[tuple, str] = {}
@@ -84,7 +85,7 @@ def captures() -> None:
         for _, table in fidelity.SETS.values():
             for name in table:
                 calls.clear()
-                graph.ExecutionGraph.from_events(T.read_run(pathlib.Path(tmp) / name).ranks)
+                graph.ExecutionGraph.from_events(runfolder.read_run(pathlib.Path(tmp) / name).ranks)
                 for c in calls:
                     if c[2] != c[3] or c[4] != c[2]:
                         if c not in seen:

@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from prism.shell import runfolder  # noqa: E402
 from prism.workloads import harness  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,7 +61,7 @@ def run_prism(world: int, args: list[str], slots: int | None) -> dict:
         p = subprocess.run([*cmd, "--", SCRIPT, *args], capture_output=True, text=True, env=env, timeout=1800)
         if p.returncode != 0:
             raise RuntimeError(f"prism capture failed:\n{p.stderr[-3000:]}")
-        return parse((run_dir / "logs" / "rank-000000.log").read_text())
+        return parse(runfolder.log_path(run_dir, 0).read_text())
 
 
 def main() -> None:

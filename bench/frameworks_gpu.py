@@ -35,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from prism.core import trace as T  # noqa: E402
 
+from prism.shell import runfolder  # noqa: E402
+
 FW = ROOT / "prism" / "workloads" / "frameworks"
 LOSS = re.compile(r"^step (\d+) loss (\S+)$", re.MULTILINE)
 MEGATRON_STEPS = 3
@@ -62,11 +64,11 @@ def capture(out: Path, name: str, world: int, script: list[str], *extra: str, ti
     except subprocess.TimeoutExpired as e:
         code, stdout, stderr = "timeout", str(e.stdout or ""), str(e.stderr or "")
     wall = time.monotonic() - t0
-    logs = {r: T.log_path(run, r).read_text() for r in range(world) if T.log_path(run, r).exists()}
+    logs = {r: runfolder.log_path(run, r).read_text() for r in range(world) if runfolder.log_path(run, r).exists()}
     got = next((losses(t) for t in logs.values() if losses(t)), [])
     peaks = {}
     try:
-        for r, events in T.read_run(run).ranks.items():
+        for r, events in runfolder.read_run(run).ranks.items():
             mem = [e.peak_allocated for e in events if isinstance(e, T.Memory)]
             peaks[r] = max(mem) if mem else None
     except Exception as e:  # noqa: BLE001 (a failed capture still reports)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from prism.shell import runfolder  # noqa: E402
 
 LOSS = re.compile(r"^step (\d+) loss (\S+)$", re.MULTILINE)
 RESULTS: dict = {}
@@ -210,16 +211,17 @@ def capture(out_dir: Path, name: str, world: int, workload: list[str], opts: lis
         host.stop()
     res = {"rc": proc.returncode, "wall_s": round(wall, 2), "cmd": " ".join(cmd[1:]), "tail": text[-1500:]}
     losses = []
-    for log in sorted((run / "logs").glob("rank-*.log")) if (run / "logs").exists() else []:
+    logs = run / runfolder.LOGS_DIR
+    for log in sorted(logs.glob("rank-*.log")) if logs.exists() else []:
         found = LOSS.findall(log.read_text(errors="replace"))
         if found:
             losses = [float(v) for _, v in found]
             break
     res["losses"] = losses
-    swaps = run / "telemetry" / "swaps.json"
+    swaps = runfolder.swap_report_path(run)
     if swaps.exists():
         res["swaps"] = json.loads(swaps.read_text())["summary"]
-    gpu = run / "telemetry" / "gpu.jsonl"
+    gpu = runfolder.gpu_samples_path(run)
     if gpu.exists():
         rows = [json.loads(line) for line in gpu.read_text().splitlines() if line.strip()]
         if rows:

@@ -66,7 +66,8 @@ from accuracy import bootstrap_median_ci, job_step_ends, mean_iteration  # noqa:
 
 from prism.app.capture import capture_run  # noqa: E402
 from prism.core import trace as T  # noqa: E402
-from prism.core.costmodel import load_profile  # noqa: E402
+from prism.shell import runfolder  # noqa: E402
+from prism.shell.profiles import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.app.netprofile import fitted_profile_path, measure  # noqa: E402
@@ -158,7 +159,7 @@ def run_prism(world: int, cmd: list[str], layout: dict, tmp: pathlib.Path, n_gpu
     wall = time.monotonic() - t0
     if status != 0:
         raise RuntimeError(f"prism capture on {n_gpus} GPU(s) failed with status {status}; kept {run}")
-    events = T.read_run(run).ranks
+    events = runfolder.read_run(run).ranks
     peaks = {r: max((e.peak_allocated for e in evs if isinstance(e, T.Memory)), default=None)
              for r, evs in events.items()}
     _, mems = read_clocks(clocks, world)

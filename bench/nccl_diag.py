@@ -26,6 +26,7 @@ import nccl_accuracy as NA  # noqa: E402
 from accuracy import mean_iteration  # noqa: E402
 
 from prism.core import trace as T  # noqa: E402
+from prism.shell import runfolder  # noqa: E402
 
 
 def main() -> int:
@@ -64,7 +65,7 @@ def main() -> int:
                         ",".join(map(str, range(a.gpus))), "--out", str(run), "--progress", "off",
                         "--show-ranks", "none", "--", *cmd], cwd=ROOT, capture_output=True, text=True)
     print(r.stderr[-1500:])
-    ranks = T.read_run(run).ranks
+    ranks = runfolder.read_run(run).ranks
     per = {}
     for rank, evs in ranks.items():
         comp = {}

@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from prism.core.costmodel import load_profile  # noqa: E402
+from prism.shell.profiles import load_profile  # noqa: E402
 from prism.core.replay import SteppableReplay, replay_batch, replay_reference  # noqa: E402
 from prism.core.synthetic import MegatronSpec, megatron_graph  # noqa: E402
 

@@ -24,12 +24,12 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prism.core.costmodel import load_profile  # noqa: E402
+from prism.shell.profiles import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.core.scaleout import Layout, scale_events, scale_graph  # noqa: E402
 from prism.core.synthetic import MegatronSpec, megatron_events  # noqa: E402
-from prism.core.trace import read_run  # noqa: E402
+from prism.shell.runfolder import read_run  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _results import result_path  # noqa: E402

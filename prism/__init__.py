@@ -47,7 +47,8 @@ thin **shells** around it own sockets, processes, clocks, files and devices.
                      phase 2), the clock from trio.
     ``runfolder``    the one place that knows every path under a run
                      directory: trace writer and reader, manifest, telemetry
-                     paths, profile files.
+                     and log paths.
+    ``profiles``     cost profile files: the bundled ones and user TOML files.
     ``launcher``     starts the fork server and the rank processes.
     ``gpu_plan``     which GPUs, how many resident ranks, which gangs.
     ``swap``         the GPU checkpoint executor.

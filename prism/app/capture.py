@@ -26,6 +26,7 @@ from typing import Any
 from prism import __version__
 from prism.app.errors import UsageError
 from prism.core import trace as T
+from prism.shell import runfolder
 
 #: What a rank's GPU holds outside torch's allocator: a CUDA context with
 #: torch's kernels takes about 0.6 GiB on an H200 (docs/DESIGN.md, pitfalls).
@@ -109,9 +110,9 @@ class CaptureOutcome:
         run_dir = self.run_dir
         if self.result is None:
             if self.failed_exits:
-                return f"prism capture: ranks failed: {self.failed_exits}; see {run_dir / T.LOGS_DIR}"
+                return f"prism capture: ranks failed: {self.failed_exits}; see {run_dir / runfolder.LOGS_DIR}"
             return (f"prism capture: all {self.world_size} ranks finished; the coordinator at {self.coordinator} "
-                    f"recorded the trace into its own --out; rank logs are in {run_dir / T.LOGS_DIR}")
+                    f"recorded the trace into its own --out; rank logs are in {run_dir / runfolder.LOGS_DIR}")
         lines = [self.swap_line] if self.swap_line else []
         r = self.result
         if r.status == "ok":
@@ -119,7 +120,7 @@ class CaptureOutcome:
                          f"`python -m prism trace summary {run_dir}` shows it")
         else:
             lines.append(f"prism: capture FAILED ({r.status}) after {r.wall_s:.1f} s:\n{r.message}\n"
-                         f"The trace so far is kept in {run_dir}; rank logs in {run_dir / T.LOGS_DIR}.")
+                         f"The trace so far is kept in {run_dir}; rank logs in {run_dir / runfolder.LOGS_DIR}.")
         return "\n".join(lines)
 
 
@@ -180,7 +181,7 @@ def plan_capture(config: CaptureConfig) -> CapturePlan:
         raise UsageError(f"--world-size must be at least 1, got {config.world_size}")
     cmd = _check_command(config.command)
     run_dir = Path(config.out) if config.out else default_out("capture")
-    if (run_dir / T.RANKS_DIR).exists() and any((run_dir / T.RANKS_DIR).iterdir()):
+    if (run_dir / runfolder.RANKS_DIR).exists() and any((run_dir / runfolder.RANKS_DIR).iterdir()):
         raise UsageError(f"run directory {run_dir} already holds a capture; choose another --out")
     from prism.shell.gpu_plan import GpuPlanError, plan_gpus, visible_gpus
 
@@ -257,12 +258,12 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
     from prism.shell.launcher import launch_ranks
     from transport.endpoints import default_endpoint
 
-    T.make_run_dir(run_dir)
+    runfolder.make_run_dir(run_dir)
     # A GPU plan means the ranks drive GPUs, whether or not the command says
     # so (scripts that take CUDA when it is there); simulated swaps run on CPU.
     kind = "cuda" if gpu is not None and not getattr(gpu, "simulated", False) else device_kind_of(cmd)
     limit = getattr(gpu, "memory_limit_bytes", None)
-    T.write_manifest(run_dir, manifest_for(run_dir, world_size, cmd, slots, kind,
+    runfolder.write_manifest(run_dir, manifest_for(run_dir, world_size, cmd, slots, kind,
                                            (("allocator_limit_bytes", str(limit)),) if limit else ()))
 
     env = gpu.env() if gpu is not None else {}
@@ -323,8 +324,8 @@ def serve_coordinator(run_dir: str | os.PathLike[str], world_size: int, endpoint
 
     run_dir = Path(run_dir)
     slots = slots or os.cpu_count() or 1
-    T.make_run_dir(run_dir)
-    T.write_manifest(run_dir, manifest_for(run_dir, world_size, [], slots, "cpu"))
+    runfolder.make_run_dir(run_dir)
+    runfolder.write_manifest(run_dir, manifest_for(run_dir, world_size, [], slots, "cpu"))
     coord = Coordinator(run_dir, world_size, slots=slots, endpoint=endpoint, quiet_s=quiet_s,
                         progress=Progress(world_size, mode=progress), on_listening=on_listening)
     result = trio.run(coord.run)

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism.app.errors import InconsistentTraceError, UsageError
-from prism.core.costmodel import CostModel, ProfileError, load_profile
+from prism.core.costmodel import CostModel, ProfileError
 from prism.core.graph import ExecutionGraph, GraphError
 from prism.core.replay import DEFAULT_WARMUP, ReplayError, ReplayResult, describe_step, replay_batch
 from prism.core.scaleout import Layout, ScaleOutError, scale_graph
 from prism.core.steps import completeness, cut_to_step
-from prism.core.trace import Event, Manifest, Memory, TraceFormatError, decode_manifest, manifest_path
+from prism.core.trace import Event, Manifest, Memory, TraceFormatError
+from prism.shell.profiles import load_profile
+from prism.shell.runfolder import manifest_path, read_manifest, read_run
 
 __all__ = ["PredictConfig", "Prediction", "predict", "predict_events", "load_run_events", "load_run_manifest",
            "resolve_profile", "traced_device_kind", "parse_layout", "format_report", "DEFAULT_PROFILE",
@@ -144,8 +146,6 @@ def _complete_steps(run, ranks: dict[int, list[Event]]) -> tuple[dict[int, list[
 
 def load_run_events(run_dir: str | os.PathLike[str]) -> dict[int, list[Event]]:
     """Per-rank event lists of a run directory, through the trace reader."""
-    from prism.core.trace import read_run
-
     try:
         return dict(read_run(run_dir).ranks)
     except (TraceFormatError, OSError) as e:
@@ -154,10 +154,9 @@ def load_run_events(run_dir: str | os.PathLike[str]) -> dict[int, list[Event]]:
 
 def load_run_manifest(run_dir: str | os.PathLike[str]) -> Manifest | None:
     """The run's manifest, or None when the directory has none."""
-    path = manifest_path(run_dir)
-    if not path.is_file():
+    if not manifest_path(run_dir).is_file():
         return None
-    return decode_manifest(path.read_bytes(), file=str(path))
+    return read_manifest(run_dir)
 
 
 def resolve_profile(net: str | None, manifest: Manifest | None,

@@ -21,11 +21,12 @@ import orjson
 
 from prism.app.errors import InconsistentTraceError, UsageError
 from prism.app.predict import DEFAULT_PROFILE, load_run_events
-from prism.core.costmodel import ProfileError, load_profile
+from prism.core.costmodel import ProfileError
 from prism.core.graph import ExecutionGraph, GraphError
 from prism.core.replay import Costs, ReplayError, replay_batch
 from prism.core.timeline import Timeline, chrome_trace, predicted_timeline, recorded_timeline
 from prism.core.trace import Event, Memory, RankStart
+from prism.shell.profiles import load_profile
 
 __all__ = ["ReportConfig", "Report", "report", "build_timeline", "parse_ranks", "parse_steps", "clock_offsets",
            "memory_samples"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from prism.app.errors import UsageError
 from prism.core import trace as T
+from prism.shell import runfolder
 
 __all__ = ["read", "summary_text", "validate", "Validation", "compact_ranks"]
 
@@ -22,7 +23,7 @@ __all__ = ["read", "summary_text", "validate", "Validation", "compact_ranks"]
 def read(path: str | os.PathLike[str]) -> T.Run:
     """The run at ``path``; raises ``UsageError`` when it is no readable run."""
     try:
-        return T.read_run(path)
+        return runfolder.read_run(path)
     except (T.TraceFormatError, OSError) as e:
         raise UsageError(f"cannot read run {path}: {e}") from None
 

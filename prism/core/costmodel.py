@@ -1,4 +1,4 @@
-"""Communication cost models (sans-IO apart from reading a profile file).
+"""Communication cost models (sans-IO: the shell reads profile files, see ``prism.shell.profiles``).
 
 An alpha-beta model per collective algorithm: a call costs a fixed base
 latency, a per-step latency (alpha) times the algorithm's number of steps,
@@ -43,14 +43,14 @@ rank's CPU clock at every call (``issue_costs``). ``prism netprofile
 --backend nccl`` measures both. 0 where not given (gloo: a call's time is
 all on the calling thread, in the times above).
 
-Profiles are TOML files (see ``prism/profiles/``), parsed with ``tomllib``;
-``ZERO`` costs nothing (for tests).
+Profiles are TOML files (see ``prism/profiles/``), parsed from their text
+with ``tomllib`` by ``parse_profile``; ``prism.shell.profiles.load_profile``
+finds and reads them. ``ZERO`` costs nothing (for tests).
 """
 
 from __future__ import annotations
 
 import math
-import pathlib
 import tomllib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -61,8 +61,6 @@ from prism.core.graph import OP_CODE, OPS
 
 if TYPE_CHECKING:
     from prism.core.graph import ExecutionGraph
-
-PROFILE_DIR = pathlib.Path(__file__).resolve().parent.parent / "profiles"
 
 ALGORITHMS = {
     "all_reduce": ("ring", "tree"),
@@ -336,17 +334,3 @@ def _kind_name(kind: type | tuple) -> str:
     if isinstance(kind, tuple):
         return "a number" if set(kind) == {int, float} else " or ".join(names[k] for k in kind)
     return names[kind]
-
-
-def load_profile(spec: str | pathlib.Path) -> CostModel:
-    """Load a profile: ``"zero"``, a bundled name (``h200_nvlink_ib400``) or a TOML path."""
-    if str(spec) == "zero":
-        return ZERO
-    path = pathlib.Path(spec)
-    if not path.suffix and not path.exists():
-        path = PROFILE_DIR / f"{spec}.toml"
-    if not path.is_file():
-        bundled = sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
-        raise ProfileError(f"cost profile {str(spec)!r} not found: give a TOML file path, 'zero', "
-                           f"or a bundled profile name ({', '.join(bundled)})")
-    return parse_profile(path.read_text(), str(path))

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import orjson
+
+from prism.core import codec
 
 PROTOCOL_VERSION = 1
 #: Largest message (all frames together) a peer may send. Tensors staged
@@ -295,100 +296,26 @@ Message = (
 )
 
 
-def _field_specs(cls: type) -> tuple[tuple[str, Any, bool], ...]:
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        if f.name == "payloads":
-            continue
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        out.append((f.name, hints[f.name], required))
-    return tuple(out)
-
-
-_SPECS: dict[type, tuple[tuple[str, Any, bool], ...]] = {m: _field_specs(m) for m in MESSAGE_TYPES}
-#: Header keys each type may carry, and per field a quick converter for
-#: well-formed values. It only skips work: anything else still meets
-#: _convert and its error message.
-_ALLOWED_KEYS = {m: frozenset({"t", "v", *(n for n, _, _ in _SPECS[m])}) for m in MESSAGE_TYPES}
+#: Per type: its fields (payloads travel as frames, not in the header),
+#: compiled by the shared codec, and the header keys it may carry.
+_SCHEMAS: dict[type, codec.Schema] = {m: codec.schema(m, skip=("payloads",)) for m in MESSAGE_TYPES}
+_ALLOWED_KEYS = {m: frozenset({"t", "v", *_SCHEMAS[m].names}) for m in MESSAGE_TYPES}
 #: Per type: the header fields, and those that may hold a float.
-_ENCODE_SPECS = {
-    m: (
-        tuple(n for n, _, _ in _SPECS[m]),
-        tuple(n for n, h, _ in _SPECS[m] if h is float or float in typing.get_args(h)),
-    )
-    for m in MESSAGE_TYPES
-}
-_SLOW = object()
-
-
-def _fast_converter(hint: Any) -> Any:
-    """A quick converter for the common well-formed value of ``hint`` that
-    returns ``_SLOW`` for anything else (None: no quick path)."""
-    if hint in (int, str, bool):
-        return lambda v: v if type(v) is hint else _SLOW
-    if hint == tuple[int, ...]:
-        return lambda v: (
-            tuple(v) if type(v) is list and all(type(x) is int for x in v) else _SLOW
-        )
-    if hint == tuple[tuple[int, ...], ...]:
-        return lambda v: (
-            tuple(tuple(x) for x in v)
-            if type(v) is list
-            and all(type(x) is list and all(type(y) is int for y in x) for x in v)
-            else _SLOW
-        )
-    return None
-
-
-_DECODE_SPECS = {
-    m: tuple((n, h, r, _fast_converter(h)) for n, h, r in _SPECS[m]) for m in MESSAGE_TYPES
-}
+_ENCODE_SPECS = {m: (_SCHEMAS[m].names, codec.float_fields(_SCHEMAS[m])) for m in MESSAGE_TYPES}
 _HAS_PAYLOADS = {m for m in MESSAGE_TYPES if "payloads" in {f.name for f in dataclasses.fields(m)}}
 
 
-def _convert(value: Any, hint: Any, where: str) -> Any:
-    """Check ``value`` (decoded JSON) against ``hint``; lists become tuples."""
-    origin = typing.get_origin(hint)
-    if hint is int:
-        if type(value) is not int:
-            raise ProtocolError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if hint is str:
-        if type(value) is not str:
-            raise ProtocolError(f"{where}: expected a string, got {value!r}")
-        return value
-    if hint is bool:
-        if type(value) is not bool:
-            raise ProtocolError(f"{where}: expected true/false, got {value!r}")
-        return value
-    if hint is float:
-        if type(value) not in (int, float):
-            raise ProtocolError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(value, a, where)
-            except ProtocolError as e:
-                errors.append(str(e))
-        raise ProtocolError(errors[0] if errors else f"{where}: unexpected {value!r}")
-    if origin is tuple:
-        if type(value) is not list:
-            raise ProtocolError(f"{where}: expected a list, got {value!r}")
-        args = typing.get_args(hint)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-        if len(args) != len(value):
-            raise ProtocolError(f"{where}: expected {len(args)} items, got {value!r}")
-        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    raise ProtocolError(f"{where}: Prism cannot decode type {hint!r}; please report this bug")
+def _expected(hint: Any, reason: str) -> str:
+    """What a header value of ``hint`` must be, in this protocol's words."""
+    inner = codec.optional_of(hint)
+    if inner is not None:
+        return _expected(inner, reason)
+    words = {int: "an integer", str: "a string", bool: "true/false", float: "a number", bytes: "base64 text"}
+    if hint in words:
+        return words[hint]
+    if reason == codec.LENGTH:
+        return f"{len(typing.get_args(hint))} items"
+    return "a list"
 
 
 def _json_default(value: Any) -> Any:
@@ -404,7 +331,7 @@ def _json_default(value: Any) -> Any:
 def encode(msg: Message, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[Buffer]:
     """Frames for ``msg``: the orjson header, then its payloads (not copied)."""
     cls = type(msg)
-    if cls not in _SPECS:
+    if cls not in _SCHEMAS:
         raise TypeError(f"{cls.__name__} is not a Prism protocol message")
     names, float_names = _ENCODE_SPECS[cls]
     header: dict[str, Any] = {"t": cls.TYPE, "v": PROTOCOL_VERSION}
@@ -473,14 +400,21 @@ def decode(frames: Sequence[Buffer], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYT
             f"{PROTOCOL_VERSION}: run the same Prism version on every side"
         )
     kwargs: dict[str, Any] = {}
-    for name, hint, required, fast in _DECODE_SPECS[cls]:
+    for name, plain, required, _, dec in _SCHEMAS[cls].rows:
         if name not in header:
             if required:
                 raise ProtocolError(f"{mtype} message lacks field {name!r}")
             continue
         value = header[name]
-        out = _SLOW if fast is None else fast(value)
-        kwargs[name] = _convert(value, hint, f"{mtype}.{name}") if out is _SLOW else out
+        if type(value) is plain:
+            kwargs[name] = value
+            continue
+        try:
+            kwargs[name] = dec(value)
+        except codec.Mismatch as e:
+            raise ProtocolError(
+                f"{mtype}.{name}{e.path}: expected {_expected(e.hint, e.reason)}, got {e.value!r}"
+            ) from None
     extra = header.keys() - _ALLOWED_KEYS[cls]
     if extra:
         raise ProtocolError(f"{mtype} message has unknown fields {sorted(extra)}")

@@ -364,7 +364,42 @@ def _patch_torch_cuda() -> None:
 
     cuda._get_device_index = _get_device_index
     cmem._get_device_index = _get_device_index
+    logical_generators(cuda)
     cuda.set_device = set_device
     cuda.current_device = current_device
     cuda.device_count = device_count
     cuda.device = device
+
+
+class _LogicalGenerators(tuple):
+    """``torch.cuda.default_generators`` indexed by a logical device: this
+    process has one device, so every valid logical index names its generator
+    (Megatron-core reads ``default_generators[torch.cuda.current_device()]``)."""
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, int) and not isinstance(index, bool) and len(self) == 1:
+            _check(index, "torch.cuda.default_generators")
+            return tuple.__getitem__(self, 0)
+        return tuple.__getitem__(self, index)
+
+
+def logical_generators(module: Any) -> None:
+    """Make ``module.default_generators`` (set by torch's C++ side when CUDA
+    initialises, after this runs) a ``_LogicalGenerators``: a property on the
+    module's class intercepts the assignment."""
+    current = module.__dict__.get("default_generators", ())
+
+    class _Module(type(module)):
+        @property
+        def default_generators(self) -> Any:
+            value = self.__dict__.get("_prism_default_generators")
+            if not value:  # written straight into the module's dict after all
+                value = _LogicalGenerators(self.__dict__.get("default_generators", ()))
+            return value
+
+        @default_generators.setter
+        def default_generators(self, value: Any) -> None:
+            self.__dict__["_prism_default_generators"] = _LogicalGenerators(value)
+
+    module.__class__ = _Module
+    module.default_generators = current

@@ -13,9 +13,10 @@ finally ``{"ev": "done"}``. EOF on stdin (the launcher went away) kills every
 child, so no rank outlives its launcher.
 
 Each child's stdout and stderr go to one pipe; the server appends them to
-``RUN/logs/rank-XXXXXX.log`` and copies the lines of the shown ranks to its
-own stderr prefixed ``[rank N] ``; a rank that is not shown but fails has the
-tail of its log printed when it exits.
+the log file the launcher names (``spec["log_path"]``, a pattern with a
+``{rank}`` field: ``RUN/logs/rank-XXXXXX.log``) and copies the lines of the
+shown ranks to its own stderr prefixed ``[rank N] ``; a rank that is not
+shown but fails has the tail of its log printed when it exits.
 """
 
 from __future__ import annotations
@@ -48,10 +49,6 @@ except Exception:  # an optional speed-up; a torch without it still works
 #: Lines of a hidden rank's output replayed on the console when it fails.
 FAILURE_TAIL_LINES = 40
 PR_SET_PDEATHSIG = 1
-
-
-def _log_name(rank: int) -> str:
-    return f"rank-{rank:06d}.log"
 
 
 def child_env(spec: dict[str, Any], rank: int) -> dict[str, str]:
@@ -138,8 +135,10 @@ def _report(obj: dict[str, Any]) -> None:
 
 def serve(spec: dict[str, Any]) -> None:
     world = spec["world_size"]
-    logs = os.path.join(spec["run_dir"], "logs")
-    os.makedirs(logs, exist_ok=True)
+    # The launcher names the log files (prism.shell.runfolder knows the run's
+    # layout; the rank side imports no shell).
+    log_pattern = spec["log_path"]
+    os.makedirs(os.path.dirname(log_pattern), exist_ok=True)
     show = spec.get("show_ranks", [0])
     shown = set(range(world)) if show == "all" else set(show)
     # One pipe per rank stays open here: raise the soft limit for large worlds.
@@ -165,7 +164,7 @@ def serve(spec: dict[str, Any]) -> None:
             _child(spec, rank, w)
         os.close(w)
         pids[pid] = rank
-        log_files[rank] = open(os.path.join(logs, _log_name(rank)), "ab", buffering=0)
+        log_files[rank] = open(log_pattern.format(rank=rank), "ab", buffering=0)
         pending[rank] = b""
         tails[rank] = collections.deque(maxlen=FAILURE_TAIL_LINES)
         sel.register(r, selectors.EVENT_READ, rank)

@@ -47,6 +47,7 @@ from prism.core import matcher as M
 from prism.core import protocol as P
 from prism.core import scheduler as S
 from prism.core import trace as T
+from prism.shell import runfolder
 from transport.trio_socket import AsyncSocket
 
 log = logging.getLogger("prism.shell.coordinator")
@@ -136,7 +137,7 @@ class Participant(Protocol):
     status: str
     #: The last step it completed (-1: none yet).
     step: int
-    writer: T.TraceWriter
+    writer: runfolder.TraceWriter
 
     async def deliver(self, msg: P.Message) -> None:
         """Give ``msg`` (a result, a grant, an error, a shutdown) to it."""
@@ -155,7 +156,7 @@ class Participant(Protocol):
 class RankSession:
     """A real rank: a process that said ``Hello`` on the socket as ``identity``."""
 
-    def __init__(self, sock: AsyncSocket, identity: bytes, hello: P.Hello, writer: T.TraceWriter,
+    def __init__(self, sock: AsyncSocket, identity: bytes, hello: P.Hello, writer: runfolder.TraceWriter,
                  clock_offset_ns: int) -> None:
         self._sock = sock
         self.identity = identity
@@ -386,7 +387,7 @@ class Coordinator:
         self._t0 = self._now()
         self._last_hello = self._t0
         self.matcher.last_progress_ns = self._t0
-        T.make_run_dir(self.run_dir)
+        runfolder.make_run_dir(self.run_dir)
         _raise_open_files_limit(self.world_size)
         try:
             await self._serve()
@@ -519,7 +520,7 @@ class Coordinator:
             code = "version" if isinstance(e, P.VersionMismatch) else "bad_message"
             await self._reply(identity, P.Error(code, str(e), rank=hello.rank))
             return
-        writer = T.TraceWriter(self.run_dir, hello.rank)
+        writer = runfolder.TraceWriter(self.run_dir, hello.rank)
         # On one host (ipc or loopback) the monotonic clocks are the same one.
         local = self.bound_endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://[::1]"))
         session = RankSession(self._sock, identity, hello, writer, 0 if local else now - hello.t_ns)
@@ -579,7 +580,7 @@ class Coordinator:
             if msg.status == "oom" and self._result is None:
                 # A named result before the peers' failures it causes.
                 report = msg.message.split("\n\n", 1)[0]
-                self._fail("oom", f"{report}\n(the traceback is in {T.log_path(self.run_dir, rank)})", EXIT_OOM)
+                self._fail("oom", f"{report}\n(the traceback is in {runfolder.log_path(self.run_dir, rank)})", EXIT_OOM)
             await self._outcomes(self.matcher.rank_failed(rank, msg.message, now), now)
             if self._result is None:
                 self._fail("rank_failed", f"rank {rank} failed:\n{msg.message.rstrip()}", 1)
@@ -618,7 +619,7 @@ class Coordinator:
         await self._actions(self.scheduler.finish(rank))
         await self._outcomes(self.matcher.rank_failed(rank, what, now), now)
         if self._result is None:
-            self._fail("rank_failed", f"rank {rank} {what} (see {T.log_path(self.run_dir, rank)})", 1)
+            self._fail("rank_failed", f"rank {rank} {what} (see {runfolder.log_path(self.run_dir, rank)})", 1)
 
     # --- the watchdog -------------------------------------------------------------
 

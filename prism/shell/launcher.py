@@ -21,6 +21,8 @@ from typing import Literal
 
 import orjson
 
+from prism.shell import runfolder
+
 #: As torchrun's ``--nproc-per-node`` default in Prism's bundled workloads.
 DEFAULT_NPROC_PER_NODE = 8
 _ROOT = str(pathlib.Path(__file__).resolve().parents[2])
@@ -134,7 +136,7 @@ def launch_ranks(
     ``endpoint`` is the coordinator's; None runs the script with plain
     torch.distributed (no Prism backend, a real TCP rendezvous on
     ``MASTER_PORT``): the ground truth under the same launcher. Output goes to
-    ``run_dir/logs/rank-XXXXXX.log``; the ranks in ``show_ranks`` ("all" or a
+    ``runfolder.log_path`` (``run_dir/logs/rank-XXXXXX.log``); the ranks in ``show_ranks`` ("all" or a
     list) also print to this process's stderr prefixed ``[rank N] ``, and
     failing ranks print the tail of their log. ``env`` is added to the ranks'
     environment (it wins over this process's; torchrun's variables win over it).
@@ -149,7 +151,7 @@ def launch_ranks(
     spec = {
         "world_size": world_size,
         "endpoint": endpoint,
-        "run_dir": run_dir,
+        "log_path": runfolder.log_path_pattern(run_dir),
         "command": list(command),
         "nproc_per_node": nproc_per_node,
         "show_ranks": show_ranks if show_ranks == "all" else [int(r) for r in show_ranks],

@@ -39,6 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from prism.shell import runfolder
+
 #: CUprocessState
 STATE_NAMES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 #: How long a lock may wait for the rank's submitted work (ms).
@@ -260,10 +262,10 @@ def write_report(run_dir: str | os.PathLike[str], records: Sequence[SwapRecord],
     quiet spell (each such spell cost ``prism.core.residency.RESCUE_QUIET_NS``)."""
     summary = summarize(records, steps)
     summary["rescues"] = rescues
-    path = Path(run_dir) / "telemetry"
-    path.mkdir(parents=True, exist_ok=True)
+    path = runfolder.swap_report_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"summary": summary, "settings": settings or {}, "records": [asdict(r) for r in records]}
-    (path / "swaps.json").write_text(json.dumps(doc, indent=1) + "\n")
+    path.write_text(json.dumps(doc, indent=1) + "\n")
     return summary
 
 

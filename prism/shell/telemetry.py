@@ -20,7 +20,8 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
+
+from prism.shell import runfolder
 
 #: nvmlClocksEventReason* bits (formerly ClocksThrottleReason*), by name.
 THROTTLE_REASONS = {
@@ -69,7 +70,7 @@ class GpuSampler:
 
     def __init__(self, run_dir: str | os.PathLike[str], gpus: Sequence[int] | None = None,
                  interval_s: float = 0.5) -> None:
-        self.path = Path(run_dir) / "telemetry" / "gpu.jsonl"
+        self.path = runfolder.gpu_samples_path(run_dir)
         self.gpus = list(gpus) if gpus is not None else None
         self.interval_s = interval_s
         self.samples = 0

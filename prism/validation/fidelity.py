@@ -41,6 +41,8 @@ import tarfile
 
 from prism.core import trace as T
 
+from prism.shell import runfolder
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "bench" / "results"
 TRACES = RESULTS / "traces"
@@ -208,7 +210,7 @@ def replay(folder: str | pathlib.Path, table: dict[str, tuple[str, float]], mode
 
     rows = []
     for name, (what, truth) in table.items():
-        ranks = T.read_run(pathlib.Path(folder) / name).ranks
+        ranks = runfolder.read_run(pathlib.Path(folder) / name).ranks
         if cold_ns is not None:
             ranks = emulate_v12(ranks, cold_ns)
         g = ExecutionGraph.from_events(ranks, cpu_share=cpu_share)

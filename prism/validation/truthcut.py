@@ -85,9 +85,10 @@ def capture_stretches(run: str | pathlib.Path, step: int) -> dict[int, list[dict
     the summed CPU shares, GPU times and wall times of its segments (ms),
     and the call."""
     from prism.core import trace as T
+    from prism.shell import runfolder
     from prism.core.graph import COLL, COMPUTE, OPS, RECV, SEND, ExecutionGraph
 
-    g = ExecutionGraph.from_events(T.read_run(run).ranks)
+    g = ExecutionGraph.from_events(runfolder.read_run(run).ranks)
     out: dict[int, list[dict]] = {}
     for r in range(g.world_size):
         sl = g.nodes_of(r)

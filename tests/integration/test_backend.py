@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from prism.core import trace
+from prism.shell import runfolder
 from prism.core.trace import group_id
 from tests.support.rank_harness import SCRIPTS, events, log, run_world
 
@@ -157,7 +158,7 @@ def test_real_coordinator_matches_gloo(runs, tmp_path):
         got = torch.load(out / f"rank{r}.pt", weights_only=False)
         for name in gloo[r]:
             _assert_same(got[name], gloo[r][name], f"rank {r} {name}")
-    assert trace.validate_run(trace.read_run(tmp_path / "run")) == []
+    assert trace.validate_run(runfolder.read_run(tmp_path / "run")) == []
 
 
 @pytest.mark.gpu

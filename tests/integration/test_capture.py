@@ -1,6 +1,6 @@
 """End-to-end captures through ``python -m prism capture``: real rank
 processes, the real coordinator, real ZeroMQ. Expected groups and collective
-counts come from the layout (DESIGN.md), never from the trace under test."""
+counts come from the layout (docs/DESIGN.md), never from the trace under test."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from prism.core import trace as T
+from prism.shell import runfolder
 from prism.workloads import harness
 from tests.support.truth import gloo_world
 
@@ -34,7 +35,7 @@ def capture(tmp_path: Path, world: int, command: list[str], *extra: str, name: s
 
 
 def rank_log(run_dir: Path, rank: int) -> str:
-    return T.log_path(run_dir, rank).read_text()
+    return runfolder.log_path(run_dir, rank).read_text()
 
 
 def layout_groups(tp: int, pp: int, dp: int) -> dict[str, list[tuple[int, ...]]]:
@@ -55,7 +56,7 @@ def test_gpt_world16_groups_and_collective_counts_follow_the_layout(tmp_path):
                                            "--layers", str(layers), "--micro-batches", str(micro),
                                            "--steps", str(steps)], "--slots", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = T.read_run(run_dir)
+    run = runfolder.read_run(run_dir)
     assert sorted(run.ranks) == list(range(16))
     assert T.validate_run(run) == []
     assert run.manifest.layout == (("tp", 2), ("pp", 2), ("dp", 4))
@@ -100,7 +101,7 @@ def test_moe_all_to_all_splits_differ_across_ranks(tmp_path):
     proc, run_dir = capture(tmp_path, 4, ["-m", "prism.workloads.gpt", "--dp", "4", "--ep", "4",
                                           "--experts", "4", "--layers", "2", "--steps", "2"], "--slots", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = T.read_run(run_dir)
+    run = runfolder.read_run(run_dir)
     assert T.validate_run(run) == []
     splits = {}
     for r, evs in run.ranks.items():
@@ -166,7 +167,7 @@ def write_script(tmp_path: Path, body: str) -> str:
 
 
 def assert_trace_kept(run_dir: Path, world: int) -> None:
-    run = T.read_run(run_dir)
+    run = runfolder.read_run(run_dir)
     assert sorted(run.ranks) == list(range(world))
     assert T.validate_run(run) == [], T.validate_run(run)[:3]
     for evs in run.ranks.values():
@@ -229,7 +230,7 @@ def test_crashing_rank_shows_its_traceback_and_stops_the_others(tmp_path):
     assert "[rank 2]" in err  # the failing rank's output reaches the console
     assert "ValueError: bad batch on rank two" in rank_log(run_dir, 2)
     # no orphans: every rank process is gone
-    pids = [e.pid for r in range(3) for e in T.read_rank_file(T.rank_path(run_dir, r)).events
+    pids = [e.pid for r in range(3) for e in runfolder.read_rank_file(runfolder.rank_path(run_dir, r)).events
             if isinstance(e, T.RankStart)]
     assert len(pids) == 3
     for pid in pids:

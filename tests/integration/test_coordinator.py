@@ -26,6 +26,7 @@ import zmq
 from prism.shell.coordinator import CaptureResult, Coordinator
 from prism.core import protocol as P
 from prism.core import trace as T
+from prism.shell import runfolder
 from transport.endpoints import default_endpoint
 from transport.trio_socket import AsyncSocket
 
@@ -121,8 +122,8 @@ async def test_collective_roundtrip_and_valid_trace(tmp_path):
     assert result.status == "ok", result.message
     for r in range(world):
         np.testing.assert_array_equal(results[r], np.full(4, 6, np.float32))
-    T.write_manifest(tmp_path / "run", T.Manifest(1, "t", world, 0, ("x",), "cpu", "0", "0", "h"))
-    run = T.read_run(tmp_path / "run")
+    runfolder.write_manifest(tmp_path / "run", T.Manifest(1, "t", world, 0, ("x",), "cpu", "0", "0", "h"))
+    run = runfolder.read_run(tmp_path / "run")
     assert sorted(run.ranks) == [0, 1, 2]
     assert all(type(evs[-1]).__name__ == "RankEnd" for evs in run.ranks.values())
 
@@ -145,7 +146,7 @@ async def test_mismatch_names_ranks_group_and_both_calls(tmp_path, autojump_cloc
     assert trio.current_time() - t0 < 5
     # The trace so far is closed with rank_end records.
     for r in range(2):
-        events = T.read_rank_file(T.rank_path(tmp_path / "run", r)).events
+        events = runfolder.read_rank_file(runfolder.rank_path(tmp_path / "run", r)).events
         assert type(events[-1]).__name__ == "RankEnd"
 
 

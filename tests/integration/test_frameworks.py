@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from prism.core import trace as T
+from prism.shell import runfolder
 from prism.workloads.harness import parse_losses
 from tests.support.truth import gloo_world
 
@@ -88,7 +89,7 @@ class Runs:
                  _script(script), *args],
                 cwd=str(self.base), env=env, capture_output=True, text=True, timeout=420,
             )
-            logs = {r: T.log_path(run_dir, r).read_text() for r in range(WORLD) if T.log_path(run_dir, r).exists()}
+            logs = {r: runfolder.log_path(run_dir, r).read_text() for r in range(WORLD) if runfolder.log_path(run_dir, r).exists()}
             self.cache[key] = (proc.returncode, run_dir, logs, proc.stderr)
         code, run_dir, logs, stderr = self.cache[key]
         if expect_ok:
@@ -119,7 +120,7 @@ def assert_same_outputs(prism_logs: dict[int, str], gloo_out: dict[int, str]) ->
 
 
 def collectives(run_dir: Path) -> list[T.Collective]:
-    run = T.read_run(run_dir)
+    run = runfolder.read_run(run_dir)
     assert T.validate_run(run) == []
     return [ev for evs in run.ranks.values() for ev in evs if isinstance(ev, T.Collective)]
 
@@ -178,7 +179,7 @@ def test_fsdp2_premul_sum_matches_the_gloo_sum_equivalent(runs):
 def test_fsdp2_hybrid_sharding_without_reshard_matches_gloo(runs):
     _, run_dir, logs, _ = runs.prism("fsdp2.py", "--replicate", "2", "--no-reshard")
     assert_same_outputs(logs, runs.gloo("fsdp2.py", "--replicate", "2", "--no-reshard"))
-    run = T.read_run(run_dir)
+    run = runfolder.read_run(run_dir)
     sizes = {ev.gid: ev.ranks for evs in run.ranks.values() for ev in evs if isinstance(ev, T.GroupCreated)}
     seen = Counter((c.op, c.reduce_op, sizes[c.gid]) for c in collectives(run_dir))
     # mesh (replicate=2, shard=2): reduce-scatter inside (0,1) and (2,3), then
@@ -204,7 +205,7 @@ def test_dtensor_tp_with_sequence_parallel_matches_gloo(runs):
 def test_fsdp2_over_tp_on_a_2d_mesh_matches_gloo(runs):
     _, run_dir, logs, _ = runs.prism("fsdp2_tp.py", "--tp", "2")
     assert_same_outputs(logs, runs.gloo("fsdp2_tp.py", "--tp", "2"))
-    run = T.read_run(run_dir)
+    run = runfolder.read_run(run_dir)
     groups = {ev.ranks for evs in run.ranks.values() for ev in evs if isinstance(ev, T.GroupCreated)}
     # mesh (dp=2, tp=2) over ranks 0..3: tp groups of consecutive ranks, dp groups strided.
     assert {(0, 1), (2, 3), (0, 2), (1, 3)} <= groups
@@ -221,7 +222,7 @@ def test_fsdp2_over_tp_on_a_2d_mesh_matches_gloo(runs):
 def test_pipeline_schedules_match_gloo(runs, schedule):
     _, run_dir, logs, _ = runs.prism("pipeline_1f1b.py", "--schedule", schedule)
     assert_same_outputs(logs, runs.gloo("pipeline_1f1b.py", "--schedule", schedule))
-    run = T.read_run(run_dir)
+    run = runfolder.read_run(run_dir)
     p2p = [ev for evs in run.ranks.values() for ev in evs if isinstance(ev, T.P2P)]
     # Shape inference at the first step: recv_object_list sends a size (int64) then pickled bytes (uint8).
     assert {ev.dtype for ev in p2p if ev.step == 0} >= {"int64", "uint8", "float32"}
@@ -253,7 +254,7 @@ def test_dcp_save_and_load_match_gloo(runs, tmp_path, how):
 def test_api_tour_prints_what_gloo_prints_on_every_rank(runs):
     _, run_dir, logs, _ = runs.prism("api_tour.py")
     gloo = runs.gloo("api_tour.py")
-    assert T.validate_run(T.read_run(run_dir)) == []
+    assert T.validate_run(runfolder.read_run(run_dir)) == []
     for rank in range(WORLD):
         want = [line for line in gloo[rank].splitlines() if line.startswith(f"rank {rank} ")]
         got = [line for line in logs[rank].splitlines() if line.startswith(f"rank {rank} ")]

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from prism.core import trace as T
+
+from prism.shell import runfolder
 from tests.support.truth import gloo_world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,11 +33,11 @@ def test_a_scripts_memory_readings_are_its_own_under_prism(tmp_path):
                            "--progress", "off", "--show-ranks", "none", "--", SCRIPT],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = {r: LINE.findall(T.log_path(run, r).read_text()) for r in range(2)}
+    got = {r: LINE.findall(runfolder.log_path(run, r).read_text()) for r in range(2)}
     assert all(len(v) == 5 for v in truth.values()), truth
     assert got == truth
     # Prism's per-step peaks: one Memory event per step per rank, each at most the script's running peak.
-    for r, events in T.read_run(run).ranks.items():
+    for r, events in runfolder.read_run(run).ranks.items():
         mem = [e for e in events if isinstance(e, T.Memory)]
         assert [e.step for e in mem] == [0, 1, 2, 3, 4]
         assert all(e.peak_allocated >= e.allocated for e in mem)
@@ -57,7 +59,7 @@ def test_an_oom_under_a_memory_limit_is_a_named_result(tmp_path):
                      r"and [\d.]+ GiB reserved by torch's allocator, against the --memory-limit allocator budget of "
                      r"4\.00 GiB; at .*oom_worker\.py:\d+ in <module>: held = \[torch\.ones\(n, device=dev\)\]",
                      proc.stderr), proc.stderr[-3000:]
-    ends = {r: [e for e in evs if isinstance(e, T.RankEnd)][-1] for r, evs in T.read_run(run).ranks.items()}
+    ends = {r: [e for e in evs if isinstance(e, T.RankEnd)][-1] for r, evs in runfolder.read_run(run).ranks.items()}
     assert ends[1].status == "oom" and "ran out of GPU memory" in ends[1].message
     summary = subprocess.run([sys.executable, "-m", "prism", "trace", "summary", str(run)], env=env,
                              capture_output=True, text=True, timeout=120)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from prism.shell import swap
+from prism.shell import runfolder, swap
 from prism.app.capture import capture_run
 from prism.shell.gpu_plan import plan_gpus
 from prism.workloads.harness import parse_losses
@@ -152,11 +152,11 @@ def test_capture_with_swaps_keeps_every_rank_data(tmp_path, monkeypatch, launche
                        gpu=_plan(drv, gang)).exit_code
     assert code == 0
     assert drv.violations == []
-    doc = json.loads((tmp_path / "run" / "telemetry" / "swaps.json").read_text())
+    doc = json.loads(runfolder.swap_report_path(tmp_path / "run").read_text())
     assert doc["summary"]["swaps_out"] > 0 and doc["summary"]["swaps_in"] > 0
     # The same swaps were streamed as they happened (kept if a capture is killed).
     streamed = [json.loads(line) for line in
-                (tmp_path / "run" / "telemetry" / "swaps.jsonl").read_text().splitlines()]
+                runfolder.swap_log_path(tmp_path / "run").read_text().splitlines()]
     assert streamed == doc["records"]
     assert doc["settings"]["gang"] == gang and doc["settings"]["resident_per_gpu"] == 2
     # Every rank alternates out, in, out, ... (never swapped twice the same way).
@@ -164,7 +164,7 @@ def test_capture_with_swaps_keeps_every_rank_data(tmp_path, monkeypatch, launche
         dirs = [r["direction"] for r in doc["records"] if r["rank"] == rank and r["status"] == "ok"]
         assert dirs == ["out", "in"] * (len(dirs) // 2) + ["out"] * (len(dirs) % 2), (rank, dirs)
     # The last stage's rank (2) prints the losses; one process computes the same function.
-    got = parse_losses((tmp_path / "run" / "logs" / "rank-000002.log").read_text())
+    got = parse_losses(runfolder.log_path(tmp_path / "run", 2).read_text())
     ref = subprocess.run([sys.executable, *GPT[:2], "--steps", "2", "--layers", "2"], cwd=ROOT,
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
     want = parse_losses(ref.stdout)
@@ -202,7 +202,7 @@ def test_capture_survives_ranks_stopped_outright(tmp_path, monkeypatch, launched
     code = capture_run(tmp_path / "run", 4, GPT, slots=1, progress="off", show_ranks=(), quiet_s=60,
                        gpu=_plan(swap.SimulatedDriver())).exit_code
     assert code == 0
-    got = parse_losses((tmp_path / "run" / "logs" / "rank-000002.log").read_text())
+    got = parse_losses(runfolder.log_path(tmp_path / "run", 2).read_text())
     assert len(got) == 2
 
 
@@ -217,7 +217,7 @@ def test_failed_checkpoint_stops_the_capture_cleanly(tmp_path, monkeypatch, laun
     assert re.search(r"swapping rank \d \(pid \d+\) out at step -?\d+ failed: .*CUDA_ERROR_ILLEGAL_STATE", err)
     # The trace stays valid: every rank has its end record.
     for r in range(4):
-        assert '"k":"rank_end"' in (tmp_path / "run" / "ranks" / f"rank-{r:06d}.jsonl").read_text()
+        assert '"k":"rank_end"' in runfolder.rank_path(tmp_path / "run", r).read_text()
 
 
 @pytest.mark.gpu
@@ -257,7 +257,7 @@ def test_simulated_swaps_on_cpu_finish_without_rescues(tmp_path, gang):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads((run / "telemetry" / "swaps.json").read_text())
+    doc = json.loads(runfolder.swap_report_path(run).read_text())
     s = doc["summary"]
     assert s["swaps_out"] > 0 and s["swaps_out"] == s["swaps_in"]
     assert doc["settings"]["simulated"]["driver"] == "SIGSTOP/SIGCONT"

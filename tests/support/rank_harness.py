@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from prism.shell import runfolder
 from prism.shell.launcher import launch_ranks
 from tests.support.fake_coordinator import FakeCoordinator
 
@@ -37,7 +38,7 @@ def events(fc: FakeCoordinator, rank: int) -> list[dict[str, Any]]:
 
 
 def log(tmp: pathlib.Path, rank: int) -> str:
-    return (tmp / "logs" / f"rank-{rank:06d}.log").read_text()
+    return runfolder.log_path(tmp, rank).read_text()
 
 
 __all__ = ["run_world", "events", "log", "SCRIPTS", "ROOT"]

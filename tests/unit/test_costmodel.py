@@ -4,8 +4,9 @@ import tomllib
 import numpy as np
 import pytest
 
-from prism.core.costmodel import PROFILE_DIR, ZERO, CostModel, Link, ProfileError, load_profile, parse_profile
+from prism.core.costmodel import ZERO, CostModel, Link, ProfileError, parse_profile
 from prism.core.synthetic import MegatronSpec, megatron_graph
+from prism.shell.profiles import PROFILE_DIR, load_profile
 
 # 1 GB/s = 1 byte/ns inside a node, 0.5 byte/ns between nodes; 1 us / 10 us per step
 M = CostModel("t", 4, Link(1e9, 1e-6), Link(0.5e9, 10e-6), base_latency=2e-6)

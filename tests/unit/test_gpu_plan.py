@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from prism.shell import telemetry
+from prism.shell import runfolder, telemetry
 from prism.shell.gpu_plan import GpuPlanError, plan_gpus
 
 
@@ -106,7 +106,7 @@ def test_sampler_writes_one_line_per_gpu_and_sample(tmp_path, monkeypatch):
     assert s.start()
     time.sleep(0.1)
     s.stop()
-    rows = [json.loads(line) for line in (tmp_path / "telemetry" / "gpu.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in runfolder.gpu_samples_path(tmp_path).read_text().splitlines()]
     assert len(rows) == s.samples >= 2
     r = rows[0]
     assert (r["gpu"], r["mem_used"], r["util_gpu"], r["sm_clock_mhz"], r["mem_clock_mhz"], r["temp_c"],
@@ -120,4 +120,4 @@ def test_sampler_skips_cleanly_without_nvml(tmp_path, monkeypatch):
     s = telemetry.GpuSampler(tmp_path)
     assert not s.start() and "pynvml" in s.skipped
     s.stop()
-    assert not (tmp_path / "telemetry" / "gpu.jsonl").exists()
+    assert not runfolder.gpu_samples_path(tmp_path).exists()

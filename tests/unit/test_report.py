@@ -23,12 +23,14 @@ from hypothesis import strategies as st
 
 from prism import cli
 from prism.shell.chakra import et_nodes
-from prism.core.costmodel import ZERO, CostModel, Link, load_profile
+from prism.core.costmodel import ZERO, CostModel, Link
+from prism.shell.profiles import load_profile
 from prism.core.graph import COLL, COMPUTE, ITER, OPS, RECV, SEND, WAIT, ExecutionGraph
 from prism.core.replay import Costs, replay_batch
 from prism.core.synthetic import MegatronSpec, megatron_events
 from prism.core.timeline import PID_BASE, chrome_trace, predicted_timeline, recorded_timeline, segments
-from prism.core.trace import Iteration, Manifest, Memory, RankStart, write_run
+from prism.core.trace import Iteration, Manifest, Memory, RankStart
+from prism.shell.runfolder import write_run
 from tests.support.helpers_graph import Program
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -415,7 +417,7 @@ def test_report_of_a_real_capture(tmp_path):
          "-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--steps", "2"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert cap.returncode == 0, cap.stderr[-2000:]
-    from prism.core.trace import read_run
+    from prism.shell.runfolder import read_run
 
     g = ExecutionGraph.from_events(read_run(run).ranks)
     for extra in ((), ("--recorded",)):

@@ -193,7 +193,7 @@ def _capture(tmp_path, dp):
 
 @pytest.mark.slow
 def test_scaled_capture_matches_a_real_capture_at_that_size(tmp_path):
-    from prism.core.trace import read_run
+    from prism.shell.runfolder import read_run
 
     small, real = read_run(_capture(tmp_path, 2)), read_run(_capture(tmp_path, 4))
     lay = Layout.from_manifest(small.manifest)

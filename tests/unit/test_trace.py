@@ -1,4 +1,5 @@
-"""PrismTrace v1: codec, writer, reader and validator (prism.core.trace)."""
+"""PrismTrace v1: codec and validator (prism.core.trace), writer and reader
+(prism.shell.runfolder)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prism.core import trace as T
+from prism.shell import runfolder
 from prism.core.trace import (
     P2P,
     Collective,
@@ -220,13 +222,17 @@ def test_group_id_rejects_bad_input(index, ranks):
 
 
 def test_layout_paths(tmp_path):
-    assert T.rank_path(tmp_path, 12) == tmp_path / "ranks" / "rank-000012.jsonl"
-    assert T.log_path(tmp_path, 12) == tmp_path / "logs" / "rank-000012.log"
-    assert T.manifest_path(tmp_path) == tmp_path / "manifest.json"
-    assert T.rank_of_path(T.rank_path(tmp_path, 1234567)) == 1234567
-    assert T.rank_of_path("rank-12.jsonl") is None  # not the canonical spelling
-    assert T.rank_of_path("notes.txt") is None
-    T.write_manifest(tmp_path / "run", MANIFEST)
+    assert runfolder.rank_path(tmp_path, 12) == tmp_path / "ranks" / "rank-000012.jsonl"
+    assert runfolder.log_path(tmp_path, 12) == tmp_path / "logs" / "rank-000012.log"
+    assert runfolder.manifest_path(tmp_path) == tmp_path / "manifest.json"
+    assert runfolder.log_path_pattern(tmp_path).format(rank=12) == str(runfolder.log_path(tmp_path, 12))
+    assert runfolder.gpu_samples_path(tmp_path) == tmp_path / "telemetry" / "gpu.jsonl"
+    assert runfolder.swap_log_path(tmp_path) == tmp_path / "telemetry" / "swaps.jsonl"
+    assert runfolder.swap_report_path(tmp_path) == tmp_path / "telemetry" / "swaps.json"
+    assert runfolder.rank_of_path(runfolder.rank_path(tmp_path, 1234567)) == 1234567
+    assert runfolder.rank_of_path("rank-12.jsonl") is None  # not the canonical spelling
+    assert runfolder.rank_of_path("notes.txt") is None
+    runfolder.write_manifest(tmp_path / "run", MANIFEST)
     for sub in ("ranks", "logs", "calibration", "predictions", "emulation", "telemetry"):
         assert (tmp_path / "run" / sub).is_dir()
     assert not (tmp_path / "run" / "manifest.json.tmp").exists()
@@ -279,11 +285,11 @@ def rank_events(rank: int, steps: int = 2) -> list[T.Event]:
 
 def write_sample_run(run_dir, **manifest_changes):
     m = dataclasses.replace(MANIFEST, **manifest_changes)
-    return T.write_run(run_dir, m, {r: rank_events(r) for r in range(W)})
+    return runfolder.write_run(run_dir, m, {r: rank_events(r) for r in range(W)})
 
 
 def test_sample_run_is_valid(tmp_path):
-    run = T.read_run(write_sample_run(tmp_path / "run"))
+    run = runfolder.read_run(write_sample_run(tmp_path / "run"))
     assert run.warnings == []
     assert T.validate_run(run) == []
 
@@ -297,10 +303,10 @@ def test_sample_run_is_valid(tmp_path):
 @given(events=st.lists(ALL_EVENTS, max_size=30), flush_every=st.integers(1, 8))
 def test_writer_reader_round_trip(tmp_path_factory, events, flush_every):
     run_dir = tmp_path_factory.mktemp("run")
-    with T.TraceWriter(run_dir, 3, flush_every=flush_every) as w:
+    with runfolder.TraceWriter(run_dir, 3, flush_every=flush_every) as w:
         for ev in events:
             w.write(ev)
-    rt = T.read_rank_file(T.rank_path(run_dir, 3))
+    rt = runfolder.read_rank_file(runfolder.rank_path(run_dir, 3))
     assert rt.rank == 3
     assert rt.events == events
     assert rt.lines == list(range(1, len(events) + 1))
@@ -308,8 +314,8 @@ def test_writer_reader_round_trip(tmp_path_factory, events, flush_every):
 
 def test_writer_flushes_every_n_lines_and_on_flush(tmp_path):
     evs = rank_events(0)
-    w = T.TraceWriter(tmp_path, 0, flush_every=3)
-    path = T.rank_path(tmp_path, 0)
+    w = runfolder.TraceWriter(tmp_path, 0, flush_every=3)
+    path = runfolder.rank_path(tmp_path, 0)
     w.write(evs[0])
     w.write(evs[1])
     assert path.read_bytes() == b""
@@ -326,28 +332,28 @@ def test_writer_flushes_every_n_lines_and_on_flush(tmp_path):
 
 def test_writer_appends_to_a_clean_file_and_refuses_a_torn_one(tmp_path):
     evs = rank_events(1)
-    with T.TraceWriter(tmp_path, 1) as w:
+    with runfolder.TraceWriter(tmp_path, 1) as w:
         w.write(evs[0])
-    with T.TraceWriter(tmp_path, 1) as w:
+    with runfolder.TraceWriter(tmp_path, 1) as w:
         w.write(evs[1])
-    assert T.read_rank_file(T.rank_path(tmp_path, 1)).events == evs[:2]
-    with open(T.rank_path(tmp_path, 1), "ab") as f:
+    assert runfolder.read_rank_file(runfolder.rank_path(tmp_path, 1)).events == evs[:2]
+    with open(runfolder.rank_path(tmp_path, 1), "ab") as f:
         f.write(b'{"k":"iter"')
     with pytest.raises(T.TraceFormatError, match=r"rank-000001.jsonl ends with a torn line"):
-        T.TraceWriter(tmp_path, 1)
+        runfolder.TraceWriter(tmp_path, 1)
 
 
 def test_truncation_at_every_byte_keeps_whole_records_and_warns(tmp_path):
     evs = rank_events(0, steps=1)
-    with T.TraceWriter(tmp_path, 0) as w:
+    with runfolder.TraceWriter(tmp_path, 0) as w:
         for ev in evs:
             w.write(ev)
-    path = T.rank_path(tmp_path, 0)
+    path = runfolder.rank_path(tmp_path, 0)
     full = path.read_bytes()
     ends = [i + 1 for i, b in enumerate(full) if b == ord("\n")]
     for cut in range(len(full)):
         path.write_bytes(full[:cut])
-        rt = T.read_rank_file(path)
+        rt = runfolder.read_rank_file(path)
         whole = sum(1 for e in ends if e <= cut)
         assert rt.events == evs[:whole], cut
         assert len(rt.warnings) == 1, cut
@@ -360,36 +366,36 @@ def test_truncation_at_every_byte_keeps_whole_records_and_warns(tmp_path):
 
 def test_corrupted_middle_line_stops_reading_there(tmp_path):
     evs = rank_events(2, steps=1)
-    with T.TraceWriter(tmp_path, 2) as w:
+    with runfolder.TraceWriter(tmp_path, 2) as w:
         for ev in evs:
             w.write(ev)
-    path = T.rank_path(tmp_path, 2)
+    path = runfolder.rank_path(tmp_path, 2)
     lines = path.read_bytes().split(b"\n")
     lines[4] = lines[4][:10] + b"\x00garbage" + lines[4][10:]
     path.write_bytes(b"\n".join(lines))
-    rt = T.read_rank_file(path)
+    rt = runfolder.read_rank_file(path)
     assert rt.events == evs[:4]
     assert [(w.line, w.message[:18]) for w in rt.warnings] == [(5, "corrupted record: ")]
     assert str(path) in str(rt.warnings[0])
 
 
 def test_valid_json_with_bad_field_in_the_middle_is_damage(tmp_path):
-    path = T.rank_path(tmp_path, 0)
+    path = runfolder.rank_path(tmp_path, 0)
     path.parent.mkdir(parents=True)
     good = T.encode_event(rank_events(0)[0])
     path.write_bytes(good + b"\n" + b'{"k":"iter","step":"1","end_ns":2}\n' + good + b"\n")
-    rt = T.read_rank_file(path)
+    rt = runfolder.read_rank_file(path)
     assert len(rt.events) == 1
     assert rt.warnings[0].line == 2
     assert "field step must be int, got '1'" in rt.warnings[0].message
 
 
 def test_empty_line_is_damage(tmp_path):
-    path = T.rank_path(tmp_path, 0)
+    path = runfolder.rank_path(tmp_path, 0)
     path.parent.mkdir(parents=True)
     good = T.encode_event(rank_events(0)[0])
     path.write_bytes(good + b"\n\n" + good + b"\n")
-    rt = T.read_rank_file(path)
+    rt = runfolder.read_rank_file(path)
     assert (len(rt.events), rt.warnings[0].line) == (1, 2)
     assert "empty line" in rt.warnings[0].message
 
@@ -397,35 +403,35 @@ def test_empty_line_is_damage(tmp_path):
 def test_rank_from_first_record_when_the_name_is_not_canonical(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_bytes(T.encode_event(rank_events(3)[0]) + b"\n")
-    assert T.read_rank_file(path).rank == 3
+    assert runfolder.read_rank_file(path).rank == 3
     (tmp_path / "x.jsonl").write_bytes(b"")
     with pytest.raises(ValueError, match=r"cannot tell which rank this file belongs to"):
-        T.read_rank_file(tmp_path / "x.jsonl")
+        runfolder.read_rank_file(tmp_path / "x.jsonl")
 
 
 def test_read_run_without_manifest_says_what_is_wrong(tmp_path):
     with pytest.raises(T.TraceFormatError, match=r"manifest.json not found: .* is not a Prism run directory"):
-        T.read_run(tmp_path)
+        runfolder.read_run(tmp_path)
 
 
 def test_read_run_with_newer_minor_skips_unknown_kinds_and_fields(tmp_path):
     run_dir = write_sample_run(tmp_path / "run")
     newer = _manifest_obj(version_minor=T.TRACE_VERSION_MINOR + 1)
-    T.manifest_path(run_dir).write_bytes(orjson.dumps(newer))
-    path = T.rank_path(run_dir, 0)
+    runfolder.manifest_path(run_dir).write_bytes(orjson.dumps(newer))
+    path = runfolder.rank_path(run_dir, 0)
     lines = path.read_bytes().split(b"\n")
     lines.insert(3, b'{"k":"future","x":1}')
     lines[4] = lines[4][:-1] + b',"later":7}'
     path.write_bytes(b"\n".join(lines))
-    run = T.read_run(run_dir)
+    run = runfolder.read_run(run_dir)
     assert run.ranks[0] == rank_events(0)
     assert run.lines[0][3] == 5  # line numbers still point into the file
     msgs = [w.message for w in run.warnings]
     assert any(f"written by PrismTrace 1.{T.TRACE_VERSION_MINOR + 1}" in m for m in msgs)
     assert any("skipped records of unknown kind 'future'" in m for m in msgs)
     # With the reader's own minor the same lines are damage.
-    T.manifest_path(run_dir).write_bytes(T.encode_manifest(MANIFEST))
-    run = T.read_run(run_dir)
+    runfolder.manifest_path(run_dir).write_bytes(T.encode_manifest(MANIFEST))
+    run = runfolder.read_run(run_dir)
     assert len(run.ranks[0]) == 3
     assert any("unknown record kind 'future'" in w.message for w in run.warnings)
 
@@ -433,7 +439,7 @@ def test_read_run_with_newer_minor_skips_unknown_kinds_and_fields(tmp_path):
 def test_read_run_ignores_stray_files_with_a_warning(tmp_path):
     run_dir = write_sample_run(tmp_path / "run")
     (run_dir / "ranks" / "notes.txt").write_text("hi")
-    run = T.read_run(run_dir)
+    run = runfolder.read_run(run_dir)
     assert sorted(run.ranks) == list(range(W))
     assert [w.message for w in run.warnings] == ["not a rank file (expected rank-NNNNNN.jsonl); ignored"]
 
@@ -446,7 +452,7 @@ def test_read_run_ignores_stray_files_with_a_warning(tmp_path):
 def _run_with(rank: int, edit) -> T.Run:
     ranks = {r: rank_events(r) for r in range(W)}
     ranks[rank] = edit(list(ranks[rank]))
-    return T.Run("RUN", MANIFEST, ranks)
+    return runfolder.in_memory_run("RUN", MANIFEST, ranks)
 
 
 def _only_problem(run: T.Run) -> T.Problem:
@@ -512,8 +518,15 @@ def test_rule_empty_rank_file():
 
 def test_rule_every_rank_has_a_file():
     ranks = {r: rank_events(r) for r in range(W - 1)}
-    p = _only_problem(T.Run("RUN", MANIFEST, ranks))
+    p = _only_problem(runfolder.in_memory_run("RUN", MANIFEST, ranks))
     assert (p.rank, p.message) == (3, "no rank file for rank 3 (world_size 4)")
+    assert p.file == os.path.join("RUN", "ranks", "rank-000003.jsonl")
+
+
+def test_a_run_built_without_file_names_is_named_by_rank():
+    ranks = {r: rank_events(r) for r in range(W - 1)}
+    p = _only_problem(T.Run("RUN", MANIFEST, ranks))
+    assert (p.file, p.rank) == ("rank 3", 3)
 
 
 def test_rule_collective_times_ordered():
@@ -657,20 +670,26 @@ def test_rule_steps_never_decrease():
 
 def test_problem_lines_come_from_the_file(tmp_path):
     run_dir = write_sample_run(tmp_path / "run")
-    path = T.rank_path(run_dir, 0)
+    path = runfolder.rank_path(run_dir, 0)
     evs = rank_events(0)
     evs[FIRST_COLL] = dataclasses.replace(evs[FIRST_COLL], bytes=-1)
     path.write_bytes(b"".join(T.encode_event(ev) + b"\n" for ev in evs))
-    (p,) = T.validate_run(T.read_run(run_dir))
+    (p,) = T.validate_run(runfolder.read_run(run_dir))
     assert (p.file, p.line, p.rank, p.field) == (str(path), FIRST_COLL + 1, 0, "bytes")
     assert str(p).startswith(f"{path}:{FIRST_COLL + 1} rank 0 bytes: ")
 
 
 def test_public_names_are_exported():
+    # The package re-exports every public name its records, codec and
+    # validator define, and nothing else.
+    from prism.core.trace import codec, records, validator
+
     defined = {
         n
-        for n, v in vars(T).items()
-        if not n.startswith("_") and (n.isupper() or getattr(v, "__module__", None) == T.__name__)
+        for mod in (records, codec, validator)
+        for n, v in vars(mod).items()
+        if not n.startswith("_")
+        and (n.isupper() or getattr(v, "__module__", None) == mod.__name__)
     }
     assert set(T.__all__) == defined | {"Event"}
 
@@ -695,7 +714,8 @@ def test_encode_names_nested_fields():
 
 _KILLED_WRITER = """
 import sys
-from prism.core.trace import Compute, TraceWriter
+from prism.core.trace import Compute
+from prism.shell.runfolder import TraceWriter
 with TraceWriter(sys.argv[1], 0, flush_every=int(sys.argv[2])) as w:
     i = 0
     while True:
@@ -707,7 +727,7 @@ with TraceWriter(sys.argv[1], 0, flush_every=int(sys.argv[2])) as w:
 @pytest.mark.parametrize("flush_every", [1, 7])
 def test_killed_writer_leaves_whole_lines_and_at_most_one_torn(tmp_path, flush_every):
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(tmp_path), str(flush_every)], cwd=os.getcwd())
-    path = T.rank_path(tmp_path, 0)
+    path = runfolder.rank_path(tmp_path, 0)
     try:
         deadline = time.monotonic() + 20
         while (not path.exists() or path.stat().st_size < 200_000) and time.monotonic() < deadline:
@@ -715,7 +735,7 @@ def test_killed_writer_leaves_whole_lines_and_at_most_one_torn(tmp_path, flush_e
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    rt = T.read_rank_file(path)
+    rt = runfolder.read_rank_file(path)
     assert len(rt.events) > 1000
     assert rt.events == [Compute(i, i + 1, 0) for i in range(len(rt.events))]
     # killed mid-line (nearly always) or, rarely, between two whole lines

@@ -10,6 +10,7 @@ from tests.unit.test_trace import FIRST_COLL, MANIFEST, W, rank_events, write_sa
 
 from prism import cli
 from prism.core import trace as T
+from prism.shell import runfolder
 from prism.app.trace import compact_ranks
 
 
@@ -34,7 +35,7 @@ def test_summary_counts_every_rank_and_group(tmp_path, capsys):
 
 def test_summary_lists_warnings_of_a_crashed_rank(tmp_path, capsys):
     run_dir = write_sample_run(tmp_path / "run")
-    path = T.rank_path(run_dir, 2)
+    path = runfolder.rank_path(run_dir, 2)
     path.write_bytes(path.read_bytes()[:-7])
     assert cli.main(["trace", "summary", str(run_dir)]) == 0
     out = capsys.readouterr().out
@@ -54,7 +55,7 @@ def test_validate_reports_problems_and_exits_1(tmp_path, capsys):
     run_dir = write_sample_run(tmp_path / "run")
     evs = rank_events(1)
     evs[FIRST_COLL] = dataclasses.replace(evs[FIRST_COLL], op="allreduce")
-    path = T.rank_path(run_dir, 1)
+    path = runfolder.rank_path(run_dir, 1)
     path.write_bytes(b"".join(T.encode_event(ev) + b"\n" for ev in evs[:-1]))
     assert cli.main(["trace", "validate", str(run_dir)]) == 1
     out = capsys.readouterr().out.splitlines()
@@ -66,7 +67,7 @@ def test_validate_reports_problems_and_exits_1(tmp_path, capsys):
 
 def test_warnings_alone_do_not_fail_validation(tmp_path, capsys):
     run_dir = write_sample_run(tmp_path / "run")
-    path = T.rank_path(run_dir, 0)
+    path = runfolder.rank_path(run_dir, 0)
     path.write_bytes(path.read_bytes()[:-3])
     assert cli.main(["trace", "validate", str(run_dir)]) == 0
     assert "0 problem(s), 1 warning(s)" in capsys.readouterr().out
@@ -106,7 +107,7 @@ def test_summary_shows_the_two_clocks_of_gpu_ranks(tmp_path, capsys):
                                    free_ns=-1 if calibrated else ev.end_ns - ev.start_ns)
 
     events = {r: [gpu(ev) for ev in rank_events(r)] if r == 0 else rank_events(r) for r in range(W)}
-    run_dir = T.write_run(tmp_path / "gpu", MANIFEST, events)
+    run_dir = runfolder.write_run(tmp_path / "gpu", MANIFEST, events)
     assert cli.main(["trace", "summary", str(run_dir)]) == 0
     out = capsys.readouterr().out.splitlines()
     i = next(k for k, line in enumerate(out) if line.startswith("GPU timing"))
