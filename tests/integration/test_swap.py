@@ -215,9 +215,8 @@ def test_failed_checkpoint_stops_the_capture_cleanly(tmp_path, monkeypatch, laun
         assert '"k":"rank_end"' in (tmp_path / "run" / "ranks" / f"rank-{r:06d}.jsonl").read_text()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not swap.CheckpointDriver.available(),
-                    reason="needs a CUDA device (and a driver with the checkpoint API)")
+@pytest.mark.gpu(reason="swaps a process's GPU memory out and back")
+@pytest.mark.skipif(not swap.CheckpointDriver.available(), reason="needs a CUDA driver with the checkpoint API")
 def test_checkpoint_driver_round_trip_keeps_data():
     holder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "gpu_holder.py"), "0.25"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

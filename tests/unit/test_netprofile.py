@@ -6,6 +6,7 @@ import prism.app.predict as app_predict
 from prism.core.costmodel import parse_profile
 from prism.core.trace import Manifest
 from prism.app.netprofile import fitted_profile_path, measure
+from tests.support.gpus import cuda_device_count
 from prism.core.netfit import Fit, Point, fit_per_op, fit_points, predict_seconds, profile_toml, relative_errors
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single", "send")
@@ -139,21 +140,14 @@ def test_tiny_real_measurement_and_fit():
     assert fit.bandwidth > 0 and np.isfinite(relative_errors(fit, pts)).all()
 
 
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-@pytest.mark.skipif(_gpus() >= 2, reason="checks the refusal on a machine with fewer than 2 GPUs")
+@pytest.mark.skipif(cuda_device_count() >= 2, reason="checks the refusal on a machine with fewer than 2 GPUs")
 def test_netprofile_nccl_needs_two_gpus(capsys):
     assert cli.main(["netprofile", "--backend", "nccl"]) == 2
     err = capsys.readouterr().err
     assert "--backend nccl needs at least 2 GPUs" in err and "torch sees" in err
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 2, reason="NCCL between processes needs 2 GPUs")
+@pytest.mark.gpu(2, reason="NCCL between processes")
 def test_tiny_real_nccl_measurement_and_fit():
     pts = measure([1 << 10, 1 << 20, 1 << 24], [2], ["all_reduce", "send"], timeout=300, backend="nccl")
     assert len(pts) == 6 and all(0 < p.seconds < 1 for p in pts)
