@@ -49,7 +49,6 @@ GLOO_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_matches_real_gloo(tmp_path):
-    pytest.importorskip("torch")
     world = 3
     script = tmp_path / "ranks.py"
     script.write_text(GLOO_SCRIPT)
