@@ -168,6 +168,7 @@ class FakeProcesses:
         self.killed = True
 
 
+@pytest.mark.slow
 async def test_dead_rank_stops_the_others(tmp_path):
     procs = FakeProcesses()
     coord = make(tmp_path, 2, grace_s=0.5, processes=procs)
@@ -220,6 +221,7 @@ async def test_exit_seen_before_the_goodbye_is_not_a_crash(tmp_path):
     assert coord.result.status == "ok", coord.result.message
 
 
+@pytest.mark.slow
 async def test_registration_fails_only_when_it_stalls(tmp_path):
     # Ranks keep arriving (each within the stall limit, all of them later than
     # it): the run goes on. Then one never comes: the run ends, naming it.

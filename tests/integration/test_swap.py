@@ -238,6 +238,7 @@ def test_checkpoint_driver_round_trip_keeps_data():
         holder.stdout.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gang", ["1", "tpxpp"])
 def test_simulated_swaps_on_cpu_finish_without_rescues(tmp_path, gang):
     # World 8 on "one GPU" holding 4: gang 1 hung until the rescue (rank
@@ -264,6 +265,7 @@ def test_simulated_swaps_on_cpu_finish_without_rescues(tmp_path, gang):
     assert s["rescues"] == 0
 
 
+@pytest.mark.slow
 def test_simulate_swaps_rejects_a_cuda_command_and_a_missing_resident(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     base = [sys.executable, "-m", "prism", "capture", "-n", "2", "--out", str(tmp_path / "r"), "--simulate-swaps"]
