@@ -8,7 +8,7 @@ back (``protocol.CollectiveResult``). Results must be what the ground truth
 match a real run's.
 
 Reduction order (measured against torch 2.13's gloo, see
-``tests/unit/test_collectives.py::test_matches_real_gloo``): gloo's all_reduce is a
+``tests/integration/test_gloo_collectives.py::test_matches_real_gloo``): gloo's all_reduce is a
 ring reduce-scatter. The flat buffer of ``n`` elements is cut into ``W``
 chunks (``W`` = group size), chunk ``c`` is accumulated along the ring
 starting at group rank ``c-1`` and going down: ``x[c-1], x[c-2], ..., x[c]``

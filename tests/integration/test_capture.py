@@ -139,6 +139,7 @@ def test_zero_modification_same_values_as_gloo(tmp_path, script, ranks_that_prin
             assert float(gv) == pytest.approx(float(wv), rel=1e-5, abs=1e-7), (w, g)
 
 
+@pytest.mark.slow
 def test_gpt_losses_equal_gloo(tmp_path):
     args = ["-m", "prism.workloads.gpt", "--tp", "2", "--steps", "3", "--layers", "2"]
     truth = gloo_world(args, 2, timeout=240)
@@ -176,6 +177,7 @@ def assert_trace_kept(run_dir: Path, world: int) -> None:
         assert any(isinstance(e, T.Collective) and e.op == "all_reduce" for e in evs)
 
 
+@pytest.mark.slow
 def test_mismatch_is_reported_with_ranks_group_and_both_calls(tmp_path):
     script = write_script(tmp_path, """
         y = torch.ones(3)
@@ -196,6 +198,7 @@ def test_mismatch_is_reported_with_ranks_group_and_both_calls(tmp_path):
     assert_trace_kept(run_dir, 2)
 
 
+@pytest.mark.slow
 def test_deadlock_is_reported_rank_by_rank(tmp_path):
     script = write_script(tmp_path, """
         if rank == 0:
@@ -212,6 +215,7 @@ def test_deadlock_is_reported_rank_by_rank(tmp_path):
     assert_trace_kept(run_dir, 2)
 
 
+@pytest.mark.slow
 def test_crashing_rank_shows_its_traceback_and_stops_the_others(tmp_path):
     script = write_script(tmp_path, """
         import time

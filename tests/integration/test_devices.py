@@ -14,7 +14,6 @@ from torch.overrides import TorchFunctionMode
 from prism.rank import devices
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def test_choose_gpu_gives_contiguous_blocks():
@@ -103,7 +102,6 @@ def _probe(rank: int, world: int, nproc: int, **env: str) -> dict:
     return json.loads(proc.stdout)
 
 
-@needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("rank", [0, 5, 7])
 def test_every_call_with_logical_devices(rank):
@@ -163,8 +161,7 @@ def test_logical_devices_are_left_alone_when_they_are_the_physical_ones(rank, np
     assert out["selected"] == ([] if remapped else [rank])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: one rank per GPU, nothing remapped")
+@pytest.mark.gpu(2, reason="one rank per GPU, nothing remapped")
 def test_ranks_on_their_own_gpus_hold_memory_on_no_other(tmp_path):
     # Measured before the fix on 2 H200s: rank 1 held +518 MiB on GPU 0 (a
     # second CUDA context, opened by Prism's completion thread).

@@ -106,8 +106,7 @@ def _busy_ns(a) -> float:
     return e0.elapsed_time(e1) * 1e6
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: measures GPU busy time")
+@pytest.mark.gpu(reason="measures GPU busy time")
 def test_calibrated_segment_measures_gpu_busy_time_not_issue_gaps():
     a = torch.randn(2048, 2048, device="cuda")
     busy = _busy_ns(a)
@@ -124,8 +123,7 @@ def test_calibrated_segment_measures_gpu_busy_time_not_issue_gaps():
     assert cpu_ns >= 16_000_000 and end >= cpu_end
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: measures GPU busy time")
+@pytest.mark.gpu(reason="measures GPU busy time")
 def test_calibration_covers_the_scripts_own_streams():
     """FSDP2 runs kernels on streams of its own and calls collectives with one
     of them current: the busy time must cover them, from the spin's stream."""
@@ -195,8 +193,7 @@ def test_ranks_take_turns_per_physical_gpu_and_not_while_swapping(monkeypatch):
     assert gputime.from_env(None, swapping=True).exclusive is None
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: times kernel launches")
+@pytest.mark.gpu(reason="times kernel launches")
 def test_cold_start_probe_leaves_the_scripts_random_stream_and_call_count_alone():
     mode = LogicalDeviceMode()
     torch.zeros(1, device="cuda")
@@ -208,8 +205,7 @@ def test_cold_start_probe_leaves_the_scripts_random_stream_and_call_count_alone(
     assert mode.calls == 7
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: measures GPU busy time")
+@pytest.mark.gpu(reason="measures GPU busy time")
 def test_an_uncalibrated_segment_records_its_free_finish_and_a_cold_start_after_a_call():
     a = torch.randn(2048, 2048, device="cuda")
     busy = _busy_ns(a)

@@ -220,9 +220,8 @@ def test_failed_checkpoint_stops_the_capture_cleanly(tmp_path, monkeypatch, laun
         assert '"k":"rank_end"' in runfolder.rank_path(tmp_path / "run", r).read_text()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not swap.CheckpointDriver.available(),
-                    reason="needs a CUDA device (and a driver with the checkpoint API)")
+@pytest.mark.gpu(reason="swaps a process's GPU memory out and back")
+@pytest.mark.skipif(not swap.CheckpointDriver.available(), reason="needs a CUDA driver with the checkpoint API")
 def test_checkpoint_driver_round_trip_keeps_data():
     holder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "gpu_holder.py"), "0.25"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -244,6 +243,7 @@ def test_checkpoint_driver_round_trip_keeps_data():
         holder.stdout.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gang", ["1", "tpxpp"])
 def test_simulated_swaps_on_cpu_finish_without_rescues(tmp_path, gang):
     # World 8 on "one GPU" holding 4: gang 1 hung until the rescue (rank
@@ -270,6 +270,7 @@ def test_simulated_swaps_on_cpu_finish_without_rescues(tmp_path, gang):
     assert s["rescues"] == 0
 
 
+@pytest.mark.slow
 def test_simulate_swaps_rejects_a_cuda_command_and_a_missing_resident(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     base = [sys.executable, "-m", "prism", "capture", "-n", "2", "--out", str(tmp_path / "r"), "--simulate-swaps"]

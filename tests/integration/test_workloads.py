@@ -52,11 +52,13 @@ def moe_one_rank():
     return {k: losses(GPT + ["--layers", "2", "--experts", "4", "--top-k", str(k)], 1)[0] for k in (1, 2)}
 
 
+@pytest.mark.slow
 def test_tp2_matches_one_rank_and_runs_as_a_script_path(dense_one_rank):
     got, _ = losses(GPT_SCRIPT + ["--tp", "2"], 2)
     assert_close(got, dense_one_rank)
 
 
+@pytest.mark.slow
 def test_pp2_matches_one_rank(dense_one_rank):
     # 4 micro-batches of 1 sequence: the same 4 sequences per step as the baseline's 2 x 2.
     got, results = losses(GPT + ["--pp", "2", "--micro-batches", "4", "--batch", "1"], 2)
@@ -72,6 +74,7 @@ def test_pp3_with_uneven_stages_matches_one_rank(dense_one_rank):
     assert parse_losses(results[2].stdout) == got
 
 
+@pytest.mark.slow
 def test_dp2_with_the_global_batch_split_matches_one_rank(dense_one_rank):
     got, _ = losses(GPT + ["--dp", "2", "--batch", "1"], 2)
     assert_close(got, dense_one_rank)
@@ -85,6 +88,7 @@ def test_world8_tp2_pp2_dp2_matches_one_rank(dense_one_rank):
     assert parse_losses(results[4].stdout) == got
 
 
+@pytest.mark.slow
 def test_moe_ep2_matches_one_rank_and_split_sizes_differ(moe_one_rank):
     got, results = losses(GPT + ["--layers", "2", "--experts", "4", "--dp", "2", "--ep", "2",
                                  "--batch", "1", "--print-splits"], 2)
@@ -117,6 +121,7 @@ def test_world_size_mismatch_names_the_values():
         run_world(GPT + ["--tp", "4", "--heads", "4"], 2, cwd=str(ROOT))
 
 
+@pytest.mark.slow
 def test_world_of_one_needs_no_launcher():
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}

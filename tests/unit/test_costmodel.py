@@ -1,3 +1,7 @@
+"""The network cost model (prism.core.costmodel): alpha-beta formulas per op
+within and between nodes, the vectorised costs, and profile files (the
+bundled ones, loading by path, validation naming file, key and value)."""
+
 import pathlib
 import tomllib
 

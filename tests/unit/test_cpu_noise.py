@@ -1,6 +1,6 @@
 """prism.validation.cpunoise and the step clock's scheduler lines: what the
 FSDP2 truth study (bench/cpu_noise.py) reads. Runs on CPU; the plain-run path
-is exercised with gloo on two ranks."""
+with gloo on two ranks: tests/integration/test_cpu_noise_runs.py."""
 
 import json
 import pathlib
@@ -44,15 +44,3 @@ def test_cpu_pairs_come_from_the_topology():
     flat = {"affinity": [0, 1], "siblings": {0: "0", 1: "1"}, "core": {0: [0, 0], 1: [0, 1]}}
     assert noise.pick_cpus(flat) == (1, -1, 0)
     assert noise.expand_cpus("4-6") == [4, 5, 6]
-
-
-def test_plain_runs_report_steps_cpu_time_and_cpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    runs = noise.truth_runs(1, 2, [str(ROOT / "prism" / "workloads" / "frameworks" / "fsdp2.py"),
-                                   "--dim", "16", "--hidden", "32", "--batch", "64", "--steps", "5"], 120.0)
-    (run,) = runs
-    assert len(run["ranks"]) == 2
-    for rank in run["ranks"]:
-        assert len(rank["step_ms"]) == 4 and all(s > 0 for s in rank["step_ms"])
-        assert len(rank["run_ms"]) == 4 and all(r > 0 for r in rank["run_ms"])
-        assert rank["cpus"] and all(c >= 0 for c in rank["cpus"])

@@ -1,3 +1,8 @@
+"""The execution graph (prism.core.graph): program order and matching of
+collectives and point-to-point calls across ranks, and every way a trace can
+fail to form a graph (truncation, mismatches, unmatched sends and receives,
+deadlocks, group disagreements), each error naming ranks and calls."""
+
 import dataclasses
 
 import numpy as np

@@ -1,3 +1,8 @@
+"""``prism netprofile`` without measuring: the alpha-beta fit (prism.core.netfit),
+the profile TOML it writes and reads back, the profile ``prism predict``
+picks, and the command's refusals (real measurements over gloo and NCCL:
+tests/integration/test_netprofile_measure.py)."""
+
 import numpy as np
 import pytest
 
@@ -5,7 +10,8 @@ from prism import cli
 import prism.app.predict as app_predict
 from prism.core.costmodel import parse_profile
 from prism.core.trace import Manifest
-from prism.app.netprofile import fitted_profile_path, measure
+from prism.app.netprofile import fitted_profile_path
+from tests.support.gpus import cuda_device_count
 from prism.core.netfit import Fit, Point, fit_per_op, fit_points, predict_seconds, profile_toml, relative_errors
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single", "send")
@@ -129,38 +135,11 @@ def test_netprofile_refuses_more_ranks_than_cores(capsys):
     assert "must be in 2.." in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_tiny_real_measurement_and_fit():
-    pts = measure([1 << 10, 1 << 16, 1 << 20], [2], ["all_reduce", "send"], timeout=120)
-    assert [(p.op, p.nbytes) for p in pts] == [(op, b) for op in ("all_reduce", "send")
-                                               for b in (1 << 10, 1 << 16, 1 << 20)]
-    assert all(0 < p.seconds < 1 for p in pts)
-    fit = fit_points(pts)
-    assert fit.bandwidth > 0 and np.isfinite(relative_errors(fit, pts)).all()
-
-
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-@pytest.mark.skipif(_gpus() >= 2, reason="checks the refusal on a machine with fewer than 2 GPUs")
+@pytest.mark.skipif(cuda_device_count() >= 2, reason="checks the refusal on a machine with fewer than 2 GPUs")
 def test_netprofile_nccl_needs_two_gpus(capsys):
     assert cli.main(["netprofile", "--backend", "nccl"]) == 2
     err = capsys.readouterr().err
     assert "--backend nccl needs at least 2 GPUs" in err and "torch sees" in err
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 2, reason="NCCL between processes needs 2 GPUs")
-def test_tiny_real_nccl_measurement_and_fit():
-    pts = measure([1 << 10, 1 << 20, 1 << 24], [2], ["all_reduce", "send"], timeout=300, backend="nccl")
-    assert len(pts) == 6 and all(0 < p.seconds < 1 for p in pts)
-    assert fit_points(pts).bandwidth > 1e9  # NVLink/PCIe, not a socket
-    # collectives: GPU time and the CPU's issue time per call, measured apart
-    assert all(0 < p.issue_seconds < 1e-3 for p in pts if p.op != "send")
-    assert all(p.issue_seconds is None for p in pts if p.op == "send")
 
 
 def test_issue_times_round_trip_per_op_and_a_ping_pong_gets_none():

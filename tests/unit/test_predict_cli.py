@@ -1,3 +1,7 @@
+"""``prism predict`` in-process on a synthetic Megatron run: the iteration time
+breakdown, --json, and the errors for a bad profile, an inconsistent trace
+and a folder that is no run."""
+
 import json
 
 import pytest

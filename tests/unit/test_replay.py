@@ -1,3 +1,8 @@
+"""The replay engines (prism.core.replay): collective, async and point-to-point
+timing, the steppable replay against the batch one on random and Megatron
+graphs, critical paths, and the two-clock (CPU issue, GPU work) compute
+segments and their calibration."""
+
 import numpy as np
 import pytest
 from tests.support.helpers_graph import Program

@@ -1,8 +1,8 @@
 """``python -m prism report``: Chrome trace, Gantt plot and Chakra ET of a run.
 
 Most tests use a synthetic Megatron run written to disk with ``write_run``
-(with clock offsets and memory samples added); one slow test captures a real
-world-4 run. Expected counts come from the graph, never from the output under
+(with clock offsets and memory samples added); the report of a real world-4
+capture is in tests/integration/test_real_captures.py. Expected counts come from the graph, never from the output under
 test.
 """
 
@@ -12,7 +12,6 @@ import os
 import pathlib
 import shutil
 import subprocess
-import sys
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -33,7 +32,6 @@ from prism.core.trace import Iteration, Manifest, Memory, RankStart
 from prism.shell.runfolder import write_run
 from tests.support.helpers_graph import Program
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 HAS_PROTOBUF = importlib.util.find_spec("google.protobuf") is not None
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 needs_protobuf = pytest.mark.skipif(not HAS_PROTOBUF, reason="protobuf is not installed (the 'chakra' extra)")
@@ -403,30 +401,6 @@ def test_report_needs_an_output(syn, capsys):
 def test_report_bad_profile(syn, tmp_path, capsys):
     assert report(syn[0], "--perfetto", tmp_path / "t.json", "--net", "nope") == 2
     assert "nope" in capsys.readouterr().err
-
-
-# ---------------------------------------------------------- a real capture
-@pytest.mark.slow
-@needs_protobuf
-@needs_matplotlib
-def test_report_of_a_real_capture(tmp_path):
-    run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cap = subprocess.run(
-        [sys.executable, "-m", "prism", "capture", "-n", "4", "--out", str(run), "--progress", "off", "--",
-         "-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--steps", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert cap.returncode == 0, cap.stderr[-2000:]
-    from prism.shell.runfolder import read_run
-
-    g = ExecutionGraph.from_events(read_run(run).ranks)
-    for extra in ((), ("--recorded",)):
-        t = tmp_path / f"t{len(extra)}.json"
-        assert report(run, "--perfetto", t, "--plot", tmp_path / "g.png", "--chakra", tmp_path / "et", *extra) == 0
-        trace = load(t)
-        check_trace(trace, g, memory=any(isinstance(e, Memory) for evs in read_run(run).ranks.values() for e in evs))
-        assert len(list((tmp_path / "et").glob("prism.*.et"))) == 4
-        assert (tmp_path / "g.png").stat().st_size > 20_000
 
 
 # ----------------------------------------------------------- random graphs

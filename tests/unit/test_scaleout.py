@@ -1,7 +1,6 @@
-import dataclasses
-import pathlib
-import subprocess
-import sys
+"""Scale-out (prism.core.scaleout) on synthetic Megatron runs: scaling the data
+parallel size gives the structure of a run at that size, and ``prism predict
+--scale-dp`` (against real captures: tests/integration/test_real_captures.py)."""
 
 import numpy as np
 import pytest
@@ -177,29 +176,3 @@ def test_predict_scale_dp(monkeypatch, capsys):
     assert "needs the run's layout" in capsys.readouterr().err
     assert cli.main(["predict", "RUN", "--scale-dp", "3", "--layout", "tp=2,pp=2,dp=2"]) == 2
     assert "multiple of the captured dp 2" in capsys.readouterr().err
-
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _capture(tmp_path, dp):
-    out = tmp_path / f"dp{dp}"
-    cmd = [sys.executable, "-m", "prism", "capture", "-n", str(4 * dp), "--slots", "2", "--out", str(out),
-           "--progress", "off", "--show-ranks", "none", "--", "-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2",
-           "--dp", str(dp), "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--steps", "2"]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
-    return out
-
-
-@pytest.mark.slow
-def test_scaled_capture_matches_a_real_capture_at_that_size(tmp_path):
-    from prism.shell.runfolder import read_run
-
-    small, real = read_run(_capture(tmp_path, 2)), read_run(_capture(tmp_path, 4))
-    lay = Layout.from_manifest(small.manifest)
-    big = ExecutionGraph.from_events(scale_events(small.ranks, lay, 4))
-    ref = ExecutionGraph.from_events(real.ranks)
-    new = Layout.from_manifest(real.manifest)
-    assert compare_structure(structure(big, new), structure(ref, new)) == []
-    assert sorted(g.gid for g in big.groups) == sorted(g.gid for g in ref.groups)
-    assert dataclasses.asdict(new) == dataclasses.asdict(lay.with_dp(4))

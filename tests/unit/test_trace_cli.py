@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 from tests.unit.test_trace import FIRST_COLL, MANIFEST, W, rank_events, write_sample_run
 
@@ -79,12 +77,6 @@ def test_unreadable_run_exits_2_and_says_why(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"prism trace: cannot read run {tmp_path}:" in err
         assert "not a Prism run directory" in err
-
-
-def test_python_dash_m_prism_trace_validate(tmp_path):
-    run_dir = write_sample_run(tmp_path / "run")
-    r = subprocess.run([sys.executable, "-m", "prism", "trace", "validate", str(run_dir)], capture_output=True, text=True)
-    assert (r.returncode, r.stderr) == (0, "")
 
 
 def test_compact_ranks():

@@ -1,0 +1,46 @@
+"""Test-suite wiring: the ``gpu`` marker skips by itself, and every test under
+tests/integration/ carries the ``integration`` marker.
+
+``@pytest.mark.gpu`` needs one CUDA device; ``@pytest.mark.gpu(2)`` needs two;
+``@pytest.mark.gpu(reason="...")`` (or ``gpu(2, reason=...)``) says why in
+the skip message. Where torch sees fewer devices the test is skipped with
+"needs a CUDA device" / "needs N GPUs" and that reason. Torch is asked once,
+and only when a collected test carries the marker.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from tests.support.gpus import cuda_device_count
+
+_INTEGRATION = pathlib.Path(__file__).parent / "integration"
+
+
+def _gpu_skip(mark: pytest.Mark) -> str | None:
+    """The skip reason for a ``gpu`` mark, or None when enough GPUs are here."""
+    if len(mark.args) > 1 or set(mark.kwargs) - {"reason"}:
+        raise pytest.UsageError(f"@pytest.mark.gpu takes one GPU count and reason=..., got {mark}")
+    need = mark.args[0] if mark.args else 1
+    if not isinstance(need, int) or isinstance(need, bool) or need < 1:
+        raise pytest.UsageError(f"@pytest.mark.gpu needs a GPU count >= 1, got {need!r}")
+    have = cuda_device_count()
+    if have >= need:
+        return None
+    what = "needs a CUDA device" if need == 1 else f"needs {need} GPUs"
+    why = mark.kwargs.get("reason")
+    return f"{what}: {why}" if why else what
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    integration = pytest.mark.integration
+    for item in items:
+        if _INTEGRATION in item.path.parents:
+            item.add_marker(integration)
+        mark = item.get_closest_marker("gpu")
+        if mark is not None:
+            reason = _gpu_skip(mark)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))

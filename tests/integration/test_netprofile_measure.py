@@ -1,0 +1,30 @@
+"""``prism netprofile``'s measurement itself (prism.app.netprofile.measure):
+two rank processes time all_reduce and send over gloo on this machine, or
+over NCCL where 2 GPUs are present, and the alpha-beta fit of the points is
+sane (the fit alone: tests/unit/test_netprofile.py)."""
+
+import numpy as np
+import pytest
+
+from prism.app.netprofile import measure
+from prism.core.netfit import fit_points, relative_errors
+
+
+@pytest.mark.slow
+def test_tiny_real_measurement_and_fit():
+    pts = measure([1 << 10, 1 << 16, 1 << 20], [2], ["all_reduce", "send"], timeout=120)
+    assert [(p.op, p.nbytes) for p in pts] == [(op, b) for op in ("all_reduce", "send")
+                                               for b in (1 << 10, 1 << 16, 1 << 20)]
+    assert all(0 < p.seconds < 1 for p in pts)
+    fit = fit_points(pts)
+    assert fit.bandwidth > 0 and np.isfinite(relative_errors(fit, pts)).all()
+
+
+@pytest.mark.gpu(2, reason="NCCL between processes")
+def test_tiny_real_nccl_measurement_and_fit():
+    pts = measure([1 << 10, 1 << 20, 1 << 24], [2], ["all_reduce", "send"], timeout=300, backend="nccl")
+    assert len(pts) == 6 and all(0 < p.seconds < 1 for p in pts)
+    assert fit_points(pts).bandwidth > 1e9  # NVLink/PCIe, not a socket
+    # collectives: GPU time and the CPU's issue time per call, measured apart
+    assert all(0 < p.issue_seconds < 1e-3 for p in pts if p.op != "send")
+    assert all(p.issue_seconds is None for p in pts if p.op == "send")
