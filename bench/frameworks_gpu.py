@@ -8,7 +8,8 @@ all ranks resident and with ``--resident 4 --gang tp`` (CUDA checkpoints swap
 ranks out and in); the two captures' losses must be equal bit for bit; and a
 tp1 pp1 dp1 run of the same model on the same global batch, without Prism,
 which the captures track within fp32 reduction-order noise.
-``megatron-moe``: the same with 4 experts, tp2 pp2 ep2 (dp2).
+``megatron-moe``: the same with 4 experts, tp1 pp2 dp4 ep2 (Megatron trains MoE
+with TP only under sequence parallelism, which its local spec does not have).
 ``hf``: ``hf_causal_lm.py`` under DDP at world 2 on one GPU, captured and run
 for real with gloo on CUDA tensors (NCCL refuses two ranks on one GPU); the
 losses must be equal; FSDP2 and the MoE model captured.
@@ -96,11 +97,13 @@ def plain(out: Path, name: str, world: int, script: list[str], timeout: int = 30
 
 def megatron(out: Path, moe: bool) -> list[dict]:
     script = [str(FW / "megatron_gpt.py"), "--steps", str(MEGATRON_STEPS), "--global-batch", str(GLOBAL_BATCH)]
-    layout = ["--tp", "2", "--pp", "2"] + (["--experts", "4", "--ep", "2"] if moe else [])
+    # MoE with TP needs sequence parallelism, which the local spec lacks: tp1 pp2 dp4 ep2
+    layout = ["--pp", "2", "--experts", "4", "--ep", "2"] if moe else ["--tp", "2", "--pp", "2"]
     ref = ["--experts", "4"] if moe else []
     tag = "moe" if moe else "dense"
-    rows = [capture(out, f"megatron-{tag}-resident", 8, script + layout, "--gang", "tp"),
-            capture(out, f"megatron-{tag}-swapped", 8, script + layout, "--resident", "4", "--gang", "tp",
+    gang = "1" if moe else "tp"
+    rows = [capture(out, f"megatron-{tag}-resident", 8, script + layout, "--gang", gang),
+            capture(out, f"megatron-{tag}-swapped", 8, script + layout, "--resident", "4", "--gang", gang,
                     timeout=520),
             plain(out, f"megatron-{tag}-tp1", 1, script + ref)]
     a, b, c = (r["losses"] for r in rows)
@@ -137,7 +140,7 @@ def main() -> int:
     for part in args.parts.split(","):
         rows += {"megatron-dense": lambda: megatron(out, False), "megatron-moe": lambda: megatron(out, True),
                  "hf": lambda: hf(out)}[part]()
-        (out / f"frameworks_gpu-{time.strftime('%Y-%m-%d')}-{args.parts.replace(',', '+')}.json").write_text(
+        (out / f"frameworks_gpu-{time.strftime('%Y-%m-%d')}-{args.parts.replace(',', '_')}.json").write_text(
             json.dumps({"rows": rows}, indent=2, default=str))
     print(f"{'run':<28} {'exit':>7} {'wall s':>7}  losses / check")
     for r in rows:

@@ -365,6 +365,8 @@ def _patch_torch_cuda() -> None:
     cuda._get_device_index = _get_device_index
     cmem._get_device_index = _get_device_index
     logical_generators(cuda)
+    _patch_copy_streams()
+    _patch_accelerator_index()
     cuda.set_device = set_device
     cuda.current_device = current_device
     cuda.device_count = device_count
@@ -403,3 +405,39 @@ def logical_generators(module: Any) -> None:
 
     module.__class__ = _Module
     module.default_generators = current
+
+
+def _patch_copy_streams() -> None:
+    """DDP with ``device_ids=[LOCAL_RANK]`` moves its inputs on a side stream
+    from ``torch.nn.parallel._functions._get_stream(cuda:LOCAL_RANK)``, a list
+    sized by the in-process device count: give it the in-process device."""
+    import torch.nn.parallel._functions as functions
+
+    original = functions._get_stream
+
+    def _get_stream(device: Any) -> Any:
+        if isinstance(device, torch.device) and device.type == "cuda" and device.index:
+            _check(device.index, "the DDP copy stream's device")
+            device = torch.device("cuda", 0)
+        return original(device)
+
+    functions._get_stream = _get_stream
+
+
+def _patch_accelerator_index() -> None:
+    """``torch.accelerator.device_index(i)`` (DDP's input copies enter it with
+    its ``device_ids[0]``, the script's logical index) switches to the
+    in-process device; the script's current logical device moves with it."""
+    accelerator = getattr(torch, "accelerator", None)
+    original = getattr(accelerator, "device_index", None)
+    if original is None:  # torch before 2.8
+        return
+
+    class device_index(original):  # noqa: N801 (torch's name)
+        __doc__ = original.__doc__
+
+        def __init__(self, device: int | None, /) -> None:
+            _check(device, "torch.accelerator.device_index")
+            super().__init__(None if device is None else (0 if device >= 0 else device))
+
+    accelerator.device_index = device_index

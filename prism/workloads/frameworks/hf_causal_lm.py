@@ -65,7 +65,8 @@ def main():
     dist.init_process_group(args.backend or ("nccl" if torch.cuda.is_available() else "gloo"))
     rank, world = dist.get_rank(), dist.get_world_size()
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        # one GPU per rank, or ranks sharing the GPUs there are (gloo on CUDA tensors)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -1,7 +1,7 @@
 """Megatron-core GPT (and MoE) training with TP, PP, DP and EP, as users write it.
 
     torchrun --nproc-per-node 8 prism/workloads/frameworks/megatron_gpt.py --tp 2 --pp 2
-    torchrun --nproc-per-node 8 prism/workloads/frameworks/megatron_gpt.py --tp 2 --experts 4 --ep 2
+    torchrun --nproc-per-node 8 prism/workloads/frameworks/megatron_gpt.py --pp 2 --experts 4 --ep 2
 
 Megatron-core's own pieces, nothing re-implemented: ``parallel_state``
 groups (``tp-cp-ep-dp-pp`` order, so ``rank = tp + TP * (dp + DP * pp)``),
@@ -49,6 +49,11 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
+    if args.experts and args.tp > 1:
+        # Megatron trains MoE with TP only under sequence parallelism, which the
+        # local spec's torch LayerNorm refuses (it needs Transformer Engine).
+        parser.error("--experts with --tp > 1 needs sequence parallelism, which Megatron-core's local layer spec "
+                     "does not support; use --tp 1 with --ep for the MoE layouts")
 
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -96,7 +101,8 @@ def main():
 
         def loss_func(output_tensor):
             loss = output_tensor.float().mean()
-            return loss, {"lm loss": loss.detach()}
+            # The schedule divides the returned loss by the micro-batch count in place: report a copy.
+            return loss, {"lm loss": loss.detach().clone()}
 
         return output, loss_func
 
