@@ -54,6 +54,7 @@ RULES = {
     "prism.rank": ("prism.core", "prism.rank", "prism"),
     "prism.shell": ("prism.core", "prism.rank", "prism.shell", "prism"),
     "prism.app": None,
+    "prism.cli": ("prism.app", "prism.core", "prism.cli", "prism"),
     "prism.validation": None,
 }
 
