@@ -67,3 +67,17 @@ def test_other_fields_pass_through(fake):
     fake.alloc(7)
     s = memstats._script_stats(0)
     assert s["allocated_bytes"]["all"]["current"] == 7 and s["num_ooms"] == 0
+
+
+def test_mem_get_info_on_a_shared_gpu_answers_as_if_alone(monkeypatch):
+    import torch
+    import torch.cuda.memory as cmem
+
+    # the real call sees the other ranks' memory too: 10 of 100 free
+    monkeypatch.setattr(cmem, "mem_get_info", lambda device=None: (10, 100))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", cmem.mem_get_info)
+    monkeypatch.setattr(memstats, "_process_bytes", lambda pid: 30)
+    memstats._install_mem_get_info(torch)
+    assert torch.cuda.mem_get_info() == (70, 100) and cmem.mem_get_info(0) == (70, 100)
+    monkeypatch.setattr(memstats, "_process_bytes", lambda pid: 0)  # NVML cannot tell: the real answer
+    assert torch.cuda.mem_get_info() == (10, 100)
