@@ -23,6 +23,9 @@ thin **shells** around it own sockets, processes, clocks, files and devices.
     ``protocol``     wire messages between a rank and the coordinator
                      (``docs/PROTOCOL.md``).
     ``collectives``  what every collective computes, in gloo's reduction order.
+    ``compensation`` what virtual ranks contribute where nothing recorded it,
+                     folded into one input (phase 2).
+    ``steps``        the steps every rank of a failed or killed run completed.
     ``matcher``      pairs participations and sends/receives across ranks;
                      mismatches, dead peers, deadlock reports.
     ``scheduler``    the slot scheduler and the complete ``SwapPolicy``
