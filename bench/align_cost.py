@@ -66,7 +66,6 @@ def captures() -> None:
     import tempfile
 
     from prism.core import graph
-    from prism.core import trace as T
     from prism.shell import runfolder
     from prism.validation import fidelity
 

@@ -61,9 +61,9 @@ def capture(out: Path, name: str, world: int, script: list[str], *extra: str, ti
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
-        code, stdout, stderr = p.returncode, p.stdout, p.stderr
+        code, stderr = p.returncode, p.stderr
     except subprocess.TimeoutExpired as e:
-        code, stdout, stderr = "timeout", str(e.stdout or ""), str(e.stderr or "")
+        code, stderr = "timeout", str(e.stderr or "")
     wall = time.monotonic() - t0
     logs = {r: runfolder.log_path(run, r).read_text() for r in range(world) if runfolder.log_path(run, r).exists()}
     got = next((losses(t) for t in logs.values() if losses(t)), [])

@@ -58,7 +58,7 @@ import numpy as np
 
 from prism.app.errors import UsageError
 from prism.core.costmodel import parse_profile
-from prism.core.netfit import (Fit, Point, fit_per_op, fit_points, issue_per_op, predict_seconds, profile_toml,
+from prism.core.netfit import (Fit, Point, fit_per_op, fit_points, predict_seconds, profile_toml,
                                relative_errors)
 
 __all__ = ["NetprofileConfig", "NetprofilePlan", "NetprofileResult", "plan_netprofile", "run_netprofile",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any

@@ -324,7 +324,7 @@ class ReplayResult:
         the transfer and then the sender's rank; a wait follows the op it waited
         for. The steps' lengths add up to the makespan.
         """
-        g, c = self.graph, self.costs
+        g = self.graph
         if g.n_nodes == 0:
             return []
         start, end, kind, ref = self.start, self.end, g.kind, g.ref

@@ -84,7 +84,6 @@ def capture_stretches(run: str | pathlib.Path, step: int) -> dict[int, list[dict
     """Per rank, the capture's step ``step`` cut at its communication calls:
     the summed CPU shares, GPU times and wall times of its segments (ms),
     and the call."""
-    from prism.core import trace as T
     from prism.shell import runfolder
     from prism.core.graph import COLL, COMPUTE, OPS, RECV, SEND, ExecutionGraph
 

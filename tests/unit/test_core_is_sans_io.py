@@ -64,14 +64,14 @@ def file_io(source: str, module: str) -> list[str]:
             continue
         fn = node.func
         if isinstance(fn, ast.Name) and fn.id == "open":
-            out.append((node.lineno, f"calls open()"))
+            out.append((node.lineno, "calls open()"))
         elif isinstance(fn, ast.Attribute):
             owner = fn.value.id if isinstance(fn.value, ast.Name) else None
             top = aliases.get(owner) if owner else None
             if top == "os" and fn.attr in OS_FILE_CALLS:
                 out.append((node.lineno, f"calls os.{fn.attr}()"))
             elif top == "io" and fn.attr == "open":
-                out.append((node.lineno, f"calls io.open()"))
+                out.append((node.lineno, "calls io.open()"))
             elif top in FILE_MODULES:
                 out.append((node.lineno, f"calls {top}.{fn.attr}()"))
             elif top is None and fn.attr in PATH_METHODS:

@@ -4,8 +4,7 @@ and its rescue rule (sans-IO: time and the matcher's view are arguments)."""
 import pytest
 
 from prism.core.residency import RESCUE_QUIET_NS, GangResidency, megatron_gangs
-from prism.core.scheduler import (Grant, NoSwap, RankState, Rescue, ResidentLimit, Scheduler, SchedulerError,
-                                  SwapIn, SwapOut, SwapPolicy)
+from prism.core.scheduler import (Grant, NoSwap, RankState, Rescue, ResidentLimit, Scheduler, SwapIn, SwapOut, SwapPolicy)
 
 
 def test_megatron_gangs_from_the_layout():

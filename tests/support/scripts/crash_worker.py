@@ -1,6 +1,5 @@
 """Rank 0 prints and ends well, rank 1 raises, rank 2 calls sys.exit(3)."""
 
-import os
 import sys
 
 import torch.distributed as dist
