@@ -1,4 +1,6 @@
-"""Where a benchmark writes by default: ``bench/results/<benchmark>-<YYYY-MM-DD>[-<machine>].<ext>``
+"""Shared by the benchmarks: where a benchmark writes by default, and the per-call timer.
+
+Where a benchmark writes by default: ``bench/results/<benchmark>-<YYYY-MM-DD>[-<machine>].<ext>``
 (today's UTC date; the machine from ``$BENCH_MACHINE``, e.g. ``vm``, ``h200cpu``, ``h200x2``). See
 bench/README.md for the naming of result files."""
 
@@ -15,3 +17,15 @@ def result_path(benchmark: str, ext: str = "json") -> pathlib.Path:
     machine = os.environ.get("BENCH_MACHINE", "")
     name = f"{benchmark}-{time.strftime('%Y-%m-%d', time.gmtime())}" + (f"-{machine}" if machine else "")
     return RESULTS / f"{name}.{ext}"
+
+
+def per_call_us(fn, n: int) -> float:
+    """Microseconds per call of ``fn``: the best of 3 rounds of ``n`` calls
+    (the round least disturbed by other processes)."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / n / 1000)
+    return best

@@ -24,7 +24,7 @@ import orjson
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from prism.core import protocol as P  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _results import result_path  # noqa: E402
+from _results import per_call_us, result_path  # noqa: E402
 
 MESSAGES = {
     "coll": P.CollectiveArrive(
@@ -36,16 +36,6 @@ MESSAGES = {
     "slot_req": P.SlotRequest(rank=7),
     "coll_res": P.CollectiveResult(gid="world", seq=9, payloads=(b"x" * 64,)),
 }
-
-
-def per_call_us(fn, n: int) -> float:
-    best = float("inf")
-    for _ in range(3):  # best of 3 rounds: least disturbed by other processes
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter_ns() - t0) / n / 1000)
-    return best
 
 
 def main() -> None:

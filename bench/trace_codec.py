@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from prism.core.trace import Collective, decode_event, encode_event  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _results import result_path  # noqa: E402
+from _results import per_call_us, result_path  # noqa: E402
 
 EV = Collective(
     gid="g3-dfdbea34", seq=41, op="all_to_all_single", reduce_op="", dtype="bfloat16",
@@ -31,16 +31,6 @@ EV = Collective(
     in_splits=(1000, 1048, 1024, 1024), out_splits=(1024, 1024, 1000, 1048),
     async_op=True, issue_ns=1_000_000, wait_ns=1_200_000, end_ns=1_900_000, step=7,
 )
-
-
-def per_call_us(fn, n: int) -> float:
-    best = float("inf")
-    for _ in range(3):  # best of 3 rounds: least disturbed by other processes
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter_ns() - t0) / n / 1000)
-    return best
 
 
 def main() -> None:
