@@ -23,6 +23,8 @@ thin **shells** around it own sockets, processes, clocks, files and devices.
     ``protocol``     wire messages between a rank and the coordinator
                      (``docs/PROTOCOL.md``).
     ``collectives``  what every collective computes, in gloo's reduction order.
+    ``hybrid``       the hybrid replay: sandbox ranks' calls fed in as they
+                     happen, virtual ranks stepped from the graph (phase 2).
     ``compensation`` what virtual ranks contribute where nothing recorded it,
                      folded into one input (phase 2).
     ``steps``        the steps every rank of a failed or killed run completed.

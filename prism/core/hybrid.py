@@ -1,0 +1,227 @@
+"""The hybrid replay: real sandbox ranks against the graph's virtual ranks (sans-IO).
+
+``HybridReplay(graph, sandbox=[0, 5])`` is the steppable replay
+(``prism.core.replay.SteppableReplay``) with the sandbox ranks' time taken
+from outside. Every other rank is a virtual rank: a cursor into the graph with
+its two clocks, a few machine words each, stepped by the same event loop.
+
+A sandbox rank is computing from the moment its previous call was released
+until it calls again; the shell feeds that call as it happens,
+``arrive(rank, call, now)``. The engine then closes the rank's compute
+segments up to ``now`` (the recorded durations of all but the first, which
+absorbs the difference, so a sandbox that runs as recorded reproduces the
+recorded timeline) and processes the call at ``now`` like any other: a
+collective completes at its last arrival (sandbox arrivals as measured,
+virtual ones from the graph) plus the cost model's time. When the emulated
+job would release the sandbox's call, the engine emits ``Released`` with that
+time; the shell gives the sandbox its result then, not earlier, and sleeps
+until ``next_due()`` otherwise. A call other than what the graph has at that
+point is a ``Mismatch`` (the rank, what it called, what the graph expected).
+
+Dormant virtual ranks (members of no group with a sandbox) are simulated
+like the live ones here (``dormant="simulate"``, the exact mode); resolving
+them offline from the batch replay is not built yet.
+
+Time enters as ``now`` (integer nanoseconds on the shell's clock, aligned so
+that the replay's 0 is the sandbox's first arrival or whatever the shell
+chooses). The engine never reads a clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from prism.core.costmodel import ZERO, CostModel
+from prism.core.graph import COLL, COMPUTE, ITER, KIND_NAMES, OPS, RECV, SEND, WAIT, ExecutionGraph
+from prism.core.replay import NORMAL, Costs, SteppableReplay
+
+__all__ = ["Call", "Released", "Mismatch", "HybridError", "HybridReplay"]
+
+_COMM = (COLL, SEND, RECV, WAIT)
+
+
+class HybridError(RuntimeError):
+    """The shell drove the engine out of order (its bug, not the script's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What a sandbox rank called: ``kind`` is "coll", "send", "recv" or "wait";
+    ``op`` the collective's name; ``gid``/``seq`` the collective instance;
+    ``peer``/``tag`` a point-to-point call's other rank and tag."""
+
+    kind: str
+    op: str = ""
+    gid: str = ""
+    seq: int = -1
+    peer: int = -1
+    tag: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """Sandbox rank ``rank``'s call (graph node ``node``) returns at ``t_ns`` in the emulated job."""
+
+    rank: int
+    node: int
+    call: Call
+    t_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """A sandbox rank called something other than what the graph has there."""
+
+    rank: int
+    got: Call
+    expected: str
+
+    @property
+    def message(self) -> str:
+        got = self.got
+        what = (f"{got.op or got.kind} on group {got.gid} at sequence {got.seq}" if got.kind == "coll"
+                else f"{got.kind} with rank {got.peer} tag {got.tag}" if got.kind in ("send", "recv") else got.kind)
+        return (f"sandbox rank {self.rank} called {what}, but the captured graph has {self.expected} at this point "
+                "(the script took another path, or its arguments changed since the capture)")
+
+
+class HybridReplay(SteppableReplay):
+    def __init__(self, graph: ExecutionGraph, sandbox: Iterable[int], durations: np.ndarray | None = None,
+                 cost_model: CostModel = ZERO, *, dormant: str = "simulate") -> None:
+        if dormant != "simulate":
+            raise ValueError(f"dormant={dormant!r}: only 'simulate' is built (every virtual rank stepped exactly)")
+        self.sandbox = frozenset(int(r) for r in sandbox)
+        bad = sorted(r for r in self.sandbox if not 0 <= r < graph.world_size)
+        if bad:
+            raise ValueError(f"sandbox rank(s) {bad} outside the graph's world of {graph.world_size}")
+        self._setup(graph, Costs.of(graph, durations, cost_model))
+        #: sandbox rank -> (first node of the segment it is computing, when it started)
+        self.computing: dict[int, tuple[int, int]] = {}
+        #: sandbox rank -> the comm node its arrival cleared for processing
+        self._armed: dict[int, int] = {}
+        #: releases computed since the shell last took them (``take_released``)
+        self.released: list[Released] = []
+
+    # --- the shell's side ---------------------------------------------------------
+
+    def next_due(self) -> int | None:
+        """When the engine next has something to do (None: it waits for sandbox arrivals or is done)."""
+        return self.next_event_time()
+
+    def arrive(self, rank: int, call: Call, now: int) -> Mismatch | None:
+        """Sandbox ``rank`` reached ``call`` at ``now``; None, or the mismatch
+        (then the engine is left as it was)."""
+        start = self._computing_since(rank, now)
+        nd, _ = self.computing[rank]
+        end = self._ptr[rank + 1]
+        cn = nd
+        while cn < end and self._kind[cn] not in _COMM:
+            cn += 1
+        if cn == end:
+            return Mismatch(rank, call, "no further communication call (the rank's part of the graph ends)")
+        expected = self._expected(cn)
+        if not self._matches(cn, call):
+            return Mismatch(rank, call, expected)
+        self._close_segments(rank, nd, cn, start, now)
+        self._pos[rank] = cn
+        self._armed[rank] = cn
+        self._push(now, NORMAL, rank)
+        return None
+
+    def finish(self, rank: int, now: int) -> None:
+        """Sandbox ``rank``'s script ended at ``now`` (after its last call)."""
+        start = self._computing_since(rank, now)
+        nd, _ = self.computing[rank]
+        end = self._ptr[rank + 1]
+        for n in range(nd, end):
+            if self._kind[n] in _COMM:
+                raise HybridError(f"sandbox rank {rank} ended, but the graph still has its {self._expected(n)}")
+        self._close_segments(rank, nd, end, start, now)
+        self._pos[rank] = end
+
+    def take_released(self) -> list[Released]:
+        out, self.released = self.released, []
+        return out
+
+    # --- inside ---------------------------------------------------------------------
+
+    def _computing_since(self, rank: int, now: int) -> int:
+        if rank not in self.sandbox:
+            raise HybridError(f"rank {rank} is not a sandbox rank (sandbox: {sorted(self.sandbox)})")
+        if rank not in self.computing:
+            raise HybridError(f"sandbox rank {rank} arrived while its previous call is not released yet "
+                              "(advance the engine to the release time first)")
+        _, start = self.computing[rank]
+        if now < start:
+            raise HybridError(f"sandbox rank {rank} arrived at {now} ns, before its release at {start} ns")
+        return start
+
+    def _close_segments(self, rank: int, first: int, stop: int, start: int, now: int) -> None:
+        """Nodes ``first .. stop-1`` (compute and step marks) end by ``now``: the
+        first absorbs the difference, the others keep their recorded durations."""
+        del self.computing[rank]
+        if stop == first:
+            return
+        dur = self._dur
+        rest = sum(dur[n] for n in range(first + 1, stop) if self._kind[n] == COMPUTE)
+        t = start
+        for n in range(first, stop):
+            self._start[n] = t
+            if self._kind[n] == ITER:
+                e = t
+            elif n == first:
+                e = max(t, now - rest)
+            else:
+                e = t + dur[n]
+            self._end[n] = e
+            t = e
+        self._clk[rank] = now
+        self.events += stop - first
+
+    def _call_of(self, node: int) -> Call:
+        g = self.graph
+        k = self._kind[node]
+        gid = g.groups[g.group[node]].gid if g.group[node] >= 0 else ""
+        op = OPS[g.op[node]] if g.op[node] >= 0 else ""
+        return Call(KIND_NAMES[k], op, gid, int(g.seq[node]), int(g.peer[node]), int(g.tag[node]))
+
+    def _expected(self, node: int) -> str:
+        c = self._call_of(node)
+        if c.kind == "coll":
+            return f"{c.op} on group {c.gid} at sequence {c.seq}"
+        if c.kind in ("send", "recv"):
+            return f"{c.kind} with rank {c.peer} tag {c.tag}"
+        return f"a wait for its {self._expected(int(self._wait_of[node]))}"
+
+    def _matches(self, node: int, call: Call) -> bool:
+        want = self._call_of(node)
+        if want.kind != call.kind:
+            return False
+        if call.kind == "coll":
+            return (want.op, want.gid, want.seq) == (call.op, call.gid, call.seq)
+        if call.kind in ("send", "recv"):
+            return (want.peer, want.tag) == (call.peer, call.tag)
+        return True
+
+    def _process(self) -> tuple[int, int]:
+        t, prio, seq, r = self._heap[0]
+        if r in self.sandbox:
+            nd = self._pos[r]
+            if self._armed.get(r) != nd:
+                # The sandbox computes from here until it calls again: its time is the shell's.
+                heapq.heappop(self._heap)
+                self.computing[r] = (nd, t)
+                return t, nd
+            del self._armed[r]
+        return super()._process()
+
+    def _push(self, t: int, prio: int, r: int) -> None:
+        if r in self.sandbox and self._armed.get(r) != self._pos[r]:
+            prev = self._pos[r] - 1
+            if prev >= self._ptr[r] and self._kind[prev] in _COMM:
+                self.released.append(Released(r, prev, self._call_of(prev), t))
+        super()._push(t, prio, r)

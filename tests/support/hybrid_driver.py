@@ -1,0 +1,45 @@
+"""Drive a HybridReplay as a shell would, with the sandbox ranks' arrivals
+decided by a function: each time a sandbox rank is released into a compute
+segment, ``arrival(rank, first_node, start_ns)`` says when it calls again."""
+
+from __future__ import annotations
+
+import heapq
+
+from prism.core.hybrid import HybridReplay
+
+
+def next_comm(eng: HybridReplay, node: int, rank: int) -> int:
+    end = eng.graph.rank_ptr[rank + 1]
+    while node < end and eng.graph.kind[node] not in (1, 2, 3, 4):
+        node += 1
+    return node
+
+
+def drive(eng: HybridReplay, arrival) -> list:
+    """Run ``eng`` to the end; returns every Released in order."""
+    due: list[tuple[int, int]] = []  # (arrival time, rank)
+    scheduled: set[int] = set()
+    released = []
+    while True:
+        for r, (nd, t0) in eng.computing.items():
+            if r not in scheduled:
+                scheduled.add(r)
+                heapq.heappush(due, (arrival(r, nd, t0), r))
+        t_eng = eng.next_due()
+        if due and (t_eng is None or due[0][0] <= t_eng):
+            t, r = heapq.heappop(due)
+            scheduled.discard(r)
+            nd, _ = eng.computing[r]
+            cn = next_comm(eng, nd, r)
+            if cn == eng.graph.rank_ptr[r + 1]:
+                eng.finish(r, t)
+            else:
+                mismatch = eng.arrive(r, eng._call_of(cn), t)
+                assert mismatch is None, mismatch
+            continue
+        if t_eng is None:
+            break
+        eng.step(t_eng)
+        released += eng.take_released()
+    return released

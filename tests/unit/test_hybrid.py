@@ -1,0 +1,89 @@
+"""The hybrid replay (prism.core.hybrid): sandbox ranks fed from outside,
+virtual ranks from the graph.
+
+Oracle: feeding each sandbox call at the time the batch replay computed for it
+reproduces the batch replay's start and end times exactly. Perturbation: a
+sandbox 1.2x slower gives exactly the batch replay of the graph with the
+durations it took. Mismatch: a call other than the graph's is named."""
+
+import numpy as np
+import pytest
+
+from prism.core.costmodel import CostModel, Link
+from prism.core.graph import ExecutionGraph
+from prism.core.hybrid import Call, HybridError, HybridReplay
+from prism.core.replay import replay_batch
+from prism.core.synthetic import MegatronSpec, megatron_events
+from tests.support.hybrid_driver import drive, next_comm
+
+MODEL = CostModel("test", 4, Link(100e9, 2e-6), Link(25e9, 5e-6), base_latency=3e-6, source="test")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return ExecutionGraph.from_events(megatron_events(MegatronSpec(tp=2, pp=2, dp=4, ep=2, iterations=3)))
+
+
+@pytest.mark.parametrize("sandbox", [[0], [0, 5]])
+def test_arrivals_at_the_batch_times_reproduce_the_batch_replay(graph, sandbox):
+    want = replay_batch(graph, cost_model=MODEL)
+    eng = HybridReplay(graph, sandbox, cost_model=MODEL)
+
+    def at_batch_time(rank, node, t0):
+        cn = next_comm(eng, node, rank)
+        return int(want.start[cn]) if cn < graph.rank_ptr[rank + 1] else int(want.end[cn - 1])
+
+    released = drive(eng, at_batch_time)
+    got = eng.result()
+    np.testing.assert_array_equal(got.start, want.start)
+    np.testing.assert_array_equal(got.end, want.end)
+    # every blocking call of a sandbox rank was released when its next node starts
+    for rel in released:
+        assert rel.rank in sandbox and rel.t_ns == want.start[rel.node + 1]
+
+
+def test_a_slower_sandbox_delays_the_world_as_the_batch_replay_says(graph):
+    eng = HybridReplay(graph, [0, 5], cost_model=MODEL)
+    dur = graph.dur
+
+    def slower(rank, node, t0):
+        cn = next_comm(eng, node, rank)
+        return t0 + int(round(1.2 * int(dur[node:cn].sum())))
+
+    drive(eng, slower)
+    got = eng.result()
+    taken = graph.dur.copy()
+    for r in (0, 5):
+        lo, hi = graph.rank_ptr[r], graph.rank_ptr[r + 1]
+        comp = np.arange(lo, hi)[graph.kind[lo:hi] == 0]
+        taken[comp] = got.end[comp] - got.start[comp]
+        assert abs(taken[comp].sum() - 1.2 * graph.dur[comp].sum()) <= len(comp)  # 1.2x, to the ns
+    want = replay_batch(graph, durations=taken, cost_model=MODEL)
+    np.testing.assert_array_equal(got.start, want.start)
+    np.testing.assert_array_equal(got.end, want.end)
+    assert got.iteration_times.sum() > replay_batch(graph, cost_model=MODEL).iteration_times.sum()
+
+
+def test_a_call_the_graph_does_not_have_is_a_mismatch_that_names_it(graph):
+    eng = HybridReplay(graph, [0], cost_model=MODEL)
+    eng.advance(0)
+    nd, _ = eng.computing[0]
+    cn = next_comm(eng, nd, 0)
+    right = eng._call_of(cn)
+    wrong = Call("coll", "all_gather_into_tensor", right.gid, right.seq + 7)
+    m = eng.arrive(0, wrong, 10)
+    assert m is not None and m.rank == 0 and m.expected == f"{right.op} on group {right.gid} at sequence {right.seq}"
+    assert "sandbox rank 0 called all_gather_into_tensor" in m.message and "took another path" in m.message
+    assert eng.arrive(0, right, 10) is None  # the engine was left as it was
+
+
+def test_driving_it_out_of_order_is_the_shells_error(graph):
+    eng = HybridReplay(graph, [0], cost_model=MODEL)
+    with pytest.raises(HybridError, match="not a sandbox rank"):
+        eng.arrive(1, Call("coll"), 0)
+    with pytest.raises(HybridError, match="previous call is not released"):
+        eng.arrive(0, Call("coll"), 0)
+    with pytest.raises(ValueError, match="outside the graph's world of 16"):
+        HybridReplay(graph, [16])
+    with pytest.raises(ValueError, match="only 'simulate'"):
+        HybridReplay(graph, [0], dormant="offline")
