@@ -1,0 +1,200 @@
+"""The hybrid engine on a large world: one sandbox rank among thousands of virtual ranks.
+
+A synthetic Megatron layout (default tp8 pp8 dp128: 8,192 ranks) with one
+sandbox rank whose calls are fed at the batch replay's own times (so the
+result must equal the batch replay, which is checked), driven two ways:
+
+- flat out: the engine as fast as it goes (events per second, setup time);
+- paced: on the real clock, the emulated job's time 0 at the start, the
+  engine advanced to ``now`` in a loop and each sandbox call fed when its time
+  comes; the lag of each release (when the engine computed it, against when
+  the emulated job returns the call) and of each processed event.
+
+Also: live and dormant virtual ranks (live: a member of a group that holds
+the sandbox rank), the engine's own memory per virtual rank with the copies
+of the graph's columns counted apart.
+
+    python bench/hybrid.py [--dp 128] [--paced-dp 16] [--json OUT]
+
+Prints a table and writes ``bench/results/hybrid-DATE[-$BENCH_MACHINE].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import sys
+import time
+from array import array
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from prism.core.hybrid import HybridReplay  # noqa: E402
+from prism.core.replay import replay_batch  # noqa: E402
+from prism.core.synthetic import MegatronSpec, megatron_graph  # noqa: E402
+from prism.shell.profiles import load_profile  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import result_path  # noqa: E402
+
+SANDBOX = 0
+#: The engine's arrays that are copies of the graph's columns (counted apart).
+GRAPH_COPIES = ("_kind", "_rank", "_async", "_ref", "_wait_of", "_dur", "_cpu", "_gpu", "_join", "_free", "_icost",
+                "_mcost", "_msg_send", "_msg_recv", "_size", "_inst_ptr", "_inst_nodes", "_ptr")
+
+
+def next_comm(graph, node: int, rank: int) -> int:
+    end = graph.rank_ptr[rank + 1]
+    while node < end and graph.kind[node] not in (1, 2, 3, 4):
+        node += 1
+    return node
+
+
+def arrival_fn(graph, batch):
+    def at(rank, node, t0):
+        cn = next_comm(graph, node, rank)
+        return int(batch.start[cn]) if cn < graph.rank_ptr[rank + 1] else int(batch.end[cn - 1])
+    return at
+
+
+def feed_due(eng, graph, at, now: int | None, pending: dict) -> None:
+    """Feed every sandbox call whose time has come (``now`` None: the next one)."""
+    for r, (nd, t0) in list(eng.computing.items()):
+        if r not in pending:
+            pending[r] = at(r, nd, t0)
+    for r, t in sorted(pending.items(), key=lambda x: x[1]):
+        if now is not None and t > now:
+            continue
+        nd, _ = eng.computing[r]
+        del pending[r]
+        cn = next_comm(graph, nd, r)
+        if cn == graph.rank_ptr[r + 1]:
+            eng.finish(r, t)
+        else:
+            assert eng.arrive(r, eng._call_of(cn), t) is None
+
+
+def memory(eng) -> dict:
+    own = copies = 0
+    for name, value in vars(eng).items():
+        size = value.itemsize * len(value) if isinstance(value, array) else sys.getsizeof(value)
+        if isinstance(value, list):  # the event heap: its entries too
+            size += sum(sys.getsizeof(x) for x in value)
+        if name in GRAPH_COPIES:
+            copies += size
+        elif name not in ("graph", "costs"):
+            own += size
+    return {"engine_bytes": own, "graph_copy_bytes": copies}
+
+
+def flat_out(graph, batch, model) -> dict:
+    t0 = time.perf_counter()
+    eng = HybridReplay(graph, [SANDBOX], cost_model=model)
+    setup = time.perf_counter() - t0
+    mem = memory(eng)
+    at = arrival_fn(graph, batch)
+    pending: dict = {}
+    t1 = time.perf_counter()
+    while True:
+        feed_due(eng, graph, at, eng.next_due(), pending)
+        t = eng.next_due()
+        if t is None:
+            if not pending:
+                break
+            feed_due(eng, graph, at, None, pending)
+            continue
+        eng.advance(t)
+        eng.take_released()
+    run = time.perf_counter() - t1
+    res = eng.result()
+    exact = bool(np.array_equal(res.start, batch.start) and np.array_equal(res.end, batch.end))
+    return {"setup_s": setup, "run_s": run, "events": eng.events, "events_per_s": eng.events / run, "exact": exact,
+            **mem}
+
+
+def paced(graph, batch, model, limit_s: float) -> dict:
+    eng = HybridReplay(graph, [SANDBOX], cost_model=model)
+    at = arrival_fn(graph, batch)
+    pending: dict = {}
+    lags: list[int] = []
+    rel_lags: list[int] = []
+    start = time.monotonic_ns()
+    while time.monotonic_ns() - start < limit_s * 1e9:
+        now = time.monotonic_ns() - start
+        feed_due(eng, graph, at, now, pending)
+        t = eng.next_due()
+        if t is None and not pending:
+            break
+        while (t := eng.next_due()) is not None and t <= now:
+            eng.step(now)
+            lags.append(eng.lag_ns)
+        done = time.monotonic_ns() - start
+        rel_lags += [max(done - r.t_ns, 0) for r in eng.take_released()]
+    finished = eng.next_due() is None and not pending
+    q = lambda v, p: float(np.percentile(v, p)) / 1e6 if v else None  # noqa: E731
+    return {"finished": finished, "emulated_ms": int(batch.end.max()) / 1e6, "events": eng.events,
+            "event_lag_ms_p50": q(lags, 50), "event_lag_ms_p99": q(lags, 99),
+            "release_lag_ms_p50": q(rel_lags, 50), "release_lag_ms_p99": q(rel_lags, 99), "releases": len(rel_lags)}
+
+
+def live_count(graph, rank: int) -> int:
+    members = set()
+    for g in graph.groups:
+        if rank in g.ranks:
+            members.update(g.ranks)
+    return len(members - {rank})
+
+
+def run(dp: int, paced_dps: list[int], limit_s: float) -> dict:
+    model = load_profile("h200_nvlink_ib400")
+    out = {}
+    for name, d in (("flat", dp), *((f"paced-dp{x}", x) for x in paced_dps)):
+        spec = MegatronSpec(tp=8, pp=8, dp=d, iterations=2)
+        t0 = time.perf_counter()
+        graph = megatron_graph(spec)
+        batch = replay_batch(graph, cost_model=model)
+        build = time.perf_counter() - t0
+        live = live_count(graph, SANDBOX)
+        row = {"world": graph.world_size, "nodes": graph.n_nodes, "graph_and_batch_s": build, "live": live,
+               "dormant": graph.world_size - 1 - live}
+        row.update(flat_out(graph, batch, model) if name == "flat" else paced(graph, batch, model, limit_s))
+        if name == "flat":
+            row["engine_bytes_per_virtual_rank"] = row["engine_bytes"] / (graph.world_size - 1)
+        out[name] = row
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dp", type=int, default=128, help="flat-out world: tp8 pp8 dpN (default 128: 8,192 ranks)")
+    ap.add_argument("--paced-dp", default="1,16", help="paced worlds: tp8 pp8 dpN, a list (default 1,16: 64 and 1,024 "
+                    "ranks)")
+    ap.add_argument("--limit-s", type=float, default=120.0, help="stop the paced run after this long")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = run(args.dp, [int(x) for x in args.paced_dp.split(",")], args.limit_s)
+    f = rows["flat"]
+    print(f"flat out: world {f['world']:,} ({f['nodes']:,} nodes), live {f['live']}, dormant {f['dormant']:,}; "
+          f"setup {f['setup_s']:.1f} s, {f['events']:,} events in {f['run_s']:.1f} s = {f['events_per_s']:,.0f}/s; "
+          f"equal to the batch replay: {f['exact']}")
+    print(f"  engine memory {f['engine_bytes'] / 2**20:,.1f} MiB = {f['engine_bytes_per_virtual_rank']:,.0f} B per "
+          f"virtual rank; copies of the graph's columns {f['graph_copy_bytes'] / 2**20:,.1f} MiB (apart)")
+    for name, p in rows.items():
+        if name.startswith("paced"):
+            print(f"paced: world {p['world']:,}, emulated {p['emulated_ms']:.1f} ms, finished: {p['finished']}; event "
+                  f"lag p50 {p['event_lag_ms_p50']:.3f} ms, p99 {p['event_lag_ms_p99']:.3f} ms; release lag p50 "
+                  f"{p['release_lag_ms_p50']:.3f} ms, p99 {p['release_lag_ms_p99']:.3f} ms over {p['releases']} releases")
+    doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": platform.platform(),
+           "python": platform.python_version(), "command": " ".join(sys.argv), **rows}
+    path = pathlib.Path(args.json) if args.json else result_path("hybrid")
+    path.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
