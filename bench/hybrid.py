@@ -91,9 +91,9 @@ def memory(eng) -> dict:
     return {"engine_bytes": own, "graph_copy_bytes": copies}
 
 
-def flat_out(graph, batch, model) -> dict:
+def flat_out(graph, batch, model, dormant: str = "simulate") -> dict:
     t0 = time.perf_counter()
-    eng = HybridReplay(graph, [SANDBOX], cost_model=model)
+    eng = HybridReplay(graph, [SANDBOX], cost_model=model, dormant=dormant)
     setup = time.perf_counter() - t0
     mem = memory(eng)
     at = arrival_fn(graph, batch)
@@ -116,8 +116,8 @@ def flat_out(graph, batch, model) -> dict:
             **mem}
 
 
-def paced(graph, batch, model, limit_s: float) -> dict:
-    eng = HybridReplay(graph, [SANDBOX], cost_model=model)
+def paced(graph, batch, model, limit_s: float, dormant: str = "simulate") -> dict:
+    eng = HybridReplay(graph, [SANDBOX], cost_model=model, dormant=dormant)
     at = arrival_fn(graph, batch)
     pending: dict = {}
     lags: list[int] = []
@@ -152,7 +152,9 @@ def live_count(graph, rank: int) -> int:
 def run(dp: int, paced_dps: list[int], limit_s: float) -> dict:
     model = load_profile("h200_nvlink_ib400")
     out = {}
-    for name, d in (("flat", dp), *((f"paced-dp{x}", x) for x in paced_dps)):
+    cases = [("flat", dp, "simulate"), ("flat-offline", dp, "offline")]
+    cases += [(f"paced-dp{x}-{m}", x, m) for x in paced_dps for m in ("simulate", "offline")]
+    for name, d, mode in cases:
         spec = MegatronSpec(tp=8, pp=8, dp=d, iterations=2)
         t0 = time.perf_counter()
         graph = megatron_graph(spec)
@@ -161,8 +163,10 @@ def run(dp: int, paced_dps: list[int], limit_s: float) -> dict:
         live = live_count(graph, SANDBOX)
         row = {"world": graph.world_size, "nodes": graph.n_nodes, "graph_and_batch_s": build, "live": live,
                "dormant": graph.world_size - 1 - live}
-        row.update(flat_out(graph, batch, model) if name == "flat" else paced(graph, batch, model, limit_s))
-        if name == "flat":
+        row["dormant_mode"] = mode
+        row.update(flat_out(graph, batch, model, mode) if name.startswith("flat")
+                   else paced(graph, batch, model, limit_s, mode))
+        if name.startswith("flat"):
             row["engine_bytes_per_virtual_rank"] = row["engine_bytes"] / (graph.world_size - 1)
         out[name] = row
     return out
@@ -171,29 +175,37 @@ def run(dp: int, paced_dps: list[int], limit_s: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dp", type=int, default=128, help="flat-out world: tp8 pp8 dpN (default 128: 8,192 ranks)")
-    ap.add_argument("--paced-dp", default="1,16", help="paced worlds: tp8 pp8 dpN, a list (default 1,16: 64 and 1,024 "
-                    "ranks)")
-    ap.add_argument("--limit-s", type=float, default=120.0, help="stop the paced run after this long")
+    ap.add_argument("--paced-dp", default="1,16,128", help="paced worlds: tp8 pp8 dpN, a list (default 1,16,128: 64, "
+                    "1,024 and 8,192 ranks; the simulate mode at 8,192 runs until --limit-s)")
+    ap.add_argument("--limit-s", type=float, default=30.0, help="stop the paced run after this long")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = run(args.dp, [int(x) for x in args.paced_dp.split(",")], args.limit_s)
-    f = rows["flat"]
-    print(f"flat out: world {f['world']:,} ({f['nodes']:,} nodes), live {f['live']}, dormant {f['dormant']:,}; "
-          f"setup {f['setup_s']:.1f} s, {f['events']:,} events in {f['run_s']:.1f} s = {f['events_per_s']:,.0f}/s; "
-          f"equal to the batch replay: {f['exact']}")
-    print(f"  engine memory {f['engine_bytes'] / 2**20:,.1f} MiB = {f['engine_bytes_per_virtual_rank']:,.0f} B per "
-          f"virtual rank; copies of the graph's columns {f['graph_copy_bytes'] / 2**20:,.1f} MiB (apart)")
-    for name, p in rows.items():
-        if name.startswith("paced"):
-            print(f"paced: world {p['world']:,}, emulated {p['emulated_ms']:.1f} ms, finished: {p['finished']}; event "
-                  f"lag p50 {p['event_lag_ms_p50']:.3f} ms, p99 {p['event_lag_ms_p99']:.3f} ms; release lag p50 "
-                  f"{p['release_lag_ms_p50']:.3f} ms, p99 {p['release_lag_ms_p99']:.3f} ms over {p['releases']} releases")
+    for f in (rows["flat"], rows["flat-offline"]):
+        print_flat(f)
+    print_paced(rows)
     doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": platform.platform(),
            "python": platform.python_version(), "command": " ".join(sys.argv), **rows}
     path = pathlib.Path(args.json) if args.json else result_path("hybrid")
     path.write_text(json.dumps(doc, indent=2))
     print(f"wrote {path}")
     return 0
+
+
+def print_flat(f: dict) -> None:
+    print(f"flat out ({f['dormant_mode']}): world {f['world']:,} ({f['nodes']:,} nodes), live {f['live']}, dormant {f['dormant']:,}; "
+          f"setup {f['setup_s']:.1f} s, {f['events']:,} events in {f['run_s']:.1f} s = {f['events_per_s']:,.0f}/s; "
+          f"equal to the batch replay: {f['exact']}")
+    print(f"  engine memory {f['engine_bytes'] / 2**20:,.1f} MiB = {f['engine_bytes_per_virtual_rank']:,.0f} B per "
+          f"virtual rank; copies of the graph's columns {f['graph_copy_bytes'] / 2**20:,.1f} MiB (apart)")
+
+
+def print_paced(rows: dict) -> None:
+    for name, p in rows.items():
+        if name.startswith("paced"):
+            print(f"paced ({p['dormant_mode']}): world {p['world']:,}, emulated {p['emulated_ms']:.1f} ms, finished: {p['finished']}; event "
+                  f"lag p50 {p['event_lag_ms_p50']:.3f} ms, p99 {p['event_lag_ms_p99']:.3f} ms; release lag p50 "
+                  f"{p['release_lag_ms_p50']:.3f} ms, p99 {p['release_lag_ms_p99']:.3f} ms over {p['releases']} releases")
 
 
 if __name__ == "__main__":

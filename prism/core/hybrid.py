@@ -18,9 +18,12 @@ time; the shell gives the sandbox its result then, not earlier, and sleeps
 until ``next_due()`` otherwise. A call other than what the graph has at that
 point is a ``Mismatch`` (the rank, what it called, what the graph expected).
 
-Dormant virtual ranks (members of no group with a sandbox) are simulated
-like the live ones here (``dormant="simulate"``, the exact mode); resolving
-them offline from the batch replay is not built yet.
+Dormant virtual ranks (members of no group with a sandbox) are either
+simulated like the live ones (``dormant="simulate"``, exact: a slower sandbox
+delays everything downstream of it) or resolved offline from the batch
+replay (``dormant="offline"``: only the sandbox and live ranks are stepped;
+what the sandbox's own timing would change downstream of a dormant rank is
+lost, and ``bench/hybrid.py`` measures that error).
 
 Time enters as ``now`` (integer nanoseconds on the shell's clock, aligned so
 that the replay's 0 is the sandbox's first arrival or whatever the shell
@@ -92,19 +95,53 @@ class Mismatch:
 class HybridReplay(SteppableReplay):
     def __init__(self, graph: ExecutionGraph, sandbox: Iterable[int], durations: np.ndarray | None = None,
                  cost_model: CostModel = ZERO, *, dormant: str = "simulate") -> None:
-        if dormant != "simulate":
-            raise ValueError(f"dormant={dormant!r}: only 'simulate' is built (every virtual rank stepped exactly)")
+        if dormant not in ("simulate", "offline"):
+            raise ValueError(f"dormant={dormant!r}: expected 'simulate' (every virtual rank stepped) or 'offline' "
+                             "(dormant ranks at their batch-replay times)")
         self.sandbox = frozenset(int(r) for r in sandbox)
         bad = sorted(r for r in self.sandbox if not 0 <= r < graph.world_size)
         if bad:
             raise ValueError(f"sandbox rank(s) {bad} outside the graph's world of {graph.world_size}")
         self._setup(graph, Costs.of(graph, durations, cost_model))
+        #: Virtual ranks sharing a group with a sandbox rank; the others are dormant.
+        self.live = frozenset(r for g in graph.groups if self.sandbox & set(g.ranks) for r in g.ranks) - self.sandbox
+        self.dormant_mode = dormant
+        self.dormant = frozenset(range(graph.world_size)) - self.sandbox - self.live
+        if dormant == "offline":
+            self._resolve_offline(durations, cost_model)
         #: sandbox rank -> (first node of the segment it is computing, when it started)
         self.computing: dict[int, tuple[int, int]] = {}
         #: sandbox rank -> the comm node its arrival cleared for processing
         self._armed: dict[int, int] = {}
         #: releases computed since the shell last took them (``take_released``)
         self.released: list[Released] = []
+
+    def _resolve_offline(self, durations: np.ndarray | None, cost_model: CostModel) -> None:
+        """Dormant ranks take their batch-replay times and are never stepped:
+        their arrivals at collectives and their sends are known in advance,
+        so only the sandbox and live ranks are in the event loop. What a
+        sandbox running off its recording would change downstream of a dormant
+        rank is lost: the shortcut's error (``bench/hybrid.py`` measures it)."""
+        from prism.core.replay import replay_batch
+
+        g = self.graph
+        batch = replay_batch(g, durations=durations, cost_model=cost_model)
+        dormant = np.zeros(g.world_size, bool)
+        dormant[list(self.dormant)] = True
+        nodes = np.flatnonzero(dormant[g.rank])
+        for n in nodes.tolist():
+            self._start[n] = int(batch.start[n])
+            self._end[n] = int(batch.end[n])
+            if self._kind[n] == COLL:
+                i = self._ref[n]
+                self._arrived[i] += 1
+                if batch.start[n] > self._amax[i]:
+                    self._amax[i] = int(batch.start[n])
+        for r in self.dormant:
+            self._pos[r] = self._ptr[r + 1]
+            self._clk[r] = int(batch.end[self._ptr[r + 1] - 1]) if self._ptr[r + 1] > self._ptr[r] else 0
+        self._heap = [e for e in self._heap if e[3] not in self.dormant]
+        heapq.heapify(self._heap)
 
     # --- the shell's side ---------------------------------------------------------
 
