@@ -180,6 +180,18 @@ class HybridReplay(SteppableReplay):
         self._close_segments(rank, nd, end, start, now)
         self._pos[rank] = end
 
+    def members(self, node: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The group ranks of a collective node's group that are sandbox ranks
+        and those that are virtual: what the shell needs to compute what each
+        sandbox member receives (``prism.core.compensation.reduce_with_virtual``
+        over the sandbox inputs, the virtual ones recorded or compensated)."""
+        g = self.graph
+        if self._kind[node] != COLL:
+            raise HybridError(f"node {node} is a {KIND_NAMES[self._kind[node]]}, not a collective")
+        ranks = g.groups[g.group[node]].ranks
+        sandbox = tuple(i for i, r in enumerate(ranks) if r in self.sandbox)
+        return sandbox, tuple(i for i in range(len(ranks)) if i not in sandbox)
+
     def take_released(self) -> list[Released]:
         out, self.released = self.released, []
         return out

@@ -98,6 +98,23 @@ def test_a_call_the_graph_does_not_have_is_a_mismatch_that_names_it(graph):
     assert eng.arrive(0, right, 10) is None  # the engine was left as it was
 
 
+def test_a_released_collective_names_its_sandbox_and_virtual_members(graph):
+    eng = HybridReplay(graph, [0, 1], cost_model=MODEL)
+    want = replay_batch(graph, cost_model=MODEL)
+    released = drive(eng, lambda r, n, t0: int(want.start[next_comm(eng, n, r)])
+                     if next_comm(eng, n, r) < graph.rank_ptr[r + 1] else int(want.end[next_comm(eng, n, r) - 1]))
+    colls = [rel for rel in released if rel.call.kind == "coll"]
+    assert colls
+    for rel in colls:
+        sandbox, virtual = eng.members(rel.node)
+        ranks = graph.groups[graph.group[rel.node]].ranks
+        assert [ranks[i] for i in sandbox] == [r for r in ranks if r in (0, 1)]
+        assert len(sandbox) + len(virtual) == len(ranks) and rel.rank in [ranks[i] for i in sandbox]
+    tp = [rel for rel in colls if len(graph.groups[graph.group[rel.node]].ranks) == 2 and
+          set(graph.groups[graph.group[rel.node]].ranks) == {0, 1}]
+    assert tp and all(eng.members(rel.node) == ((0, 1), ()) for rel in tp)  # the TP pair: no virtual member
+
+
 def test_driving_it_out_of_order_is_the_shells_error(graph):
     eng = HybridReplay(graph, [0], cost_model=MODEL)
     with pytest.raises(HybridError, match="not a sandbox rank"):
