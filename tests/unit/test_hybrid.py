@@ -125,3 +125,64 @@ def test_driving_it_out_of_order_is_the_shells_error(graph):
         HybridReplay(graph, [16])
     with pytest.raises(ValueError, match="expected 'simulate'"):
         HybridReplay(graph, [0], dormant="lazy")
+
+
+# ----------------------------------------------------------- random graphs
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.support.helpers_graph import Program  # noqa: E402
+
+
+@st.composite
+def jobs(draw):
+    """Random one-clock programs (compute, collectives, p2p, async ops and their
+    waits) with a random non-empty set of sandbox ranks."""
+    world = draw(st.integers(2, 5))
+    extra = draw(st.lists(st.sets(st.integers(0, world - 1), min_size=1, max_size=world), max_size=3))
+    p = Program(world, {f"g{i}": tuple(sorted(s)) for i, s in enumerate(extra)})
+    outstanding: list[tuple[int, str]] = []
+    n = 0
+    for _ in range(draw(st.integers(1, 3))):
+        for _ in range(draw(st.integers(1, 12))):
+            n += 1
+            what = draw(st.sampled_from(["compute", "compute", "coll", "p2p", "wait"]))
+            if what == "compute":
+                p.compute(draw(st.integers(0, world - 1)), draw(st.integers(0, 5000)))
+            elif what == "coll":
+                gid = draw(st.sampled_from(sorted(p.groups)))
+                asy = draw(st.sets(st.sampled_from(p.groups[gid])))
+                p.coll(gid, "all_reduce", draw(st.integers(0, 1 << 16)), async_on=asy, handle=f"h{n}")
+                outstanding += [(r, f"h{n}") for r in sorted(asy)]
+            elif what == "p2p":
+                src, dst = draw(st.lists(st.integers(0, world - 1), min_size=2, max_size=2, unique=True))
+                a_s, a_r = draw(st.booleans()), draw(st.booleans())
+                p.send(src, dst, draw(st.integers(0, 1 << 16)), async_send=a_s, async_recv=a_r, handle=f"h{n}")
+                outstanding += [(r, f"h{n}") for r, a in ((src, a_s), (dst, a_r)) if a]
+            elif outstanding:
+                r, h = outstanding.pop(draw(st.integers(0, len(outstanding) - 1)))
+                p.wait(r, h)
+        for r, h in outstanding:
+            p.wait(r, h)
+        outstanding = []
+        p.end_step()
+    sandbox = draw(st.sets(st.integers(0, world - 1), min_size=1))
+    return p.events, sorted(sandbox)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs(), st.sampled_from(["simulate", "offline"]))
+def test_the_oracle_holds_on_random_jobs(job, dormant):
+    events, sandbox = job
+    g = ExecutionGraph.from_events(events)
+    want = replay_batch(g, cost_model=MODEL)
+    eng = HybridReplay(g, sandbox, cost_model=MODEL, dormant=dormant)
+
+    def at_batch_time(rank, node, t0):
+        cn = next_comm(eng, node, rank)
+        return int(want.start[cn]) if cn < g.rank_ptr[rank + 1] else int(want.end[cn - 1])
+
+    drive(eng, at_batch_time)
+    got = eng.result()
+    np.testing.assert_array_equal(got.start, want.start)
+    np.testing.assert_array_equal(got.end, want.end)
