@@ -47,17 +47,10 @@ GRAPH_COPIES = ("_kind", "_rank", "_async", "_ref", "_wait_of", "_dur", "_cpu", 
                 "_mcost", "_msg_send", "_msg_recv", "_size", "_inst_ptr", "_inst_nodes", "_ptr")
 
 
-def next_comm(graph, node: int, rank: int) -> int:
-    end = graph.rank_ptr[rank + 1]
-    while node < end and graph.kind[node] not in (1, 2, 3, 4):
-        node += 1
-    return node
-
-
-def arrival_fn(graph, batch):
+def arrival_fn(eng, batch):
     def at(rank, node, t0):
-        cn = next_comm(graph, node, rank)
-        return int(batch.start[cn]) if cn < graph.rank_ptr[rank + 1] else int(batch.end[cn - 1])
+        cn = eng.next_call_node(rank, node)
+        return int(batch.start[cn]) if cn < eng.graph.rank_ptr[rank + 1] else int(batch.end[cn - 1])
     return at
 
 
@@ -71,11 +64,11 @@ def feed_due(eng, graph, at, now: int | None, pending: dict) -> None:
             continue
         nd, _ = eng.computing[r]
         del pending[r]
-        cn = next_comm(graph, nd, r)
+        cn = eng.next_call_node(r, nd)
         if cn == graph.rank_ptr[r + 1]:
             eng.finish(r, t)
         else:
-            assert eng.arrive(r, eng._call_of(cn), t) is None
+            assert eng.arrive(r, eng.call_of(cn), t) is None
 
 
 def memory(eng) -> dict:
@@ -96,7 +89,7 @@ def flat_out(graph, batch, model, dormant: str = "simulate") -> dict:
     eng = HybridReplay(graph, [SANDBOX], cost_model=model, dormant=dormant)
     setup = time.perf_counter() - t0
     mem = memory(eng)
-    at = arrival_fn(graph, batch)
+    at = arrival_fn(eng, batch)
     pending: dict = {}
     t1 = time.perf_counter()
     while True:
@@ -118,7 +111,7 @@ def flat_out(graph, batch, model, dormant: str = "simulate") -> dict:
 
 def paced(graph, batch, model, limit_s: float, dormant: str = "simulate") -> dict:
     eng = HybridReplay(graph, [SANDBOX], cost_model=model, dormant=dormant)
-    at = arrival_fn(graph, batch)
+    at = arrival_fn(eng, batch)
     pending: dict = {}
     lags: list[int] = []
     rel_lags: list[int] = []

@@ -154,11 +154,8 @@ class HybridReplay(SteppableReplay):
         (then the engine is left as it was)."""
         start = self._computing_since(rank, now)
         nd, _ = self.computing[rank]
-        end = self._ptr[rank + 1]
-        cn = nd
-        while cn < end and self._kind[cn] not in _COMM:
-            cn += 1
-        if cn == end:
+        cn = self.next_call_node(rank, nd)
+        if cn == self._ptr[rank + 1]:
             return Mismatch(rank, call, "no further communication call (the rank's part of the graph ends)")
         expected = self._expected(cn)
         if not self._matches(cn, call):
@@ -191,6 +188,15 @@ class HybridReplay(SteppableReplay):
         ranks = g.groups[g.group[node]].ranks
         sandbox = tuple(i for i, r in enumerate(ranks) if r in self.sandbox)
         return sandbox, tuple(i for i in range(len(ranks)) if i not in sandbox)
+
+    def next_call_node(self, rank: int, node: int) -> int:
+        """The first communication node of ``rank`` at or after ``node`` (the
+        rank's end when none is left): where a sandbox computing from ``node``
+        calls next."""
+        end = self._ptr[rank + 1]
+        while node < end and self._kind[node] not in _COMM:
+            node += 1
+        return node
 
     def take_released(self) -> list[Released]:
         out, self.released = self.released, []
@@ -231,7 +237,8 @@ class HybridReplay(SteppableReplay):
         self._clk[rank] = now
         self.events += stop - first
 
-    def _call_of(self, node: int) -> Call:
+    def call_of(self, node: int) -> Call:
+        """The call the graph has at ``node``."""
         g = self.graph
         k = self._kind[node]
         gid = g.groups[g.group[node]].gid if g.group[node] >= 0 else ""
@@ -239,7 +246,7 @@ class HybridReplay(SteppableReplay):
         return Call(KIND_NAMES[k], op, gid, int(g.seq[node]), int(g.peer[node]), int(g.tag[node]))
 
     def _expected(self, node: int) -> str:
-        c = self._call_of(node)
+        c = self.call_of(node)
         if c.kind == "coll":
             return f"{c.op} on group {c.gid} at sequence {c.seq}"
         if c.kind in ("send", "recv"):
@@ -247,7 +254,7 @@ class HybridReplay(SteppableReplay):
         return f"a wait for its {self._expected(int(self._wait_of[node]))}"
 
     def _matches(self, node: int, call: Call) -> bool:
-        want = self._call_of(node)
+        want = self.call_of(node)
         if want.kind != call.kind:
             return False
         if call.kind == "coll":
@@ -272,5 +279,5 @@ class HybridReplay(SteppableReplay):
         if r in self.sandbox and self._armed.get(r) != self._pos[r]:
             prev = self._pos[r] - 1
             if prev >= self._ptr[r] and self._kind[prev] in _COMM:
-                self.released.append(Released(r, prev, self._call_of(prev), t))
+                self.released.append(Released(r, prev, self.call_of(prev), t))
         super()._push(t, prio, r)

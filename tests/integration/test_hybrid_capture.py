@@ -14,7 +14,7 @@ from prism.core.hybrid import HybridReplay
 from prism.core.replay import replay_batch
 from prism.shell.profiles import load_profile
 from prism.shell.runfolder import read_run
-from tests.support.hybrid_driver import drive, next_comm
+from tests.support.hybrid_driver import drive
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def test_the_oracle_holds_on_a_captured_gpt(gpt_graph, sandbox):
     eng = HybridReplay(gpt_graph, sandbox, cost_model=model)
 
     def at_batch_time(rank, node, t0):
-        cn = next_comm(eng, node, rank)
+        cn = eng.next_call_node(rank, node)
         return int(want.start[cn]) if cn < gpt_graph.rank_ptr[rank + 1] else int(want.end[cn - 1])
 
     released = drive(eng, at_batch_time)

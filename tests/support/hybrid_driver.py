@@ -9,13 +9,6 @@ import heapq
 from prism.core.hybrid import HybridReplay
 
 
-def next_comm(eng: HybridReplay, node: int, rank: int) -> int:
-    end = eng.graph.rank_ptr[rank + 1]
-    while node < end and eng.graph.kind[node] not in (1, 2, 3, 4):
-        node += 1
-    return node
-
-
 def drive(eng: HybridReplay, arrival) -> list:
     """Run ``eng`` to the end; returns every Released in order."""
     due: list[tuple[int, int]] = []  # (arrival time, rank)
@@ -31,11 +24,11 @@ def drive(eng: HybridReplay, arrival) -> list:
             t, r = heapq.heappop(due)
             scheduled.discard(r)
             nd, _ = eng.computing[r]
-            cn = next_comm(eng, nd, r)
+            cn = eng.next_call_node(r, nd)
             if cn == eng.graph.rank_ptr[r + 1]:
                 eng.finish(r, t)
             else:
-                mismatch = eng.arrive(r, eng._call_of(cn), t)
+                mismatch = eng.arrive(r, eng.call_of(cn), t)
                 assert mismatch is None, mismatch
             continue
         if t_eng is None:

@@ -14,7 +14,7 @@ from prism.core.graph import ExecutionGraph
 from prism.core.hybrid import Call, HybridError, HybridReplay
 from prism.core.replay import replay_batch
 from prism.core.synthetic import MegatronSpec, megatron_events
-from tests.support.hybrid_driver import drive, next_comm
+from tests.support.hybrid_driver import drive
 
 MODEL = CostModel("test", 4, Link(100e9, 2e-6), Link(25e9, 5e-6), base_latency=3e-6, source="test")
 
@@ -31,7 +31,7 @@ def test_arrivals_at_the_batch_times_reproduce_the_batch_replay(graph, sandbox, 
     eng = HybridReplay(graph, sandbox, cost_model=MODEL, dormant=dormant)
 
     def at_batch_time(rank, node, t0):
-        cn = next_comm(eng, node, rank)
+        cn = eng.next_call_node(rank, node)
         return int(want.start[cn]) if cn < graph.rank_ptr[rank + 1] else int(want.end[cn - 1])
 
     released = drive(eng, at_batch_time)
@@ -48,7 +48,7 @@ def test_a_slower_sandbox_delays_the_world_as_the_batch_replay_says(graph):
     dur = graph.dur
 
     def slower(rank, node, t0):
-        cn = next_comm(eng, node, rank)
+        cn = eng.next_call_node(rank, node)
         return t0 + int(round(1.2 * int(dur[node:cn].sum())))
 
     drive(eng, slower)
@@ -73,7 +73,7 @@ def test_offline_dormant_ranks_step_less_and_bound_their_error(graph):
         eng = HybridReplay(graph, [0], cost_model=MODEL, dormant=mode)
 
         def slower(rank, node, t0, eng=eng):
-            return t0 + int(round(1.2 * int(dur[node:next_comm(eng, node, rank)].sum())))
+            return t0 + int(round(1.2 * int(dur[node:eng.next_call_node(rank, node)].sum())))
 
         drive(eng, slower)
         results[mode] = (eng.result(), eng.events, eng)
@@ -89,8 +89,8 @@ def test_a_call_the_graph_does_not_have_is_a_mismatch_that_names_it(graph):
     eng = HybridReplay(graph, [0], cost_model=MODEL)
     eng.advance(0)
     nd, _ = eng.computing[0]
-    cn = next_comm(eng, nd, 0)
-    right = eng._call_of(cn)
+    cn = eng.next_call_node(0, nd)
+    right = eng.call_of(cn)
     wrong = Call("coll", "all_gather_into_tensor", right.gid, right.seq + 7)
     m = eng.arrive(0, wrong, 10)
     assert m is not None and m.rank == 0 and m.expected == f"{right.op} on group {right.gid} at sequence {right.seq}"
@@ -101,8 +101,8 @@ def test_a_call_the_graph_does_not_have_is_a_mismatch_that_names_it(graph):
 def test_a_released_collective_names_its_sandbox_and_virtual_members(graph):
     eng = HybridReplay(graph, [0, 1], cost_model=MODEL)
     want = replay_batch(graph, cost_model=MODEL)
-    released = drive(eng, lambda r, n, t0: int(want.start[next_comm(eng, n, r)])
-                     if next_comm(eng, n, r) < graph.rank_ptr[r + 1] else int(want.end[next_comm(eng, n, r) - 1]))
+    released = drive(eng, lambda r, n, t0: int(want.start[eng.next_call_node(r, n)])
+                     if eng.next_call_node(r, n) < graph.rank_ptr[r + 1] else int(want.end[eng.next_call_node(r, n) - 1]))
     colls = [rel for rel in released if rel.call.kind == "coll"]
     assert colls
     for rel in colls:
@@ -131,43 +131,15 @@ def test_driving_it_out_of_order_is_the_shells_error(graph):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tests.support.helpers_graph import Program  # noqa: E402
+from tests.unit.test_replay import programs  # noqa: E402
 
 
 @st.composite
 def jobs(draw):
     """Random one-clock programs (compute, collectives, p2p, async ops and their
     waits) with a random non-empty set of sandbox ranks."""
-    world = draw(st.integers(2, 5))
-    extra = draw(st.lists(st.sets(st.integers(0, world - 1), min_size=1, max_size=world), max_size=3))
-    p = Program(world, {f"g{i}": tuple(sorted(s)) for i, s in enumerate(extra)})
-    outstanding: list[tuple[int, str]] = []
-    n = 0
-    for _ in range(draw(st.integers(1, 3))):
-        for _ in range(draw(st.integers(1, 12))):
-            n += 1
-            what = draw(st.sampled_from(["compute", "compute", "coll", "p2p", "wait"]))
-            if what == "compute":
-                p.compute(draw(st.integers(0, world - 1)), draw(st.integers(0, 5000)))
-            elif what == "coll":
-                gid = draw(st.sampled_from(sorted(p.groups)))
-                asy = draw(st.sets(st.sampled_from(p.groups[gid])))
-                p.coll(gid, "all_reduce", draw(st.integers(0, 1 << 16)), async_on=asy, handle=f"h{n}")
-                outstanding += [(r, f"h{n}") for r in sorted(asy)]
-            elif what == "p2p":
-                src, dst = draw(st.lists(st.integers(0, world - 1), min_size=2, max_size=2, unique=True))
-                a_s, a_r = draw(st.booleans()), draw(st.booleans())
-                p.send(src, dst, draw(st.integers(0, 1 << 16)), async_send=a_s, async_recv=a_r, handle=f"h{n}")
-                outstanding += [(r, f"h{n}") for r, a in ((src, a_s), (dst, a_r)) if a]
-            elif outstanding:
-                r, h = outstanding.pop(draw(st.integers(0, len(outstanding) - 1)))
-                p.wait(r, h)
-        for r, h in outstanding:
-            p.wait(r, h)
-        outstanding = []
-        p.end_step()
-    sandbox = draw(st.sets(st.integers(0, world - 1), min_size=1))
-    return p.events, sorted(sandbox)
+    events = draw(programs(gpu=False))
+    return events, sorted(draw(st.sets(st.integers(0, len(events) - 1), min_size=1)))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -179,7 +151,7 @@ def test_the_oracle_holds_on_random_jobs(job, dormant):
     eng = HybridReplay(g, sandbox, cost_model=MODEL, dormant=dormant)
 
     def at_batch_time(rank, node, t0):
-        cn = next_comm(eng, node, rank)
+        cn = eng.next_call_node(rank, node)
         return int(want.start[cn]) if cn < g.rank_ptr[rank + 1] else int(want.end[cn - 1])
 
     drive(eng, at_batch_time)

@@ -157,14 +157,15 @@ def test_critical_path_of_a_pipeline():
 
 # ----------------------------------------------------------- random graphs
 @st.composite
-def programs(draw):
+def programs(draw, gpu: bool = True):
+    """Random programs; ``gpu=False``: one-clock compute only (no GPU ranks)."""
     world = draw(st.integers(2, 5))
     extra = draw(st.lists(st.sets(st.integers(0, world - 1), min_size=1, max_size=world), max_size=3))
     groups = {f"g{i}": tuple(sorted(s)) for i, s in enumerate(extra)}
     p = Program(world, groups)
     outstanding: list[tuple[int, str]] = []
     n = 0
-    gpu_ranks = draw(st.sets(st.integers(0, world - 1)))  # two-clock compute (GPU ranks)
+    gpu_ranks = draw(st.sets(st.integers(0, world - 1))) if gpu else set()  # two-clock compute (GPU ranks)
     for _ in range(draw(st.integers(1, 3))):
         for _ in range(draw(st.integers(1, 12))):
             n += 1
