@@ -632,6 +632,9 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def _splits(self, which: str, t: torch.Tensor, splits: list[int] | None) -> list[int]:
         rows = int(t.shape[0]) if t.dim() > 0 else 0
+        # Any sequence of integers, as the C++ binding takes: Megatron's MoE
+        # dispatcher passes numpy arrays, others pass tensors or tuples.
+        splits = [] if splits is None else [int(s) for s in splits]
         if not splits:
             if rows % self._size:
                 raise ValueError(

@@ -65,6 +65,15 @@ def main():
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if args.experts:
+        from megatron.core.transformer.moe import moe_utils
+
+        # megatron-core 0.16.1 without Transformer Engine: the router's gating
+        # GEMM tests ``te_general_gemm is not None``, a name only TE's import
+        # defines (NameError); None selects its torch.mm path.
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl", rank=rank, world_size=world)

@@ -5,6 +5,7 @@ under gloo and compare. Usage: ops_worker.py OUT_DIR"""
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
@@ -106,6 +107,10 @@ out_splits = [(r + rank) % 3 + 1 for r in range(n)]
 o = torch.zeros(sum(out_splits), 2)
 dist.all_to_all_single(o, base((sum(in_splits), 2)), out_splits, in_splits)
 res["all_to_all_single"] = o
+# Split sizes as numpy arrays (Megatron's MoE token dispatcher passes them so).
+o = torch.zeros(sum(out_splits), 2)
+dist.all_to_all_single(o, base((sum(in_splits), 2)), np.array(out_splits), np.array(in_splits))
+res["all_to_all_single_numpy_splits"] = o
 o = torch.zeros(2 * n)
 dist.all_to_all_single(o, base((2 * n,)))
 res["all_to_all_single_even"] = o
