@@ -25,6 +25,7 @@ from typing import Any
 
 from prism import __version__
 from prism.app.errors import UsageError
+from prism.core import payloads as PL
 from prism.core import trace as T
 from prism.shell import runfolder
 
@@ -68,6 +69,13 @@ class CaptureConfig:
     #: Of ``memory_limit_gib``, what the real job holds outside torch's allocator
     #: that Prism's ranks do not (the CUDA context; NCCL's buffers).
     memory_overhead_gib: float = DEFAULT_MEMORY_OVERHEAD_GIB
+    #: ``--record``: ranks whose received tensors (and sent digests) are kept,
+    #: as ``"0,5"``, ``"0-3"`` or ``"all"`` (None: nothing recorded).
+    record: str | None = None
+    #: ``--record-steps``: only these iterations (``"1-2"``, ``"0,3-"``; None: all).
+    record_steps: str | None = None
+    #: ``--record-limit``: at most this many GiB of recorded tensors, all ranks together.
+    record_limit_gib: float = PL.DEFAULT_RECORD_LIMIT / 2**30
 
 
 @dataclass
@@ -82,6 +90,8 @@ class CapturePlan:
     gpu: Any = None
     #: Advice about the chosen options, for the user.
     notes: list[str] = field(default_factory=list)
+    #: ``--record``'s checked plan (None: nothing recorded).
+    record: PL.RecordPlan | None = None
 
 
 @dataclass
@@ -100,6 +110,8 @@ class CaptureOutcome:
     swap_line: str = ""
     coordinator: str | None = None
     world_size: int = 0
+    #: ``--record``'s summary (``payloads/summary.json``), None when nothing was recorded.
+    record: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -114,6 +126,13 @@ class CaptureOutcome:
             return (f"prism capture: all {self.world_size} ranks finished; the coordinator at {self.coordinator} "
                     f"recorded the trace into its own --out; rank logs are in {run_dir / runfolder.LOGS_DIR}")
         lines = [self.swap_line] if self.swap_line else []
+        rec = self.record
+        if rec is not None:
+            n = sum(rec["records"].values())
+            lines.append(f"prism: recorded {n:,} payload records ({rec['bytes']:,} bytes received) of ranks "
+                         f"{_ranks_text(rec['ranks'])}, steps {rec['steps']}, into {run_dir / runfolder.PAYLOADS_DIR}")
+            if rec["stopped"]:
+                lines.append(f"prism: warning: {rec['stopped']}")
         r = self.result
         if r.status == "ok":
             lines.append(f"prism: captured {r.steps_done} steps of {run_dir} in {r.wall_s:.1f} s; "
@@ -175,11 +194,44 @@ def manifest_for(run_dir: Path, world_size: int, cmd: Sequence[str], slots: int,
     )
 
 
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _record_plan(config: CaptureConfig) -> PL.RecordPlan | None:
+    if config.record is None:
+        if config.record_steps is not None:
+            raise UsageError("--record-steps chooses the steps --record keeps: give --record RANKS too")
+        return None
+    if config.coordinator is not None:
+        raise UsageError("--record keeps payloads at the embedded coordinator; a standalone one "
+                         "(--coordinator) records none: drop one of the two")
+    try:
+        ranks = PL.RecordPlan.parse_ranks(config.record, config.world_size)
+    except ValueError as e:
+        raise UsageError(f"--record: {e}") from None
+    try:
+        steps = PL.StepSet.parse(config.record_steps) if config.record_steps is not None else None
+    except ValueError as e:
+        raise UsageError(f"--record-steps: {e}") from None
+    if not config.record_limit_gib > 0:
+        raise UsageError(f"--record-limit must be more than 0 GiB, got {config.record_limit_gib}")
+    return PL.RecordPlan(ranks, steps, int(config.record_limit_gib * 2**30))
+
+
 def plan_capture(config: CaptureConfig) -> CapturePlan:
     """Check ``config``; raises ``UsageError`` naming the bad option."""
     if config.world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {config.world_size}")
     cmd = _check_command(config.command)
+    record = _record_plan(config)
     run_dir = Path(config.out) if config.out else default_out("capture")
     if (run_dir / runfolder.RANKS_DIR).exists() and any((run_dir / runfolder.RANKS_DIR).iterdir()):
         raise UsageError(f"run directory {run_dir} already holds a capture; choose another --out")
@@ -230,7 +282,7 @@ def plan_capture(config: CaptureConfig) -> CapturePlan:
                          "logical devices; to capture on GPUs pass --gpus (e.g. --gpus 0), to stay on CPU give the "
                          "script its CPU flag")
     slots = gpu.slots if gpu is not None else (config.slots or os.cpu_count() or 1)
-    return CapturePlan(config, cmd, run_dir, slots, gpu, notes)
+    return CapturePlan(config, cmd, run_dir, slots, gpu, notes, record)
 
 
 def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
@@ -239,15 +291,17 @@ def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
     c = plan.config
     return capture_run(plan.run_dir, c.world_size, plan.command, slots=plan.slots, coordinator=c.coordinator,
                        nproc_per_node=c.nproc_per_node, show_ranks=c.show_ranks, quiet_s=c.quiet_s,
-                       progress=c.progress, gpu=plan.gpu)
+                       progress=c.progress, gpu=plan.gpu, record=plan.record)
 
 
 def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[str], *, slots: int,
                 coordinator: str | None = None, nproc_per_node: int = 8, show_ranks: str | tuple[int, ...] = (),
-                quiet_s: float = 30.0, progress: str = "off", gpu: Any = None) -> CaptureOutcome:
+                quiet_s: float = 30.0, progress: str = "off", gpu: Any = None,
+                record: PL.RecordPlan | None = None) -> CaptureOutcome:
     """Capture ``cmd`` as ``world_size`` ranks into ``run_dir``. ``gpu`` is a
-    ``prism.shell.gpu_plan.GpuPlan`` (None: CPU). Raises ``UsageError`` only
-    when a GPU swap cannot be set up."""
+    ``prism.shell.gpu_plan.GpuPlan`` (None: CPU); ``record`` what to keep of
+    the chosen ranks' payloads. Raises ``UsageError`` only when a GPU swap
+    cannot be set up."""
     run_dir = Path(run_dir)
     cmd = list(cmd)
     if show_ranks == "none":
@@ -263,8 +317,12 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
     # so (scripts that take CUDA when it is there); simulated swaps run on CPU.
     kind = "cuda" if gpu is not None and not getattr(gpu, "simulated", False) else device_kind_of(cmd)
     limit = getattr(gpu, "memory_limit_bytes", None)
-    runfolder.write_manifest(run_dir, manifest_for(run_dir, world_size, cmd, slots, kind,
-                                           (("allocator_limit_bytes", str(limit)),) if limit else ()))
+    notes = (("allocator_limit_bytes", str(limit)),) if limit else ()
+    if record is not None:
+        notes += (("record_ranks", _ranks_text(record.ranks)),
+                  ("record_steps", str(record.steps) if record.steps is not None else "all"),
+                  ("record_limit_bytes", str(record.limit_bytes)))
+    runfolder.write_manifest(run_dir, manifest_for(run_dir, world_size, cmd, slots, kind, notes))
 
     env = gpu.env() if gpu is not None else {}
     if coordinator is not None:
@@ -288,7 +346,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
                                                              nproc_per_node=nproc_per_node,
                                                              show_ranks=show_ranks, env=env),
                         policy=gpu.policy if gpu is not None else None,
-                        swapper=gpu.executor if gpu is not None else None)
+                        swapper=gpu.executor if gpu is not None else None, record=record)
     from prism.shell.telemetry import GpuSampler
 
     sampler = GpuSampler(run_dir, gpu.gpus if gpu is not None and not gpu.simulated else None)
@@ -297,7 +355,8 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         result = trio.run(coord.run)
     finally:
         sampler.stop()
-    outcome = CaptureOutcome(run_dir, result.exit_code, result, world_size=world_size)
+    outcome = CaptureOutcome(run_dir, result.exit_code, result, world_size=world_size,
+                             record=coord.payloads.summary() if coord.payloads is not None else None)
     if gpu is not None:
         from prism.shell import swap
 

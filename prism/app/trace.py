@@ -119,6 +119,16 @@ def summary_text(run: T.Run) -> str:
         )
     out += _table(gheader, grows, left=frozenset({0, 3, 5}))
     out += _gpu_timing(run)
+    if run.payloads:
+        out.append("")
+        out.append("recorded payloads (--record):")
+        prow = []
+        for rank, records in sorted(run.payloads.items()):
+            recv = [p for p in records if p.role == "recv"]
+            steps = sorted({p.step for p in records})
+            prow.append((rank, len(recv), sum(p.nbytes for p in recv), len(records) - len(recv),
+                         compact_ranks(steps) or "-"))
+        out += _table(("rank", "received", "bytes", "sent digests", "steps"), prow, left=frozenset({4}))
     ooms = [(rank, ev.message.split("\n\n", 1)[0]) for rank, events in run.ranks.items() for ev in events
             if type(ev) is T.RankEnd and ev.status == "oom"]
     if ooms:

@@ -17,6 +17,7 @@ from prism.app import capture as app_capture
 from prism.app import predict as app_predict
 from prism.app import trace as app_trace
 from prism.app.errors import PrismError
+from prism.core import payloads as PL
 
 
 def _positive(name: str):
@@ -82,6 +83,15 @@ def add_capture_arguments(p: argparse.ArgumentParser) -> None:
                    help="of --memory-limit, what the real job's GPU holds outside torch's allocator and Prism's "
                         "ranks do not: the CUDA context, NCCL's buffers (default "
                         f"{app_capture.DEFAULT_MEMORY_OVERHEAD_GIB}: the context; add ~0.8-1.5 for NCCL)")
+    r = p.add_argument_group("recorded payloads", "keep what chosen ranks receive, for emulation (PrismTrace 1.3)")
+    r.add_argument("--record", default=None, metavar="RANKS",
+                   help="ranks whose received tensors (collective outputs, receives) are stored under "
+                        "RUN/payloads/, with a digest of every tensor they send: 0,5 or 0-3 or all")
+    r.add_argument("--record-steps", default=None, metavar="STEPS",
+                   help="record only these iterations, e.g. 1-2 or 0,3- (default: all)")
+    r.add_argument("--record-limit", type=float, default=PL.DEFAULT_RECORD_LIMIT / 2**30, metavar="GIB",
+                   help="stop recording (with a warning; what was kept stays valid) before the stored tensors "
+                        f"pass GIB GiB, all ranks together (default {PL.DEFAULT_RECORD_LIMIT / 2**30:g})")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- SCRIPT ARGS, or -- -m MODULE ARGS")
     p.set_defaults(func=run_capture)
@@ -111,7 +121,8 @@ def run_capture(args: argparse.Namespace) -> int:
         coordinator=args.coordinator, nproc_per_node=args.nproc_per_node, show_ranks=args.show_ranks,
         quiet_s=args.quiet_period, progress=args.progress, gpus=args.gpus, resident=args.resident, gang=args.gang,
         rank_memory_gib=args.rank_memory, simulate_swaps=args.simulate_swaps, memory_limit_gib=args.memory_limit,
-        memory_overhead_gib=args.memory_overhead)
+        memory_overhead_gib=args.memory_overhead, record=args.record, record_steps=args.record_steps,
+        record_limit_gib=args.record_limit)
     try:
         plan = app_capture.plan_capture(config)
     except PrismError as e:

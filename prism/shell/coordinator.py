@@ -44,6 +44,7 @@ import trio
 import zmq
 
 from prism.core import matcher as M
+from prism.core import payloads as PL
 from prism.core import protocol as P
 from prism.core import scheduler as S
 from prism.core import trace as T
@@ -302,6 +303,7 @@ class Coordinator:
         policy: S.SwapPolicy | None = None,
         swapper: Swapper | None = None,
         register_stall_s: float | None = None,
+        record: PL.RecordPlan | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
@@ -326,6 +328,11 @@ class Coordinator:
         self.scheduler = S.Scheduler(slots, range(world_size), policy)
         self.policy: S.SwapPolicy = self.scheduler.policy
         self.swapper = swapper
+        #: ``--record``: what the chosen ranks receive and send (None: nothing recorded).
+        self.payloads = PL.PayloadBook(record, {r: runfolder.payload_data_name(r) for r in record.ranks}) \
+            if record is not None else None
+        self._payload_writers: dict[int, runfolder.PayloadWriter] = {}
+        self._record_warned = False
         self._last_swap_ns = 0
         #: Ranks restored by the policy's rescue (each after a quiet spell).
         self.rescues = 0
@@ -541,8 +548,54 @@ class Coordinator:
     def _matched(self, event: Callable[[Any, int], list[M.Outcome]]) -> _MessageHandler:
         """A handler that gives the message to the matcher and carries out its outcomes."""
         async def handle(session: RankSession, msg: P.Message, now: int) -> None:
+            if self.payloads is not None and self.payloads.records(session.rank):
+                self._record_call(session, msg)
             await self._outcomes(event(msg, now), now)
         return handle
+
+    # --- recorded payloads (--record) ---------------------------------------------
+
+    def _payload_writer(self, rank: int) -> runfolder.PayloadWriter:
+        w = self._payload_writers.get(rank)
+        if w is None:
+            w = self._payload_writers[rank] = runfolder.PayloadWriter(self.run_dir, rank)
+        return w
+
+    def _record_call(self, session: RankSession, msg: P.Message) -> None:
+        """A recorded rank made a call: note its step and what it sends."""
+        step = session.step + 1  # its iteration records arrive before its next step's calls
+        book = self.payloads
+        if isinstance(msg, P.CollectiveArrive):
+            sent = book.called(session.rank, ("coll", msg.gid, msg.seq), step, msg.dtype, msg.in_shapes,
+                               msg.payloads, msg.out_shapes)
+        elif isinstance(msg, P.Send):
+            sent = book.called(session.rank, ("p2p", msg.rank, msg.dst, msg.tag, msg.pseq), step, msg.dtype,
+                               (msg.shape,), msg.payloads)
+        elif isinstance(msg, P.RecvPost):
+            sent = book.called(session.rank, ("p2p", msg.src, msg.rank, msg.tag, msg.pseq), step, msg.dtype,
+                               (), (), (msg.shape,))
+        else:
+            return
+        if sent:
+            self._payload_writer(session.rank).sent(sent)
+
+    def _record_delivery(self, rank: int, key: tuple, payloads: Sequence[Any], what: str) -> None:
+        book = self.payloads
+        if book is None or not book.records(rank):
+            return
+        pairs = book.delivered(rank, key, payloads, what)
+        if pairs:
+            self._payload_writer(rank).received(pairs)
+        elif book.stopped and not self._record_warned:
+            self._record_warned = True
+            log.warning("%s", book.stopped)
+
+    def _close_payloads(self) -> None:
+        if self.payloads is None:
+            return
+        for w in self._payload_writers.values():
+            w.close()
+        runfolder.write_payload_summary(self.run_dir, self.payloads.summary())
 
     async def _on_trace(self, session: RankSession, msg: P.TraceRecords, now: int) -> None:
         session.record(msg.payloads)
@@ -668,9 +721,15 @@ class Coordinator:
             if isinstance(out, M.CollectiveDone):
                 self.colls_done += 1
                 for rank, payloads in out.outputs.items():
+                    if self.payloads is not None:
+                        self._record_delivery(rank, ("coll", out.gid, out.seq), payloads,
+                                              f"{out.op} on group {out.gid} (seq {out.seq})")
                     await self._send(rank, P.CollectiveResult(out.gid, out.seq, payloads=payloads))
                 await self._wake(out.outputs)
             elif isinstance(out, M.P2PDone):
+                if self.payloads is not None:
+                    self._record_delivery(out.dst, ("p2p", out.src, out.dst, out.tag, out.pseq), out.payloads,
+                                          f"recv from rank {out.src} tag {out.tag} (pseq {out.pseq})")
                 await self._send(out.dst, P.P2PData(out.src, out.dst, out.tag, out.pseq, payloads=out.payloads))
                 await self._wake((out.dst,))
             else:
@@ -741,6 +800,7 @@ class Coordinator:
         stopped = "stopped by Prism: " + self._result.message.splitlines()[0] if self._result else ""
         for member in self.ranks.values():
             member.close(now, stopped)
+        self._close_payloads()
 
 
 def _raise_open_files_limit(world_size: int) -> None:

@@ -8,6 +8,9 @@ Layout (``docs/TRACE.md``, "Run directory")::
     RUN/telemetry/gpu.jsonl        NVML samples (prism.shell.telemetry)
     RUN/telemetry/swaps.jsonl      one line per GPU swap (prism.shell.swap)
     RUN/telemetry/swaps.json       the swap report (prism.shell.swap)
+    RUN/payloads/rank-000012.jsonl a recorded rank's payload records (--record, PrismTrace 1.3)
+    RUN/payloads/rank-000012.bin   the bytes it received, addressed by those records
+    RUN/payloads/summary.json      what --record kept (ranks, steps, bytes, why it stopped)
     RUN/calibration/, RUN/predictions/, RUN/emulation/   reserved for later stages
 
 (The coordinator's ipc socket, ``RUN/prism.sock`` while it runs, is the
@@ -16,7 +19,8 @@ transport's: ``transport.endpoints.default_endpoint`` names it.)
 The records' encoding and the parsing of a rank file's bytes are the core's
 (``prism.core.trace``); this module moves the bytes: ``make_run_dir``,
 ``write_manifest``, ``read_manifest``, the streaming ``TraceWriter``,
-``read_rank_file``, ``read_run`` and ``write_run``.
+``read_rank_file``, ``read_run`` and ``write_run``; for recorded payloads
+``PayloadWriter``, ``read_payloads`` and ``load_payload`` (digest-checked).
 """
 
 from __future__ import annotations
@@ -59,6 +63,14 @@ __all__ = [
     "in_memory_run",
     "log_path",
     "log_path_pattern",
+    "load_payload",
+    "payload_data_name",
+    "payload_index_path",
+    "payload_summary_path",
+    "PayloadWriter",
+    "read_payloads",
+    "read_payload_summary",
+    "write_payload_summary",
     "make_run_dir",
     "manifest_path",
     "rank_of_path",
@@ -87,6 +99,11 @@ EMULATION_DIR = "emulation"
 #: ``RUN/telemetry/``: what the shells measure beside the trace.
 TELEMETRY_DIR = "telemetry"
 RUN_SUBDIRS = (RANKS_DIR, LOGS_DIR, CALIBRATION_DIR, PREDICTIONS_DIR, EMULATION_DIR, TELEMETRY_DIR)
+#: ``RUN/payloads/`` (PrismTrace 1.3, ``--record``): per recorded rank, its
+#: payload records (``rank-NNNNNN.jsonl``) and the received bytes they
+#: address (``rank-NNNNNN.bin``), and ``summary.json``. Made only when recording.
+PAYLOADS_DIR = "payloads"
+PAYLOAD_SUMMARY_NAME = "summary.json"
 #: ``RUN/telemetry/gpu.jsonl``: one NVML sample per GPU and interval.
 GPU_SAMPLES_NAME = "gpu.jsonl"
 #: ``RUN/telemetry/swaps.jsonl``: one line per GPU swap, as it happens.
@@ -99,6 +116,7 @@ _RANK_FILE = re.compile(r"rank-(\d+)\.jsonl")
 # and logs so a rank's two files sort alike.
 _RANK_FILE_NAME = "rank-{rank:06d}.jsonl"
 _LOG_NAME = "rank-{rank:06d}.log"
+_PAYLOAD_NAME = "rank-{rank:06d}.bin"
 
 
 def manifest_path(run_dir: PathLike) -> Path:
@@ -135,6 +153,21 @@ def swap_log_path(run_dir: PathLike) -> Path:
 def swap_report_path(run_dir: PathLike) -> Path:
     """``RUN/telemetry/swaps.json``."""
     return Path(run_dir) / TELEMETRY_DIR / SWAP_REPORT_NAME
+
+
+def payload_index_path(run_dir: PathLike, rank: int) -> Path:
+    """``RUN/payloads/rank-000012.jsonl``: a recorded rank's payload records."""
+    return Path(run_dir) / PAYLOADS_DIR / _RANK_FILE_NAME.format(rank=rank)
+
+
+def payload_data_name(rank: int) -> str:
+    """``payloads/rank-000012.bin``, relative to the run directory, as payload records name it."""
+    return f"{PAYLOADS_DIR}/{_PAYLOAD_NAME.format(rank=rank)}"
+
+
+def payload_summary_path(run_dir: PathLike) -> Path:
+    """``RUN/payloads/summary.json``: what ``--record`` kept."""
+    return Path(run_dir) / PAYLOADS_DIR / PAYLOAD_SUMMARY_NAME
 
 
 def rank_of_path(path: PathLike) -> int | None:
@@ -195,10 +228,11 @@ class TraceWriter:
     nothing that happened before it.
     """
 
-    def __init__(self, run_dir: PathLike, rank: int, *, flush_every: int = 64) -> None:
+    def __init__(self, run_dir: PathLike, rank: int, *, flush_every: int = 64, path: PathLike | None = None) -> None:
         if flush_every < 1:
             raise ValueError(f"TraceWriter: flush_every must be >= 1, got {flush_every}")
-        self.path = rank_path(run_dir, rank)
+        #: ``rank_path`` unless ``path`` puts the records elsewhere (payload files).
+        self.path = Path(path) if path is not None else rank_path(run_dir, rank)
         self.rank = rank
         self._flush_every = flush_every
         self._lines: list[bytes] = []
@@ -276,6 +310,124 @@ class TraceWriter:
         self.close()
 
 
+class PayloadWriter:
+    """Appends a recorded rank's payloads: the records to
+    ``payloads/rank-NNNNNN.jsonl`` (a ``TraceWriter`` underneath, with its
+    crash guarantees) and the received bytes to ``payloads/rank-NNNNNN.bin``,
+    data first, so a record never addresses bytes the file lacks."""
+
+    def __init__(self, run_dir: PathLike, rank: int) -> None:
+        root = Path(run_dir)
+        (root / PAYLOADS_DIR).mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.data_path = root / payload_data_name(rank)
+        self._data = open(self.data_path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
+        self._records = TraceWriter(root, rank, path=payload_index_path(root, rank))
+
+    def sent(self, records: Iterable[Event]) -> None:
+        for rec in records:
+            self._records.write(rec)
+
+    def received(self, pairs: Iterable[tuple[Event, memoryview]]) -> None:
+        for rec, data in pairs:
+            if self._data.tell() != rec.offset:
+                raise ValueError(f"payload record of rank {self.rank} at offset {rec.offset} but "
+                                 f"{self.data_path} holds {self._data.tell()} bytes; this is a Prism bug")
+            view = memoryview(data)
+            while view:
+                n = self._data.write(view)
+                view = view[n:]
+            self._records.write(rec)
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        try:
+            self._records.close()
+        finally:
+            self._data.close()
+
+
+def write_payload_summary(run_dir: PathLike, summary: Mapping) -> Path:
+    """``payloads/summary.json``, written atomically."""
+    import orjson
+
+    path = payload_summary_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2) + b"\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_payload_summary(run_dir: PathLike) -> dict | None:
+    """``payloads/summary.json`` (None: the capture recorded nothing)."""
+    import orjson
+
+    path = payload_summary_path(run_dir)
+    try:
+        return orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except orjson.JSONDecodeError as e:
+        raise TraceFormatError(f"{path} is not valid JSON ({e}); the capture was stopped while writing it") from None
+
+
+def read_payloads(run_dir: PathLike) -> tuple[dict[int, list[Event]], list[TraceWarning]]:
+    """Every recorded rank's payload records (``payloads/rank-*.jsonl``), and
+    the damage found (a torn record, a record addressing bytes past the end of
+    its data file): reading stops there, as for rank files."""
+    root = Path(run_dir)
+    pdir = root / PAYLOADS_DIR
+    out: dict[int, list[Event]] = {}
+    warnings: list[TraceWarning] = []
+    for f in sorted(pdir.glob("rank-*.jsonl")) if pdir.is_dir() else []:
+        rank = rank_of_path(f)
+        if rank is None:
+            continue
+        events, lines, warns = parse_rank_file(f.read_bytes(), str(f), expect_end=False)
+        warnings.extend(warns)
+        data = root / payload_data_name(rank)
+        size = data.stat().st_size if data.exists() else 0
+        kept = []
+        for ev, line in zip(events, lines):
+            if ev.KIND != "payload":
+                warnings.append(TraceWarning(str(f), line, f"a {ev.KIND} record in a payload file; ignored"))
+                continue
+            if ev.role == "recv" and ev.offset + ev.nbytes > size:
+                warnings.append(TraceWarning(str(f), line, f"{ev.ref} addresses bytes {ev.offset}-"
+                                             f"{ev.offset + ev.nbytes} of {data}, which holds {size}: the data "
+                                             "file is truncated; the records from here on were not read"))
+                break
+            kept.append(ev)
+        out[rank] = kept
+    return out, warnings
+
+
+def load_payload(run_dir: PathLike, record: Event) -> bytes:
+    """The bytes a ``recv`` payload record addresses, checked against its digest.
+    Raises ``TraceFormatError`` naming the file, the ref and what is wrong."""
+    from prism.core.payloads import digest
+
+    if record.role != "recv" or not record.file:
+        raise ValueError(f"{record.ref}: a {record.role!r} payload record keeps only a digest, no bytes")
+    path = Path(run_dir) / record.file
+    try:
+        with open(path, "rb") as f:
+            f.seek(record.offset)
+            data = f.read(record.nbytes)
+    except FileNotFoundError:
+        raise TraceFormatError(f"{path} not found: the payloads of {record.ref} are missing") from None
+    if len(data) != record.nbytes:
+        raise TraceFormatError(f"{path}: {record.ref} needs bytes {record.offset}-{record.offset + record.nbytes}, "
+                               f"the file ends at {record.offset + len(data)} (truncated)")
+    if digest(data) != record.digest:
+        raise TraceFormatError(f"{path}: the bytes of {record.ref} (step {record.step}) at offset {record.offset} "
+                               f"do not match their digest {record.digest}: the file was changed or damaged")
+    return data
+
+
 def read_rank_file(path: PathLike, *, ignore_unknown: bool = False,
                    minor: int = TRACE_VERSION_MINOR) -> RankTrace:
     """Read one rank file; damage is reported, never raised.
@@ -347,7 +499,12 @@ def read_run(run_dir: PathLike) -> Run:
         ranks[rank] = rt.events
         lines[rank] = rt.lines
         warnings.extend(rt.warnings)
-    return in_memory_run(root, manifest, dict(sorted(ranks.items())), warnings, dict(sorted(lines.items())))
+    run = in_memory_run(root, manifest, dict(sorted(ranks.items())), warnings, dict(sorted(lines.items())))
+    payloads, pwarnings = read_payloads(root)
+    run.payloads.update(payloads)
+    run.payload_files.update({r: str(payload_index_path(root, r)) for r in payloads})
+    run.warnings.extend(pwarnings)
+    return run
 
 
 def write_run(run_dir: PathLike, manifest: Manifest, ranks: Mapping[int, Iterable[Event]]) -> Path:

@@ -267,7 +267,8 @@ def _is_int(v: object) -> bool:
 
 
 def parse_rank_file(data: bytes, file: str, *, ignore_unknown: bool = False,
-                    minor: int = TRACE_VERSION_MINOR) -> tuple[list[Event], list[int], list[TraceWarning]]:
+                    minor: int = TRACE_VERSION_MINOR,
+                    expect_end: bool = True) -> tuple[list[Event], list[int], list[TraceWarning]]:
     """The records of a rank file's bytes, their 1-based line numbers, and
     the damage found; damage is reported, never raised.
 
@@ -277,7 +278,8 @@ def parse_rank_file(data: bytes, file: str, *, ignore_unknown: bool = False,
     file that ends without ``rank_end`` gets a warning too (the rank crashed,
     was killed, or is still running). ``ignore_unknown`` (for a manifest with
     a newer minor version) skips unknown record kinds and fields instead of
-    stopping; ``minor`` is the file's minor version.
+    stopping; ``minor`` is the file's minor version. ``expect_end=False``
+    reads a file of records that has no ``rank_end`` (a payload file).
     """
     events: list[Event] = []
     lines: list[int] = []
@@ -319,7 +321,7 @@ def parse_rank_file(data: bytes, file: str, *, ignore_unknown: bool = False,
                 )
             )
             damaged = True
-    if not damaged and not (events and type(events[-1]) is RankEnd):
+    if expect_end and not damaged and not (events and type(events[-1]) is RankEnd):
         warnings.append(
             TraceWarning(
                 file,

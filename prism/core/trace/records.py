@@ -22,7 +22,7 @@ from typing import ClassVar
 TRACE_VERSION = 1
 #: Minor version: a newer minor only adds optional fields and event kinds, so
 #: older readers skip what they do not know (see ``docs/TRACE.md``).
-TRACE_VERSION_MINOR = 2
+TRACE_VERSION_MINOR = 3
 #: Tensors up to this many bytes have their values kept (the small-tensor
 #: store) so replay can return them exactly: MoE token counts, split sizes,
 #: loss and grad-norm scalars.
@@ -243,6 +243,34 @@ class TensorValue:
 
 
 @dataclass(frozen=True, slots=True)
+class Payload:
+    """A recorded communication tensor (PrismTrace 1.3, ``prism capture --record``).
+
+    Payload records live beside the trace, in ``payloads/rank-NNNNNN.jsonl``
+    (never in a rank file): for each recorded rank, every tensor it
+    *received* (``role="recv"``: a collective's outputs, a receive), its
+    bytes at ``offset`` in ``file`` (relative to the run directory), and
+    the digest of every tensor it *sent* (``role="sent"``: a collective's
+    inputs, a send; ``file`` "" and ``offset`` -1). ``ref`` addresses the
+    trace record it belongs to, in the small-tensor store's vocabulary
+    (``"coll:{gid}:{seq}:{in|out}[i]"``, ``"p2p:{src}:{dst}:{tag}:{pseq}"``).
+    ``digest`` is BLAKE2b-128 of the raw little-endian bytes, in hex.
+    """
+
+    KIND: ClassVar[str] = "payload"
+    ref: str
+    role: str  # "recv" | "sent"
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    digest: str
+    #: The recorded rank's iteration (0-based) when it made the call.
+    step: int
+    file: str = ""
+    offset: int = -1
+
+
+@dataclass(frozen=True, slots=True)
 class RankEnd:
     """Last record of a rank file that closed normally."""
 
@@ -262,10 +290,11 @@ EVENT_TYPES: tuple[type, ...] = (
     Iteration,
     Memory,
     TensorValue,
+    Payload,
     RankEnd,
 )
 
-Event = RankStart | GroupCreated | Compute | Collective | P2P | Iteration | Memory | TensorValue | RankEnd
+Event = RankStart | GroupCreated | Compute | Collective | P2P | Iteration | Memory | TensorValue | Payload | RankEnd
 
 #: Bytes per element of every dtype a record may name. Names are torch's
 #: without the ``torch.`` prefix (``str(t.dtype).removeprefix("torch.")``).
@@ -367,3 +396,7 @@ class Run:
     lines: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     manifest_file: str = ""
     rank_files: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: Recorded payloads (PrismTrace 1.3, ``--record``): each recorded rank's
+    #: ``Payload`` records, and the files that hold them (for messages).
+    payloads: dict[int, list[Payload]] = dataclasses.field(default_factory=dict)
+    payload_files: dict[int, str] = dataclasses.field(default_factory=dict)

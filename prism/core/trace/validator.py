@@ -24,6 +24,7 @@ from prism.core.trace.records import (
     Compute,
     Event,
     GroupCreated,
+    Payload,
     RankEnd,
     RankStart,
     Run,
@@ -297,6 +298,56 @@ class _RankChecker:
                 return
 
 
+def _check_payloads(run: Run, rank: int, records: list[Payload], out: list[Problem]) -> None:
+    """A recorded rank's payload records: legal fields, bytes laid end to end
+    in its data file, and every ref naming a call of the rank's trace (the
+    trace may stop earlier than the records when the rank died mid-call)."""
+    file = run.payload_files.get(rank) or f"payloads of rank {rank}"
+    events = run.ranks.get(rank, [])
+    colls = {(ev.gid, ev.seq): ev for ev in events if type(ev) is Collective}
+    p2ps = {(rank, ev.peer, ev.tag, ev.pseq) if ev.op == "send" else (ev.peer, rank, ev.tag, ev.pseq): ev
+            for ev in events if type(ev) is P2P}
+    ended = any(type(ev) is RankEnd and ev.status == "ok" for ev in events)
+    end = 0
+    for i, p in enumerate(records):
+        line = i + 1
+
+        def bad(field: str, message: str) -> None:
+            out.append(Problem(file, line, rank, field, f"payload {p.ref}: {message}"))
+
+        if p.role not in ("recv", "sent"):
+            bad("role", f"role must be recv or sent, got {p.role!r}")
+            continue
+        size = DTYPE_ITEMSIZE.get(p.dtype)
+        if size is None:
+            bad("dtype", f"unknown dtype {p.dtype!r}")
+        elif p.nbytes != size * _numel(p.shape):
+            bad("nbytes", f"nbytes {p.nbytes} does not match shape {list(p.shape)} in {p.dtype}")
+        if not re.fullmatch(r"[0-9a-f]{32}", p.digest):
+            bad("digest", f"digest must be 32 hex digits (BLAKE2b-128), got {p.digest!r}")
+        if p.role == "recv":
+            if p.offset != end:
+                bad("offset", f"offset {p.offset}, but the bytes before it end at {end}: the data file's tensors "
+                              "lie end to end in record order")
+            end = p.offset + p.nbytes
+        elif p.file or p.offset != -1:
+            bad("file", "a sent payload keeps only its digest: file must be \"\" and offset -1")
+        m = _COLL_REF.fullmatch(p.ref)
+        q = _P2P_REF.fullmatch(p.ref)
+        if m:
+            found = (m.group(1), int(m.group(2))) in colls
+        elif q:
+            src, dst, tag, pseq = (int(x) for x in q.groups())
+            found = (src, dst, tag, pseq) in p2ps
+            if rank not in (src, dst) or (p.role == "sent") != (src == rank):
+                bad("ref", f"rank {rank} is not the {'sender' if p.role == 'sent' else 'receiver'} of this p2p")
+        else:
+            bad("ref", "ref must be coll:GID:SEQ:ROLE or p2p:SRC:DST:TAG:PSEQ")
+            continue
+        if not found and ended:
+            bad("ref", "names no call in the rank's trace")
+
+
 def validate_run(run: Run) -> list[Problem]:
     """Check every rule of PrismTrace on a run; an empty list means valid.
 
@@ -310,7 +361,9 @@ def validate_run(run: Run) -> list[Problem]:
     holds the rank; values' sizes match dtype and shape and fit the small-
     tensor limit; steps never decrease. Across ranks: one gid means the same
     members and index everywhere; every rank of the world has a file.
-    Collective matching across ranks is the graph's job, not this one's.
+    Payload records (1.3): legal fields, bytes end to end, refs naming calls
+    of the rank's trace. Collective matching across ranks is the graph's job,
+    not this one's.
     """
     out: list[Problem] = []
     m = run.manifest
@@ -323,6 +376,8 @@ def validate_run(run: Run) -> list[Problem]:
         if r not in run.ranks:
             missing = f"no rank file for rank {r} (world_size {m.world_size})"
             out.append(Problem(_rank_file(run, r), 0, r, "", missing))
+    for rank, records in run.payloads.items():
+        _check_payloads(run, rank, records, out)
     seen: dict[str, tuple[GroupCreated, int, str, int]] = {}
     for rank, events in run.ranks.items():
         checker = _RankChecker(run, rank, out)
