@@ -290,6 +290,7 @@ def install(rank: int, world_size: int, nproc_per_node: int, gpus: Sequence[int]
     _patch_torch_cuda()
     _state.mode = LogicalDeviceMode()
     _state.mode.__enter__()
+    _patch_autograd_engine(_state.mode)
     return physical
 
 
@@ -422,6 +423,31 @@ def _patch_copy_streams() -> None:
         return original(device)
 
     functions._get_stream = _get_stream
+
+
+def _patch_autograd_engine(mode: LogicalDeviceMode) -> None:
+    """Backward passes run in autograd's device threads with the thread-local
+    state captured when the engine is called, which is inside the mode's own
+    handler for ``backward``/``autograd.grad``, where torch has popped the
+    mode: a custom Function's backward that allocates on
+    ``torch.cuda.current_device()`` (the script's logical index; Megatron's
+    MoE all_to_all does) would then name a device this process lacks
+    ("invalid device ordinal", measured on one H200). So the engine is entered
+    with the mode pushed again: the device threads see the logical devices
+    as the script's own thread does."""
+    import torch.autograd as autograd
+
+    original = getattr(autograd, "_engine_run_backward", None)
+    if original is None:  # torch before 2.3 calls the engine directly
+        return
+
+    def _engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+        if mode in torch.overrides._get_current_function_mode_stack():
+            return original(*args, **kwargs)
+        with mode:
+            return original(*args, **kwargs)
+
+    autograd._engine_run_backward = _engine_run_backward
 
 
 def _patch_accelerator_index() -> None:

@@ -83,6 +83,43 @@ def test_mode_rewrites_explicit_device_arguments_on_cpu():
     ]
 
 
+_BACKWARD_PROBE = """
+import json, sys, torch
+from prism.rank import devices
+mode = devices.LogicalDeviceMode()
+if sys.argv[1] == "patched":
+    devices._patch_autograd_engine(mode)
+seen = []
+class F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+    @staticmethod
+    def backward(ctx, g):
+        before = mode.calls
+        out = torch.zeros_like(g) + g * 2
+        seen.append(mode.calls - before)
+        return out
+w = torch.ones(3, requires_grad=True)
+with mode:
+    F.apply(w).sum().backward()
+    torch.autograd.grad(F.apply(w).sum(), w)
+print(json.dumps({"seen": seen, "grad": w.grad.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("how", ["patched", "plain"])
+def test_backward_passes_run_under_the_logical_device_mode(how):
+    # Without the patch torch pops the mode before the engine captures its
+    # thread-local state, so a custom Function's backward bypasses it.
+    proc = subprocess.run([sys.executable, "-c", _BACKWARD_PROBE, how], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["grad"] == [2.0, 2.0, 2.0]
+    assert out["seen"] == ([3, 3] if how == "patched" else [0, 0])
+
+
 def test_install_without_cuda_does_nothing():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only path; this machine has a CUDA device")
@@ -118,6 +155,9 @@ def test_every_call_with_logical_devices(rank):
     assert out["mem_get_info_ok"]
     assert out["max_allocated"] >= 4 << 20
     assert out["sum"] == 12.0
+    # Autograd's device thread sees the logical devices too (Megatron's MoE all_to_all backward).
+    assert out["backward_alloc"] == out["backward_zeros"] == "cuda:0"
+    assert out["backward_grad"] == out["grad_grad"] == [4.0, 4.0, 4.0]
     assert "device 8 does not exist on this emulated node, which has 8" in out["bad_index"]
     assert out["mesh"] == "cuda" and out["current_after_mesh"] == rank
 

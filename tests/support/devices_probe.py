@@ -35,6 +35,29 @@ out["mem_get_info_ok"] = 0 < free <= total
 x = torch.empty(1 << 20, device=f"cuda:{local}")
 out["max_allocated"] = torch.cuda.max_memory_allocated(local)
 out["sum"] = float((cpu.to(local) * 2).sum())
+
+
+class _AllocInBackward(torch.autograd.Function):
+    """As Megatron's _AllToAll: backward (run by autograd's device thread)
+    allocates on ``torch.cuda.current_device()``, the script's logical index."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        buf = g.new_empty(g.shape, device=torch.cuda.current_device())
+        out["backward_alloc"] = str(buf.device)
+        out["backward_zeros"] = str(torch.zeros(1, device=torch.cuda.current_device()).device)
+        return buf.copy_(g) * 2
+
+
+w = torch.ones(3, device=f"cuda:{local}", requires_grad=True)
+_AllocInBackward.apply(w).sum().backward()
+out["backward_grad"] = w.grad.tolist()
+(g,) = torch.autograd.grad(_AllocInBackward.apply(w).sum(), w)
+out["grad_grad"] = g.tolist()
 try:
     torch.cuda.set_device(nproc)
     out["bad_index"] = "no error"
