@@ -14,8 +14,10 @@ recorded timeline) and processes the call at ``now`` like any other: a
 collective completes at its last arrival (sandbox arrivals as measured,
 virtual ones from the graph) plus the cost model's time. When the emulated
 job would release the sandbox's call, the engine emits ``Released`` with that
-time; the shell gives the sandbox its result then, not earlier, and sleeps
-until ``next_due()`` otherwise. A call other than what the graph has at that
+time; the shell gives the sandbox its result then, not earlier. Meanwhile it
+lets the engine work ahead (``work_ahead``: queued events whatever their time,
+which is exact) rather than process each event only when its time comes, or
+sleeps until ``next_due()``. A call other than what the graph has at that
 point is a ``Mismatch`` (the rank, what it called, what the graph expected).
 
 Dormant virtual ranks (members of no group with a sandbox) are either
@@ -33,6 +35,7 @@ chooses). The engine never reads a clock.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -40,11 +43,13 @@ import numpy as np
 
 from prism.core.costmodel import ZERO, CostModel
 from prism.core.graph import COLL, COMPUTE, ITER, KIND_NAMES, OPS, RECV, SEND, WAIT, ExecutionGraph
-from prism.core.replay import NORMAL, Costs, SteppableReplay
+from prism.core.replay import NORMAL, Costs, ReplayResult, SteppableReplay
 
 __all__ = ["Call", "Released", "Mismatch", "HybridError", "HybridReplay"]
 
 _COMM = (COLL, SEND, RECV, WAIT)
+#: The urgency of a node no sandbox rank waits on (``HybridReplay._urgency``).
+_NEVER = np.iinfo(np.int64).max
 
 
 class HybridError(RuntimeError):
@@ -107,6 +112,9 @@ class HybridReplay(SteppableReplay):
         self.live = frozenset(r for g in graph.groups if self.sandbox & set(g.ranks) for r in g.ranks) - self.sandbox
         self.dormant_mode = dormant
         self.dormant = frozenset(range(graph.world_size)) - self.sandbox - self.live
+        #: offline: the queue ``work_ahead`` takes from, by urgency (``_urgency``);
+        #: None: it takes the time queue's head (simulate, where no forecast is at hand)
+        self._ahead: list[tuple[int, int, int, int, int]] | None = None
         if dormant == "offline":
             self._resolve_offline(durations, cost_model)
         #: sandbox rank -> (first node of the segment it is computing, when it started)
@@ -121,7 +129,8 @@ class HybridReplay(SteppableReplay):
         their arrivals at collectives and their sends are known in advance,
         so only the sandbox and live ranks are in the event loop. What a
         sandbox running off its recording would change downstream of a dormant
-        rank is lost: the shortcut's error (``bench/hybrid.py`` measures it)."""
+        rank is lost: the shortcut's error (``bench/hybrid.py`` measures it).
+        The same batch replay orders ``work_ahead`` (``_urgency``)."""
         from prism.core.replay import replay_batch
 
         g = self.graph
@@ -142,6 +151,60 @@ class HybridReplay(SteppableReplay):
             self._clk[r] = int(batch.end[self._ptr[r + 1] - 1]) if self._ptr[r + 1] > self._ptr[r] else 0
         self._heap = [e for e in self._heap if e[3] not in self.dormant]
         heapq.heapify(self._heap)
+        self._need, self._need_off = self._urgency(batch)
+        #: rank -> the sequence number of its queued event (-1: none). A rank has
+        #: at most one; an entry of either queue with another number was taken
+        #: from the other queue and is dropped when it reaches the head.
+        self._queued = array("q", bytes(8 * g.world_size))
+        self._queued[:] = array("q", np.full(g.world_size, -1, np.int64).tobytes())
+        for _, _, seq, r in self._heap:
+            self._queued[r] = seq
+        self._ahead = [(self._need[self._pos[r] - self._need_off[r]], t, prio, seq, r) for t, prio, seq, r in self._heap]
+        heapq.heapify(self._ahead)
+        #: while work_ahead runs a virtual rank in place: the rank, the most
+        #: urgent need queued (it stops there) and the time of its next event
+        self._running, self._limit, self._cont = -1, _NEVER, -1
+
+    def _urgency(self, batch: ReplayResult) -> tuple[array, array]:
+        """Per node of a stepped rank, the earliest batch-replay time at which
+        a sandbox rank waits on that node being processed (int64 max: none
+        does); the order in which ``work_ahead`` works through the stepped
+        ranks' future. Node ``n`` of rank ``r`` is entry ``n - off[r]`` of the
+        first array, ``off`` the second (the stepped ranks' nodes only: a
+        sliver of the graph).
+
+        A sandbox node is needed at its start; any node as early as the next
+        node of its rank, a collective arrival as early as any member of its
+        instance, a send as early as its receive: iterated over the stepped
+        ranks until nothing changes (each round carries a need one hop further
+        across ranks). The times are the recording's, a forecast good enough to
+        order work by; the order never changes a result (``work_ahead``)."""
+        g = self.graph
+        ptr = g.rank_ptr
+        need = np.full(g.n_nodes, _NEVER, np.int64)
+        for r in self.sandbox:
+            need[ptr[r]:ptr[r + 1]] = batch.start[ptr[r]:ptr[r + 1]]
+        stepped = sorted(self.sandbox | self.live)
+        nodes = np.concatenate([np.arange(ptr[r], ptr[r + 1]) for r in stepped])
+        coll = nodes[g.kind[nodes] == COLL]
+        send = nodes[g.kind[nodes] == SEND]
+        inst, recv = g.ref[coll], g.msg_recv[g.ref[send]]
+        first = np.empty(g.n_instances, np.int64)
+        while True:
+            before = need[nodes]
+            for r in stepped:
+                seg = need[ptr[r]:ptr[r + 1]][::-1]
+                np.minimum.accumulate(seg, out=seg)
+            first.fill(_NEVER)
+            np.minimum.at(first, inst, need[coll])
+            need[coll] = first[inst]
+            need[send] = np.minimum(need[send], need[recv])
+            if np.array_equal(before, need[nodes]):
+                break
+        off = np.zeros(g.world_size, np.int64)
+        lens = ptr[np.asarray(stepped) + 1] - ptr[stepped]
+        off[stepped] = ptr[stepped] - (np.cumsum(lens) - lens)
+        return array("q", need[nodes].tobytes()), array("q", off.tobytes())
 
     # --- the shell's side ---------------------------------------------------------
 
@@ -197,6 +260,55 @@ class HybridReplay(SteppableReplay):
         while node < end and self._kind[node] not in _COMM:
             node += 1
         return node
+
+    def work_ahead(self, budget: int) -> int | None:
+        """Process up to ``budget`` queued events whatever their time, those a
+        sandbox rank waits on soonest first (offline; simulate: the earliest
+        first); return the time of the last one (None: nothing is queued).
+
+        Exact: a rank is queued only once the time of its next node is final
+        (a rank blocked on a sandbox rank is not queued), and the event rules
+        give the same times in any processing order: a collective completes
+        at its latest arrival plus its cost, a receive at max(its posting, the
+        send's issue plus the transfer) and a wait at max(its start, the op's
+        end), whichever side is processed first (the batch replay, which has
+        no event order, gives the same timeline). So the shell can work through
+        the virtual ranks' future while the sandbox computes instead of
+        catching up when their time comes; a ``Released`` then comes out as
+        soon as it is known, possibly before its time, and the shell holds it
+        until then.
+
+        A virtual rank keeps running in place, its next event not queued,
+        while nothing queued is needed sooner: the two queues' pushes and pops
+        were most of an event's cost."""
+        last = None
+        if self._ahead is None:
+            while budget > 0 and self._heap:
+                last, _ = self._process()
+                budget -= 1
+            return last
+        ahead, queued = self._ahead, self._queued
+        while budget > 0 and ahead:
+            _, t, _, _, r = heapq.heappop(ahead)
+            queued[r] = -1
+            if r not in self.sandbox:
+                self._running = r
+                self._limit = ahead[0][0] if ahead else _NEVER
+            while True:
+                self._cont = -1
+                last = t
+                self._handle(t, r)
+                budget -= 1
+                t = self._cont
+                if t < 0:
+                    break
+                if budget == 0:
+                    self._running = -1
+                    self._push(t, NORMAL, r)
+                    break
+            self._running = -1
+            self._drop_stale()
+        return last
 
     def take_released(self) -> list[Released]:
         out, self.released = self.released, []
@@ -264,20 +376,47 @@ class HybridReplay(SteppableReplay):
         return True
 
     def _process(self) -> tuple[int, int]:
-        t, prio, seq, r = self._heap[0]
+        t, _, _, r = heapq.heappop(self._heap)
+        return self._take(t, r) if self._ahead is not None else self._handle(t, r)
+
+    def _take(self, t: int, r: int) -> tuple[int, int]:
+        """Handle rank ``r``'s event taken off the time queue (its entry in the other goes stale)."""
+        self._queued[r] = -1
+        out = self._handle(t, r)
+        self._drop_stale()
+        return out
+
+    def _drop_stale(self) -> None:
+        """Leave neither queue with a stale head (what ``next_due``, ``step`` and ``work_ahead`` read)."""
+        queued = self._queued
+        for q in (self._heap, self._ahead):
+            while q and queued[q[0][-1]] != q[0][-2]:
+                heapq.heappop(q)
+
+    def _handle(self, t: int, r: int) -> tuple[int, int]:
         if r in self.sandbox:
             nd = self._pos[r]
             if self._armed.get(r) != nd:
                 # The sandbox computes from here until it calls again: its time is the shell's.
-                heapq.heappop(self._heap)
                 self.computing[r] = (nd, t)
                 return t, nd
             del self._armed[r]
-        return super()._process()
+        return super()._handle(t, r)
 
     def _push(self, t: int, prio: int, r: int) -> None:
         if r in self.sandbox and self._armed.get(r) != self._pos[r]:
             prev = self._pos[r] - 1
             if prev >= self._ptr[r] and self._kind[prev] in _COMM:
                 self.released.append(Released(r, prev, self.call_of(prev), t))
+        if self._ahead is not None:
+            need = self._need[self._pos[r] - self._need_off[r]]
+            if r == self._running:
+                if need <= self._limit:  # work_ahead goes on with this rank
+                    self._cont = t
+                    return
+                self._running = -1
+            elif need < self._limit:
+                self._limit = need
+            self._queued[r] = self._seq
+            heapq.heappush(self._ahead, (need, t, prio, self._seq, r))
         super()._push(t, prio, r)

@@ -629,6 +629,10 @@ class SteppableReplay:
 
     def _process(self) -> tuple[int, int]:
         t, _, _, r = heapq.heappop(self._heap)
+        return self._handle(t, r)
+
+    def _handle(self, t: int, r: int) -> tuple[int, int]:
+        """Rank ``r``'s queued event at ``t``, taken off the queue: process its next node."""
         self.events += 1
         pos, ptr, start, end = self._pos, self._ptr, self._start, self._end
         is_async, waiter = self._async, self._waiter
@@ -664,13 +668,16 @@ class SteppableReplay:
                 cont = t
             if self._arrived[i] == self._size[i]:
                 c = self._amax[i] + self._icost[i]
+                rank_of = self._rank
                 for m in self._inst_nodes[self._inst_ptr[i]:self._inst_ptr[i + 1]]:
                     end[m] = c
                     if not is_async[m]:
                         if m == nd:
                             cont = c
-                        else:
-                            self._wake(c, m)
+                        else:  # _wake, inlined: it runs for every member of every completed instance
+                            rm = rank_of[m]
+                            if pos[rm] < ptr[rm + 1]:
+                                self._push(c, URGENT, rm)
                     elif m in waiter:
                         w = waiter.pop(m)
                         end[w] = max(start[w], c)

@@ -1,6 +1,10 @@
 """Drive a HybridReplay as a shell would, with the sandbox ranks' arrivals
 decided by a function: each time a sandbox rank is released into a compute
-segment, ``arrival(rank, first_node, start_ns)`` says when it calls again."""
+segment, ``arrival(rank, first_node, start_ns)`` says when it calls again.
+
+``ahead``: before each arrival the engine works through everything queued
+(``work_ahead``, this many events a call), far past that arrival's time, the
+most out of time order a shell can take it; None: in time order (``step``)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import heapq
 from prism.core.hybrid import HybridReplay
 
 
-def drive(eng: HybridReplay, arrival) -> list:
+def drive(eng: HybridReplay, arrival, ahead: int | None = None) -> list:
     """Run ``eng`` to the end; returns every Released in order."""
     due: list[tuple[int, int]] = []  # (arrival time, rank)
     scheduled: set[int] = set()
@@ -19,6 +23,9 @@ def drive(eng: HybridReplay, arrival) -> list:
             if r not in scheduled:
                 scheduled.add(r)
                 heapq.heappush(due, (arrival(r, nd, t0), r))
+        if ahead and eng.work_ahead(ahead) is not None:
+            released += eng.take_released()
+            continue
         t_eng = eng.next_due()
         if due and (t_eng is None or due[0][0] <= t_eng):
             t, r = heapq.heappop(due)

@@ -24,9 +24,10 @@ def graph():
     return ExecutionGraph.from_events(megatron_events(MegatronSpec(tp=2, pp=2, dp=4, ep=2, iterations=3)))
 
 
+@pytest.mark.parametrize("ahead", [None, 1, 1 << 30], ids=["in-time-order", "ahead-by-1", "ahead"])
 @pytest.mark.parametrize("dormant", ["simulate", "offline"])
 @pytest.mark.parametrize("sandbox", [[0], [0, 5]])
-def test_arrivals_at_the_batch_times_reproduce_the_batch_replay(graph, sandbox, dormant):
+def test_arrivals_at_the_batch_times_reproduce_the_batch_replay(graph, sandbox, dormant, ahead):
     want = replay_batch(graph, cost_model=MODEL)
     eng = HybridReplay(graph, sandbox, cost_model=MODEL, dormant=dormant)
 
@@ -34,7 +35,7 @@ def test_arrivals_at_the_batch_times_reproduce_the_batch_replay(graph, sandbox, 
         cn = eng.next_call_node(rank, node)
         return int(want.start[cn]) if cn < graph.rank_ptr[rank + 1] else int(want.end[cn - 1])
 
-    released = drive(eng, at_batch_time)
+    released = drive(eng, at_batch_time, ahead)
     got = eng.result()
     np.testing.assert_array_equal(got.start, want.start)
     np.testing.assert_array_equal(got.end, want.end)
@@ -43,7 +44,8 @@ def test_arrivals_at_the_batch_times_reproduce_the_batch_replay(graph, sandbox, 
         assert rel.rank in sandbox and rel.t_ns == want.start[rel.node + 1]
 
 
-def test_a_slower_sandbox_delays_the_world_as_the_batch_replay_says(graph):
+@pytest.mark.parametrize("ahead", [None, 1, 1 << 30], ids=["in-time-order", "ahead-by-1", "ahead"])
+def test_a_slower_sandbox_delays_the_world_as_the_batch_replay_says(graph, ahead):
     eng = HybridReplay(graph, [0, 5], cost_model=MODEL)
     dur = graph.dur
 
@@ -51,7 +53,7 @@ def test_a_slower_sandbox_delays_the_world_as_the_batch_replay_says(graph):
         cn = eng.next_call_node(rank, node)
         return t0 + int(round(1.2 * int(dur[node:cn].sum())))
 
-    drive(eng, slower)
+    drive(eng, slower, ahead)
     got = eng.result()
     taken = graph.dur.copy()
     for r in (0, 5):
@@ -143,8 +145,8 @@ def jobs(draw):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(jobs(), st.sampled_from(["simulate", "offline"]))
-def test_the_oracle_holds_on_random_jobs(job, dormant):
+@given(jobs(), st.sampled_from(["simulate", "offline"]), st.sampled_from([None, 1, 3, 1 << 30]))
+def test_the_oracle_holds_on_random_jobs(job, dormant, ahead):
     events, sandbox = job
     g = ExecutionGraph.from_events(events)
     want = replay_batch(g, cost_model=MODEL)
@@ -154,7 +156,7 @@ def test_the_oracle_holds_on_random_jobs(job, dormant):
         cn = eng.next_call_node(rank, node)
         return int(want.start[cn]) if cn < g.rank_ptr[rank + 1] else int(want.end[cn - 1])
 
-    drive(eng, at_batch_time)
+    drive(eng, at_batch_time, ahead)
     got = eng.result()
     np.testing.assert_array_equal(got.start, want.start)
     np.testing.assert_array_equal(got.end, want.end)
