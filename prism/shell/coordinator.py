@@ -437,6 +437,10 @@ class Coordinator:
         finally:
             self._close_traces()
             sock.close()
+            if self.bound_endpoint.startswith("ipc://"):
+                # libzmq leaves the socket file behind; a run directory should
+                # hold only files (copying one with it fails).
+                Path(self.bound_endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
             if self.progress is not None:
                 self.progress.close()
 
