@@ -25,6 +25,7 @@ from typing import Any
 
 from prism import __version__
 from prism.app.errors import UsageError
+from prism.app.trace import compact_ranks
 from prism.core import payloads as PL
 from prism.core import trace as T
 from prism.shell import runfolder
@@ -130,7 +131,7 @@ class CaptureOutcome:
         if rec is not None:
             n = sum(rec["records"].values())
             lines.append(f"prism: recorded {n:,} payload records ({rec['bytes']:,} bytes received) of ranks "
-                         f"{_ranks_text(rec['ranks'])}, steps {rec['steps']}, into {run_dir / runfolder.PAYLOADS_DIR}")
+                         f"{compact_ranks(rec['ranks'])}, steps {rec['steps']}, into {run_dir / runfolder.PAYLOADS_DIR}")
             if rec["stopped"]:
                 lines.append(f"prism: warning: {rec['stopped']}")
         r = self.result
@@ -192,17 +193,6 @@ def manifest_for(run_dir: Path, world_size: int, cmd: Sequence[str], slots: int,
         prism_version=__version__, torch_version=_torch_version(), hostname=socket.gethostname(),
         layout=layout_of(cmd), notes=(("slots", str(slots)), *notes),
     )
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and runs[-1][1] == r - 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _record_plan(config: CaptureConfig) -> PL.RecordPlan | None:
@@ -319,7 +309,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
     limit = getattr(gpu, "memory_limit_bytes", None)
     notes = (("allocator_limit_bytes", str(limit)),) if limit else ()
     if record is not None:
-        notes += (("record_ranks", _ranks_text(record.ranks)),
+        notes += (("record_ranks", compact_ranks(sorted(record.ranks))),
                   ("record_steps", str(record.steps) if record.steps is not None else "all"),
                   ("record_limit_bytes", str(record.limit_bytes)))
     runfolder.write_manifest(run_dir, manifest_for(run_dir, world_size, cmd, slots, kind, notes))

@@ -47,6 +47,15 @@ def p2p_ref(src: int, dst: int, tag: int, pseq: int) -> str:
     return f"p2p:{src}:{dst}:{tag}:{pseq}"
 
 
+def _range(part: str, *, open_end: bool) -> tuple[int, int | None]:
+    """``"N"`` -> (N, N), ``"N-M"`` -> (N, M), with ``open_end`` ``"N-"`` -> (N, None);
+    ValueError for anything else."""
+    first, dash, last = part.partition("-")
+    if dash and not last and open_end:
+        return int(first), None
+    return (int(first), int(last)) if dash else (int(first), int(first))
+
+
 @dataclass(frozen=True, slots=True)
 class StepSet:
     """Iterations to record: ``ranges`` of ``(first, last)`` (``last`` None: no end)."""
@@ -59,10 +68,8 @@ class StepSet:
         ranges: list[tuple[int, int | None]] = []
         for part in text.split(","):
             part = part.strip()
-            first, dash, last = part.partition("-")
             try:
-                a = int(first)
-                b = (int(last) if last else None) if dash else a
+                a, b = _range(part, open_end=True)
             except ValueError:
                 raise ValueError(f"steps {text!r}: {part!r} is not a step (N), a range (N-M) or an open range "
                                  "(N-); write e.g. 0-2,5") from None
@@ -94,10 +101,8 @@ class RecordPlan:
         ranks: set[int] = set()
         for part in text.split(","):
             part = part.strip()
-            first, dash, last = part.partition("-")
             try:
-                a = int(first)
-                b = int(last) if dash else a
+                a, b = _range(part, open_end=False)
             except ValueError:
                 raise ValueError(f"ranks {text!r}: {part!r} is not a rank (N) or a range (N-M); write e.g. 0,5 "
                                  "or 0-3 or all") from None

@@ -30,6 +30,7 @@ import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from prism.core.payloads import digest
 from prism.core.trace import (
     TRACE_VERSION,
     TRACE_VERSION_MINOR,
@@ -408,8 +409,6 @@ def read_payloads(run_dir: PathLike) -> tuple[dict[int, list[Event]], list[Trace
 def load_payload(run_dir: PathLike, record: Event) -> bytes:
     """The bytes a ``recv`` payload record addresses, checked against its digest.
     Raises ``TraceFormatError`` naming the file, the ref and what is wrong."""
-    from prism.core.payloads import digest
-
     if record.role != "recv" or not record.file:
         raise ValueError(f"{record.ref}: a {record.role!r} payload record keeps only a digest, no bytes")
     path = Path(run_dir) / record.file
