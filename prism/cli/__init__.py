@@ -61,6 +61,12 @@ def _build_predict(p: argparse.ArgumentParser) -> None:
     predict.add_arguments(p)
 
 
+def _build_emulate(p: argparse.ArgumentParser) -> None:
+    from prism.cli import emulate
+
+    emulate.add_arguments(p)
+
+
 def _build_report(p: argparse.ArgumentParser) -> None:
     from prism.cli import report
 
@@ -75,8 +81,13 @@ _COMMANDS: tuple[_Command, ...] = (
     _Command("predict", "predict iteration time and breakdown from a captured run", build=_build_predict),
     _Command("report", "write timelines (Perfetto, Gantt plot, Chakra ET) for a run", build=_build_report),
     _Command("netprofile", "measure the local backend (gloo) and fit a communication cost profile", build=_build_netprofile),
-    _Command("emulate", "hybrid emulation with sandbox and virtual ranks (phase 2)", pending_issue=None),
+    _Command("emulate", "run chosen sandbox ranks for real against the captured run's virtual ranks",
+             build=_build_emulate),
 )
+
+
+#: Commands whose script and its arguments follow ``--`` after a positional.
+_SCRIPT_AFTER_POSITIONAL = ("emulate",)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -109,7 +120,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    script: list[str] | None = None
+    if argv and argv[0] in _SCRIPT_AFTER_POSITIONAL and "--" in argv:
+        # ``emulate RUN [options] -- SCRIPT ARGS``: argparse cannot take a
+        # remainder after a positional when the script's own flags follow.
+        i = argv.index("--")
+        argv, script = argv[:i], argv[i + 1:]
     args = parser.parse_args(argv)
+    if script is not None:
+        args.script = script
     if args.command is None:
         parser.print_help()
         return 2

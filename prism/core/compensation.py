@@ -41,10 +41,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from prism.core.collectives import (FLOAT_DTYPES, _divide, _scale, bf16_to_f32, check_reduce_op, f32_to_bf16,
-                                    reduce_arrays, storage_dtype)
+from prism.core.collectives import (FLOAT_DTYPES, CallLike, _divide, _scale, bf16_to_f32, check_reduce_op,
+                                    f32_to_bf16, reduce_arrays, run_collective, storage_dtype)
 
-__all__ = ["virtual_contribution", "fold", "reduce_with_virtual", "virtual_shard"]
+__all__ = ["virtual_contribution", "fold", "reduce_with_virtual", "virtual_shard", "hybrid_outputs"]
 
 
 def _values(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -169,3 +169,120 @@ def virtual_shard(shape: Sequence[int], dtype: str, sandbox_own: np.ndarray,
         return np.zeros(shape, dt)
     reps = -(-n // flat.size)
     return np.tile(flat, reps)[:n].reshape(shape)
+
+
+def hybrid_outputs(calls: Mapping[int, CallLike], inputs: Mapping[int, Sequence[np.ndarray]], group_size: int, *,
+                   gid: str = "", seq: int = -1, ranks: Sequence[int] = ()) -> dict[int, list[np.ndarray]]:
+    """What each sandbox member of a collective receives when its virtual
+    members are compensated: ``calls`` and ``inputs`` by group rank (the
+    sandbox members only, inputs as ``collectives.run_collective`` takes
+    them), ``group_size`` the whole group's. Returns group rank -> outputs
+    (the module table's rules; an empty list means "leave your tensors as
+    they are", as in ``run_collective``).
+
+    Reductions fold the virtual members into one input
+    (``reduce_with_virtual``: k + 1 inputs, whatever the group's size); a
+    broadcast or scatter from a virtual root leaves the sandbox's tensors as
+    they are, a gather or reduce to one gives nothing; all_gather and gather
+    fill the virtual shards from the member's own (``virtual_shard``); an
+    all_to_all's chunk from a virtual member is the member's own chunk for
+    that member, cut or tiled to the size it expects."""
+    if not calls:
+        raise ValueError("hybrid_outputs needs at least one sandbox member")
+    members = sorted(calls)
+    first = calls[members[0]]
+    op, dtype = first.op, first.dtype
+    n = group_size
+    if len(members) == n:
+        outs = run_collective([calls[g] for g in members], [list(inputs[g]) for g in members], gid=gid, seq=seq,
+                              ranks=ranks or members)
+        return dict(zip(members, outs))
+    flat = {g: [np.asarray(a).reshape(-1) for a in inputs[g]] for g in members}
+
+    def reduce(arrs: Mapping[int, np.ndarray]) -> np.ndarray:
+        return reduce_with_virtual(first.reduce_op, dtype, arrs, n, first.premul)
+
+    if op == "barrier":
+        return {g: [] for g in members}
+    if op == "all_reduce":
+        r = reduce({g: flat[g][0] for g in members})
+        return {g: [r] for g in members}
+    if op == "all_reduce_coalesced":
+        r = reduce({g: np.concatenate(flat[g]) if flat[g] else np.zeros(0, storage_dtype(dtype)) for g in members})
+        cuts = np.cumsum([a.size for a in flat[members[0]]])[:-1]
+        parts = np.split(r, cuts)
+        return {g: list(parts) for g in members}
+    if op == "reduce":
+        if first.root not in calls:
+            return {g: [] for g in members}
+        r = reduce({g: flat[g][0] for g in members})
+        return {g: [r] if g == first.root else [] for g in members}
+    if op == "reduce_scatter":
+        return {g: [reduce({m: flat[m][g] for m in members})] for g in members}
+    if op == "reduce_scatter_tensor":
+        out = {g: [] for g in members}
+        for k in range(len(flat[members[0]])):
+            r = reduce({m: flat[m][k] for m in members})
+            part = r.size // n
+            for g in members:
+                out[g].append(r[g * part:(g + 1) * part])
+        return out
+    if op in ("broadcast", "scatter", "gather") and first.root not in calls:
+        return {g: [] for g in members}
+    if op == "all_to_all":
+        out = {}
+        for g in members:
+            c = calls[g]
+            row = []
+            for j in range(n):
+                shape = tuple(c.out_shapes[j]) if j < len(c.out_shapes) else tuple(c.in_shapes[j])
+                row.append(inputs[j][g] if j in calls else virtual_shard(shape, dtype, inputs[g][j]))
+            out[g] = row
+        return out
+    if op == "all_to_all_single":
+        out = {}
+        for g in members:
+            c = calls[g]
+            own = np.asarray(inputs[g][0])
+            rows = own.shape[0] if own.ndim else 0
+            tail = own.shape[1:]
+            ins = list(c.in_splits) or [rows // n] * n
+            outs_ = list(c.out_splits) or [rows // n] * n
+            starts = np.concatenate([[0], np.cumsum(ins)]).astype(int)
+            chunks = []
+            for j in range(n):
+                if j in calls:
+                    cj = calls[j]
+                    rj = np.asarray(inputs[j][0])
+                    sj = list(cj.in_splits) or [rj.shape[0] // n] * n
+                    a = int(sum(sj[:g]))
+                    chunks.append(rj[a:a + sj[g]])
+                else:
+                    mine = own[starts[j]:starts[j + 1]]
+                    chunks.append(virtual_shard((outs_[j], *tail), dtype, mine if mine.size else own))
+            out[g] = [np.concatenate(chunks, axis=0) if chunks else own[:0]]
+        return out
+    root = first.root
+    if op == "broadcast":
+        return {g: [] if g == root else [np.asarray(inputs[root][0]).reshape(-1)] for g in members}
+    if op == "scatter":
+        return {g: [np.asarray(inputs[root][g])] for g in members}
+    if op == "gather":
+        own = inputs[root][0]
+        row = [inputs[j][0] if j in calls else virtual_shard(np.shape(own), dtype, own) for j in range(n)]
+        return {g: row if g == root else [] for g in members}
+    if op not in ("all_gather", "all_gather_into_tensor"):
+        raise ValueError(f"hybrid_outputs: unknown collective {op!r}")
+    # The group materialised (the output holds every member's shard anyway):
+    # each virtual member a copy of the leftmost sandbox's call with its data.
+    template = calls[members[0]]
+    full_calls, full_inputs = [], []
+    for j in range(n):
+        if j in calls:
+            full_calls.append(calls[j])
+            full_inputs.append(list(inputs[j]))
+        else:
+            full_calls.append(template)
+            full_inputs.append([virtual_shard(np.shape(a), dtype, a) for a in inputs[members[0]]])
+    outs = run_collective(full_calls, full_inputs, gid=gid, seq=seq)
+    return {g: outs[g] for g in members}

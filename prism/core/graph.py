@@ -333,6 +333,8 @@ class ExecutionGraph:
         self.peer = cols.peer.astype(np.int32, copy=False)
         self.tag = cols.tag.astype(np.int64, copy=False)
         self.nbytes = cols.nbytes.astype(np.int64, copy=False)
+        #: per node, its collective signature (index into ``sig_table``; -1: not a collective)
+        self.sig = cols.sig.astype(np.int32, copy=False)
         self.wait_of = cols.wait_of.astype(np.int64, copy=False)
         self.step = cols.step.astype(np.int32, copy=False)
         self.rec_start = cols.rec_start.astype(np.int64, copy=False)

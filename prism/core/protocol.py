@@ -21,7 +21,8 @@ import orjson
 
 from prism.core import codec
 
-PROTOCOL_VERSION = 1
+#: 2: results carry ``release_ns`` (emulation: when the call completes).
+PROTOCOL_VERSION = 2
 #: Largest message (all frames together) a peer may send. Tensors staged
 #: through the coordinator in phase 1 are gradient buckets and activations:
 #: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
@@ -222,6 +223,9 @@ class CollectiveResult:
     gid: str
     seq: int
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
+    #: Emulation: the rank's monotonic time (ns) at which the call completes
+    #: (the rank holds the result until then); 0: at once.
+    release_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +238,8 @@ class P2PData:
     tag: int
     pseq: int
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
+    #: As ``CollectiveResult.release_ns``.
+    release_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)

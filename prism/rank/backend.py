@@ -768,7 +768,20 @@ def _complete_from_future(pending: _Op, fut: Any) -> None:
     except BaseException as e:
         pending.complete(None, PrismRankError(f"{pending.what} failed: {e}"))
         return
+    _hold_until(reply.release_ns)
     pending.complete(tuple(reply.payloads), None)
+
+
+def _hold_until(release_ns: int) -> None:
+    """An emulation's coordinator sends a result a little before the emulated
+    job completes the call, with that moment (this rank's monotonic clock):
+    the completion thread holds it until then, to well under a millisecond
+    (the coordinator's timers are not that fine). Results come in release
+    order, so holding one never delays an earlier one."""
+    if not release_ns:
+        return
+    while (left := release_ns - time.monotonic_ns()) > 0:
+        time.sleep(left / 1e9 if left > 200_000 else 0)
 
 
 # --- registration ----------------------------------------------------------------

@@ -141,9 +141,12 @@ def serve(spec: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(log_pattern), exist_ok=True)
     show = spec.get("show_ranks", [0])
     shown = set(range(world)) if show == "all" else set(show)
+    # An emulation starts only its sandbox ranks, each still told the full world.
+    launched = spec.get("ranks")
+    launched = list(range(world)) if launched is None else [int(r) for r in launched]
     # One pipe per rank stays open here: raise the soft limit for large worlds.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 2 * world + 64
+    want = 2 * len(launched) + 64
     target = want if hard == resource.RLIM_INFINITY else min(want, hard)
     if soft != resource.RLIM_INFINITY and soft < target:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
@@ -157,7 +160,7 @@ def serve(spec: dict[str, Any]) -> None:
     # reach: a child's collections would otherwise write to every tracked
     # object's header and copy the shared pages (host memory per rank).
     gc.freeze()
-    for rank in range(world):
+    for rank in launched:
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -181,7 +184,7 @@ def serve(spec: dict[str, Any]) -> None:
             except ProcessLookupError:
                 pass
 
-    open_pipes = world
+    open_pipes = len(launched)
     alive = dict(pids)
     exited: dict[int, int] = {}
     closed: set[int] = set()

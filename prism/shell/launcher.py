@@ -41,9 +41,11 @@ class RankProcesses:
     (the exit code, or ``-signal`` as in ``subprocess``), else None.
     """
 
-    def __init__(self, server: subprocess.Popen, world_size: int) -> None:
+    def __init__(self, server: subprocess.Popen, world_size: int, ranks: Sequence[int] | None = None) -> None:
         self._server = server
         self.world_size = world_size
+        #: The ranks this launch started (an emulation starts only its sandbox ranks).
+        self.ranks = list(range(world_size)) if ranks is None else sorted(int(r) for r in ranks)
         self.pids: list[int] = [0] * world_size
         self.returncodes: list[int | None] = [None] * world_size
         self._cond = threading.Condition()
@@ -67,8 +69,8 @@ class RankProcesses:
         self._server.wait()
         with self._cond:
             # A fork server that died leaves its ranks dead too (PDEATHSIG).
-            for r, code in enumerate(self.returncodes):
-                if code is None:
+            for r in self.ranks:
+                if self.returncodes[r] is None:
                     self.returncodes[r] = -signal.SIGKILL
             self._done = True
             self._cond.notify_all()
@@ -76,7 +78,7 @@ class RankProcesses:
     def wait_started(self, timeout: float | None = None) -> bool:
         """Wait until every rank is forked (``pids`` complete)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._started == self.world_size or self._done, timeout)
+            return self._cond.wait_for(lambda: self._started == len(self.ranks) or self._done, timeout)
 
     def poll(self, rank: int | None = None) -> int | None | list[int | None]:
         """Exit status of ``rank`` (None while it runs), or the list for all ranks."""
@@ -90,7 +92,7 @@ class RankProcesses:
             if rank is None:
                 self._cond.wait_for(lambda: self._done, timeout)
             else:
-                self._cond.wait_for(lambda: self.returncodes[rank] is not None, timeout)
+                self._cond.wait_for(lambda: self.returncodes[rank] is not None or self._done, timeout)
         if rank is None and self._done:
             self._reader.join()
         return self.poll(rank)
@@ -129,6 +131,7 @@ def launch_ranks(
     env: Mapping[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
     run_id: str | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> RankProcesses:
     """Start ``world_size`` rank processes running ``command``.
 
@@ -140,6 +143,8 @@ def launch_ranks(
     list) also print to this process's stderr prefixed ``[rank N] ``, and
     failing ranks print the tail of their log. ``env`` is added to the ranks'
     environment (it wins over this process's; torchrun's variables win over it).
+    ``ranks`` starts only those ranks (an emulation's sandbox), each with the
+    environment of its rank in the world of ``world_size``; None starts all.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -147,6 +152,11 @@ def launch_ranks(
         raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
     if not command:
         raise ValueError("command is empty: give [SCRIPT, args...] or ['-m', MODULE, args...]")
+    if ranks is not None:
+        ranks = sorted({int(r) for r in ranks})
+        bad = [r for r in ranks if not 0 <= r < world_size]
+        if bad or not ranks:
+            raise ValueError(f"ranks {bad or '[]'}: give ranks in [0, {world_size})")
     run_dir = os.fspath(run_dir)
     spec = {
         "world_size": world_size,
@@ -159,6 +169,7 @@ def launch_ranks(
         "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
         "master_port": _free_port(),
         "run_id": run_id or os.path.basename(os.path.abspath(run_dir)) or "prism",
+        "ranks": ranks,
     }
     server_env = dict(os.environ)
     server_env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, server_env.get("PYTHONPATH", "")) if p)
@@ -172,4 +183,4 @@ def launch_ranks(
     assert server.stdin is not None  # Popen(stdin=PIPE)
     server.stdin.write(orjson.dumps(spec) + b"\n")
     server.stdin.flush()
-    return RankProcesses(server, world_size)
+    return RankProcesses(server, world_size, ranks)

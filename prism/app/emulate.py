@@ -1,0 +1,345 @@
+"""Emulate a captured run: the sandbox ranks run for real, every other rank is virtual.
+
+``emulate(EmulateConfig(run="runs/gpt", sandbox="0,5"))`` reads the capture
+(its graph, its recorded payloads, its command), builds the hybrid engine
+(``prism.core.hybrid.HybridReplay``) under the capture's cost profile,
+launches only the sandbox ranks (each with the environment of its rank in
+the full world) against the emulating coordinator
+(``prism.shell.emulator.Emulator``) and writes the results to
+``RUN/emulation/<id>/``:
+
+- ``ranks/``, ``logs/``: the sandbox ranks' own traces and output;
+- ``summary.json``: per sandbox rank its measured iteration times, losses
+  (the ``loss`` lines it printed) beside the capture's, peak memory; the
+  emulated job's iteration times beside the capture's prediction; groups
+  instantiated for real; recorded and compensated calls; pacing lag;
+- ``timeline.json``: the emulated timeline in Perfetto (Chrome trace) form,
+  sandbox tracks as measured and virtual tracks from the graph.
+
+An emulation that fails (a mismatch with the graph, a crashing or OOM-ing
+sandbox rank) is a result with a non-zero exit code, not an exception.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prism.app.errors import InconsistentTraceError, UsageError
+from prism.app.trace import compact_ranks
+
+__all__ = ["EmulateConfig", "EmulationOutcome", "emulate", "parse_losses"]
+
+_LOSS = re.compile(r"\bstep (\d+)\b.*?\bloss[ =:]+([-+0-9.eEinfa]+)")
+
+
+@dataclass(frozen=True)
+class EmulateConfig:
+    """What to emulate. ``sandbox``: ranks as ``"0,5"`` or ``"0-3"``.
+    ``command``: the script and arguments (None: the capture's). ``net``: the
+    cost profile as for ``predict`` (None: the same choice). ``dormant``:
+    "simulate" (every virtual rank stepped, exact), "offline" (ranks in no
+    group with a sandbox take their batch-replay times) or "auto" (offline
+    from a world of 256)."""
+
+    run: str | os.PathLike[str]
+    sandbox: str = "0"
+    command: Sequence[str] | None = None
+    net: str | None = None
+    name: str | None = None
+    dormant: str = "auto"
+    quiet_s: float = 30.0
+    warmup: int = 1
+    show_ranks: str | tuple[int, ...] = ()
+    progress: str = "off"
+    use_recording: bool = True
+
+
+@dataclass
+class EmulationOutcome:
+    out_dir: Path
+    exit_code: int
+    status: str
+    message: str
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def text(self) -> str:
+        return format_summary(self.summary, self.out_dir)
+
+
+def parse_losses(text: str) -> dict[int, str]:
+    """``step N ... loss X`` lines of a rank's output: step -> the loss as printed (last one wins)."""
+    out = {}
+    for m in _LOSS.finditer(text):
+        out[int(m.group(1))] = m.group(2)
+    return out
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def emulate(config: EmulateConfig) -> EmulationOutcome:
+    """Run one emulation; raises ``UsageError`` for bad options or a run that cannot be emulated."""
+    import trio
+
+    from prism.app.predict import _complete_steps, load_run_events, load_run_manifest, resolve_profile, \
+        traced_device_kind
+    from prism.core.graph import ExecutionGraph, GraphError
+    from prism.core.hybrid import HybridReplay
+    from prism.core.payloads import RecordPlan, index
+    from prism.core.replay import replay_batch
+    from prism.core.costmodel import ProfileError
+    from prism.core.timeline import Timeline, chrome_trace
+    from prism.core.replay import ReplayResult
+    from prism.shell import runfolder
+    from prism.shell.coordinator import Progress
+    from prism.shell.emulator import LEAD_NS, Emulator, Recording
+    from prism.shell.launcher import launch_ranks
+    from transport.endpoints import default_endpoint
+
+    run = Path(config.run)
+    if not (run / runfolder.RANKS_DIR).is_dir():
+        raise UsageError(f"{run} is not a captured run (no {runfolder.RANKS_DIR}/ in it): give the --out of a "
+                         "`prism capture`")
+    manifest = load_run_manifest(run)
+    if manifest is None:
+        raise UsageError(f"{run} has no manifest: emulation needs the capture's command and world size")
+    world = manifest.world_size
+    try:
+        sandbox = sorted(RecordPlan.parse_ranks(config.sandbox, world))
+    except ValueError as e:
+        raise UsageError(f"--sandbox: {e}") from None
+    if config.dormant not in ("auto", "simulate", "offline"):
+        raise UsageError(f"--dormant {config.dormant!r}: choose simulate, offline or auto")
+    if config.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {config.warmup}")
+    cmd = list(config.command) if config.command else list(manifest.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError(f"the capture in {run} names no command: give the script after --")
+    ranks = load_run_events(run)
+    ranks, missing = _complete_steps(run, ranks)
+    try:
+        graph = ExecutionGraph.from_events(ranks)
+    except GraphError as e:
+        raise InconsistentTraceError(f"the trace in {run} is inconsistent: {e}") from None
+    try:
+        model, why = resolve_profile(config.net, manifest, traced_device_kind(ranks))
+    except ProfileError as e:
+        raise UsageError(str(e)) from None
+    t_setup = time.perf_counter()
+    batch = replay_batch(graph, cost_model=model)
+    dormant = config.dormant if config.dormant != "auto" else ("offline" if world >= 256 else "simulate")
+    engine = HybridReplay(graph, sandbox, cost_model=model, dormant=dormant)
+    first_call = {}
+    for r in sandbox:
+        sl = graph.nodes_of(r)
+        comm = np.flatnonzero(np.isin(graph.kind[sl], (1, 2, 3, 4)))
+        first_call[r] = int(batch.start[sl.start + comm[0]]) if len(comm) else 0
+    recordings = {}
+    if config.use_recording:
+        payloads, _ = runfolder.read_payloads(run)
+        for r in sandbox:
+            if payloads.get(r):
+                recordings[r] = Recording(index(payloads[r]), _PayloadCache(run).load)
+    setup_s = time.perf_counter() - t_setup
+
+    name = config.name or time.strftime("%Y%m%d-%H%M%S")
+    out = run / "emulation" / name
+    if (out / runfolder.RANKS_DIR).exists() and any((out / runfolder.RANKS_DIR).iterdir()):
+        raise UsageError(f"{out} already holds an emulation; choose another --name")
+    runfolder.make_run_dir(out)
+    from prism.app.capture import manifest_for
+
+    runfolder.write_manifest(out, manifest_for(out, world, cmd, len(sandbox), manifest.device_kind,
+                                               (("emulation_of", str(run)), ("sandbox", compact_ranks(sandbox)))))
+    show = () if config.show_ranks == "none" else config.show_ranks
+    emu = Emulator(out, engine, endpoint=default_endpoint(out), recordings=recordings, quiet_s=config.quiet_s,
+                   progress=Progress(len(sandbox), mode=config.progress), first_call_ns=first_call,
+                   launch=lambda endpoint: launch_ranks(world, endpoint, out, cmd, show_ranks=show, ranks=sandbox,
+                                                        nproc_per_node=_nproc(manifest)))
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    wall0 = time.perf_counter()
+    result = trio.run(emu.run)
+    wall = time.perf_counter() - wall0
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    coord_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+
+    # --- results ---------------------------------------------------------------
+    start = np.frombuffer(engine._start, dtype=np.int64).copy()
+    end = np.frombuffer(engine._end, dtype=np.int64).copy()
+    emulated = ReplayResult(graph, engine.costs, start, end)
+    per_rank = {}
+    for r in sandbox:
+        events = []
+        path = runfolder.rank_path(out, r)
+        if path.is_file():
+            try:
+                events = runfolder.read_rank_file(path, ignore_unknown=True).events
+            except Exception:  # noqa: BLE001 (a rank killed mid-write: what is readable counts)
+                events = []
+        iters = [e.end_ns for e in events if type(e).__name__ == "Iteration"]
+        off = emu.offset_ns or 0
+        times = np.diff(np.asarray(iters, np.int64) - off, prepend=0).tolist() if iters else []
+        mems = [e for e in events if type(e).__name__ == "Memory"]
+        losses = parse_losses(_read_text(runfolder.log_path(out, r)))
+        captured = parse_losses(_read_text(runfolder.log_path(run, r)))
+        per_rank[str(r)] = {
+            "iteration_ns": times,
+            "mean_iteration_ns": float(np.mean(times[config.warmup:])) if len(times) > config.warmup else None,
+            "losses": losses,
+            "capture_losses": captured,
+            "losses_equal": (losses == {k: v for k, v in captured.items() if k in losses}) if losses else None,
+            "max_loss_rel_diff": _max_rel(losses, captured),
+            "peak_allocated": max((m.peak_allocated for m in mems), default=None),
+            "divergence": emu.stats.divergence.get(r, ""),
+            "recorded": r in recordings,
+        }
+    job_times = emulated.iteration_times.tolist() if result.status == "ok" else []
+    lag = np.asarray(emu.stats.send_lag_ns or [0], np.int64)
+    groups_with_sandbox = sum(1 for g in graph.groups if set(g.ranks) & set(sandbox))
+    summary: dict[str, Any] = {
+        "run": str(run), "emulation": name, "status": result.status, "message": result.message,
+        "exit_code": result.exit_code, "world_size": world, "sandbox": sandbox, "command": cmd,
+        "dormant": dormant, "live": len(engine.live), "dormant_ranks": len(engine.dormant),
+        "cost_model": model.name, "cost_model_choice": why, "warmup": config.warmup,
+        "predicted_iteration_ns": batch.iteration_times.tolist(),
+        "predicted_mean_ns": _mean(batch.iteration_times.tolist(), config.warmup),
+        "emulated_iteration_ns": job_times,
+        "emulated_mean_ns": _mean(job_times, config.warmup),
+        "ranks": per_rank,
+        "groups": {"in_graph": len(graph.groups), "with_sandbox": groups_with_sandbox,
+                   "instantiated": len(emu.stats.groups_created)},
+        "calls": {"recorded": emu.stats.recorded_calls, "compensated": emu.stats.compensated_calls,
+                  "implicit_waits": emu.stats.implicit_waits, "deliveries": emu.stats.deliveries},
+        "pacing": {"lead_ns": LEAD_NS, "late_p50_ns": int(np.percentile(lag, 50)),
+                   "late_p99_ns": int(np.percentile(lag, 99)), "late_max_ns": int(lag.max()),
+                   "late_share": float((lag > 0).mean())},
+        "coordinator": {"cpu_s": coord_cpu, "wall_s": wall, "setup_s": setup_s, "engine_events": engine.events,
+                        "cpu_s_per_iteration": coord_cpu / max(len(job_times), 1)},
+        "incomplete_capture": list(missing),
+        "failed_ranks": {str(k): v[-4000:] for k, v in result.failed_ranks.items()},
+    }
+    if result.status == "ok":
+        try:
+            import orjson
+
+            tl = Timeline(graph, start, end, engine.costs, "emulated")
+            shown = sorted(set(sandbox) | set(sorted(engine.live)[:62]))
+            trace = chrome_trace(tl, ranks=shown, metadata={"prism": "emulation", "sandbox": sandbox,
+                                                            "run": str(run)})
+            (out / "timeline.json").write_bytes(orjson.dumps(trace))
+            summary["timeline"] = str(out / "timeline.json")
+        except Exception as e:  # noqa: BLE001 (the timeline is a view; the results stand without it)
+            summary["timeline_error"] = str(e)
+    import orjson
+
+    (out / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    return EmulationOutcome(out, result.exit_code, result.status, result.message, summary)
+
+
+def _nproc(manifest: Any) -> int:
+    return 8
+
+
+class _PayloadCache:
+    """A capture's recorded bytes, each side file read once (the first time
+    one of its records is needed) and checked against the digests then, so
+    a release on the sandbox's critical path costs a slice, not a read."""
+
+    def __init__(self, run: Path) -> None:
+        self.run = run
+        self._files: dict[str, bytes] = {}
+
+    def load(self, record: Any) -> memoryview:
+        from prism.core.payloads import digest
+        from prism.core.trace import TraceFormatError
+        from prism.shell import runfolder
+
+        data = self._files.get(record.file)
+        if data is None:
+            path = self.run / record.file
+            try:
+                data = self._files[record.file] = path.read_bytes()
+            except OSError as e:
+                raise TraceFormatError(f"cannot read the recorded payloads {path}: {e}") from None
+        view = memoryview(data)[record.offset:record.offset + record.nbytes]
+        if len(view) != record.nbytes or digest(view) != record.digest:
+            # The slow path names what is wrong.
+            return memoryview(runfolder.load_payload(self.run, record))
+        return view
+
+
+def _mean(times: Sequence[float], warmup: int) -> float | None:
+    return float(np.mean(times[warmup:])) if len(times) > warmup else None
+
+
+def _max_rel(losses: dict[int, str], captured: dict[int, str]) -> float | None:
+    diffs = []
+    for k, v in losses.items():
+        if k in captured:
+            try:
+                a, b = float(v), float(captured[k])
+            except ValueError:
+                continue
+            diffs.append(abs(a - b) / max(abs(b), 1e-30))
+    return max(diffs) if diffs else None
+
+
+def _ms(ns: float | None) -> str:
+    return "n/a" if ns is None else f"{ns / 1e6:,.3f} ms"
+
+
+def format_summary(s: dict, out_dir: Path) -> str:
+    """The table ``prism emulate`` prints at the end."""
+    lines = []
+    if s.get("status") != "ok":
+        lines.append(f"prism emulate: FAILED ({s.get('status')}):\n{s.get('message', '').rstrip()}")
+    lines.append(f"emulation of {s['run']} (world {s['world_size']}): sandbox ranks {compact_ranks(s['sandbox'])}, "
+                 f"{s['live']} live and {s['dormant_ranks']} dormant virtual ranks ({s['dormant']})")
+    gr = s["groups"]
+    lines.append(f"groups: {gr['instantiated']} instantiated for real (the sandbox's), of {gr['in_graph']} in the "
+                 f"graph ({gr['with_sandbox']} have a sandbox member)")
+    c = s["calls"]
+    lines.append(f"calls: {c['recorded']} answered from the recording, {c['compensated']} compensated; "
+                 f"{c['deliveries']} results released")
+    lines.append(f"{'':<28}{'iteration time':>16}")
+    lines.append(f"{'capture prediction':<28}{_ms(s['predicted_mean_ns']):>16}")
+    lines.append(f"{'emulated job':<28}{_ms(s['emulated_mean_ns']):>16}")
+    for r, info in s["ranks"].items():
+        eq = info["losses_equal"]
+        loss = ("losses equal to the capture's" if eq else
+                f"losses moved by up to {info['max_loss_rel_diff']:.3g} (relative)" if info["max_loss_rel_diff"]
+                is not None else "no losses printed" if eq is None else "losses differ")
+        peak = f", peak {info['peak_allocated']:,} B" if info["peak_allocated"] is not None else ""
+        lines.append(f"{'sandbox rank ' + r + ' (measured)':<28}{_ms(info['mean_iteration_ns']):>16}  {loss}{peak}")
+        if info["divergence"]:
+            lines.append(f"  {info['divergence']}")
+    if s["predicted_mean_ns"] and s["emulated_mean_ns"]:
+        d = s["emulated_mean_ns"] / s["predicted_mean_ns"] - 1
+        lines.append(f"emulated vs predicted: {d:+.2%} (mean of steps {s['warmup']}.., warm-up dropped)")
+    p, co = s["pacing"], s["coordinator"]
+    lines.append(f"pacing: results left {p['late_p50_ns'] / 1e6:+.3f} ms from their release at p50, "
+                 f"{p['late_p99_ns'] / 1e6:+.3f} ms at p99 ({p['late_share']:.0%} after it; up to "
+                 f"{p['lead_ns'] / 1e6:.0f} ms ahead is held by the rank until the release)")
+    lines.append(f"coordinator: {co['cpu_s']:.2f} s CPU ({co['cpu_s_per_iteration']:.3f} s per emulated iteration), "
+                 f"{co['wall_s']:.1f} s wall, setup {co['setup_s']:.2f} s, {co['engine_events']:,} engine events")
+    lines.append(f"results: {out_dir}/summary.json" + (f", timeline {s['timeline']}" if s.get("timeline") else ""))
+    return "\n".join(lines)

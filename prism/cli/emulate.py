@@ -1,0 +1,64 @@
+"""``python -m prism emulate RUN --sandbox R`` and ``python -m prism run``:
+argument parsing and printing over ``prism.app.emulate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from prism.app.errors import PrismError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="run directory of a `prism capture` (record the sandbox ranks with --record)")
+    _common(p)
+    p.epilog = ("After the options, `-- SCRIPT ARGS...` runs another command than the capture's (a changed one is "
+                "checked against the captured graph call by call).")
+    p.set_defaults(func=main, script=None)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sandbox", default="0", metavar="RANKS",
+                   help="ranks that run for real, as 0,5 or 0-3 (default: 0); the others are virtual")
+    p.add_argument("--net", default=None, metavar="PROFILE",
+                   help="cost profile for the virtual ranks' communication (default: as `prism predict` chooses)")
+    p.add_argument("--name", default=None, help="results go to RUN/emulation/NAME (default: the date and time)")
+    p.add_argument("--dormant", default="auto", choices=("auto", "simulate", "offline"),
+                   help="virtual ranks in no group with a sandbox: stepped (simulate, exact) or at their batch-replay "
+                        "times (offline); auto: offline from a world of 256")
+    p.add_argument("--quiet", type=float, default=30.0, metavar="S",
+                   help="stop with a report after S seconds without progress (default: 30)")
+    p.add_argument("--warmup", type=int, default=1, help="steps dropped before averaging (default: 1)")
+    p.add_argument("--no-recording", action="store_true",
+                   help="ignore the capture's recorded payloads: every virtual contribution is compensated")
+    p.add_argument("--show-ranks", default="none", help="sandbox ranks whose output reaches the console: all, none "
+                                                        "or a list (failing ranks always show their last lines)")
+    p.add_argument("--progress", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _show(text: str):
+    if text in ("all", "none"):
+        return text
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def main(args: argparse.Namespace) -> int:
+    from prism.app.emulate import EmulateConfig, emulate
+
+    cmd = list(args.script or [])
+    try:
+        config = EmulateConfig(run=args.run, sandbox=args.sandbox, command=cmd or None, net=args.net, name=args.name,
+                               dormant=args.dormant, quiet_s=args.quiet, warmup=args.warmup,
+                               show_ranks=_show(args.show_ranks), progress=args.progress,
+                               use_recording=not args.no_recording)
+        outcome = emulate(config)
+    except PrismError as e:
+        print(f"prism emulate: {e}", file=sys.stderr)
+        return e.exit_code
+    except ValueError as e:
+        print(f"prism emulate: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(outcome.summary, indent=2) if args.json else outcome.text())
+    return outcome.exit_code

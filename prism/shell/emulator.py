@@ -1,0 +1,555 @@
+"""The coordinator in hybrid mode: real sandbox ranks against the graph's virtual ranks.
+
+``Emulator`` is the phase-1 ``Coordinator`` (the socket, the rank sessions,
+their traces, the launcher, failure handling and stopping) with the matcher
+replaced by the core's hybrid engine (``prism.core.hybrid.HybridReplay``):
+only the sandbox ranks are processes; every other rank of the world is a
+virtual rank inside the engine. A sandbox's call is fed to the engine as it
+arrives (at the rank's own ``issue_ns``); what the graph does not have there
+stops the emulation (``Mismatch``: rank, op, group, sequence, what the graph
+expected).
+
+Time: the engine's 0 is placed so that the first sandbox arrival falls where
+the batch replay puts it (``_anchor``); emulated time and the ranks'
+monotonic clock then differ by that one offset. A call's data go out when
+the engine knows its completion (a collective's last arrival plus the cost
+model's time; a receive's transfer), held in a heap until ``LEAD_NS``
+before that moment on trio's clock and sent with ``release_ns``: the rank's
+completion thread holds the result until then (``prism.rank.backend``), so
+the release is exact to well under a millisecond although trio's timers are
+not. The engine works ahead between events (``work_ahead``, exact).
+
+Data: a collective among sandbox members exchanges their real tensors; the
+virtual members' part comes from the capture's recording (``--record``) when
+every sandbox member sent what the capture recorded for that call (then the
+recorded outputs are exactly what the full job computes), else from
+compensation (``prism.core.compensation.hybrid_outputs``). A receive from a
+virtual rank gets the recorded tensor, else zeros of its shape.
+
+Waits: a sandbox that passed an async op's wait without blocking sends no
+``Wait``; the graph's wait node is then passed when the rank's next call
+shows it went on (at the op's delivery, or the call's time if later).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from prism.core import collectives as C
+from prism.core import payloads as PL
+from prism.core import protocol as P
+from prism.core.compensation import hybrid_outputs
+from prism.core.graph import COLL, WAIT
+from prism.core.hybrid import Call, HybridError, HybridReplay
+from prism.core.matcher import wait_key_coll
+from prism.shell import runfolder
+from prism.shell.coordinator import Coordinator, Processes, Progress, RankSession
+
+log = logging.getLogger("prism.shell.emulator")
+
+#: Results go out this long before their release and wait in the rank.
+LEAD_NS = 3_000_000
+#: Engine events per turn of the loop (the loop stays responsive), in slices of SLICE.
+WORK_BUDGET = 20_000
+SLICE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """The pacer's wake-up: a release is due, or the engine has work left."""
+
+
+@dataclass
+class Recording:
+    """A capture's recorded payloads for one rank: ``(role, ref) -> Payload``."""
+
+    index: dict[tuple[str, str], Any]
+    load: Callable[[Any], bytes]
+
+
+@dataclass
+class EmulationStats:
+    """What the emulator measured of itself."""
+
+    deliveries: int = 0
+    #: ns each result left after its release (negative: ahead, as planned; positive: the rank got it late).
+    send_lag_ns: list[int] = field(default_factory=list)
+    recorded_calls: int = 0
+    compensated_calls: int = 0
+    #: rank -> the first call where it sent something other than the recording
+    divergence: dict[int, str] = field(default_factory=dict)
+    groups_created: set[str] = field(default_factory=set)
+    implicit_waits: int = 0
+
+
+class Emulator(Coordinator):
+    """Serves one emulation of ``engine.graph``'s world with the sandbox ranks
+    ``engine.sandbox`` as processes; traces and logs go to ``run_dir``
+    (``RUN/emulation/<id>``). ``recordings``: per sandbox rank, its recorded
+    payloads from the capture (missing: compensated)."""
+
+    def __init__(self, run_dir, engine: HybridReplay, *, endpoint: str,
+                 recordings: Mapping[int, Recording] | None = None,
+                 launch: Callable[[str], Processes] | None = None, quiet_s: float = 30.0,
+                 grace_s: float = 3.0, progress: Progress | None = None,
+                 first_call_ns: Mapping[int, int] | None = None) -> None:
+        super().__init__(run_dir, engine.graph.world_size, slots=max(len(engine.sandbox), 1), endpoint=endpoint,
+                         quiet_s=quiet_s, grace_s=grace_s, launch=launch, progress=progress)
+        self.engine = engine
+        self.graph = engine.graph
+        self.sandbox = frozenset(engine.sandbox)
+        self.recordings = dict(recordings or {})
+        self.stats = EmulationStats()
+        #: where the batch replay starts each sandbox rank's first call (the anchor)
+        self._first_call_ns = dict(first_call_ns or {})
+        #: ranks' monotonic ns = engine ns + offset (None until the first arrival)
+        self.offset_ns: int | None = None
+        self._gid_index = {grp.gid: i for i, grp in enumerate(self.graph.groups)}
+        #: per sandbox rank, what it sent that the engine has not taken yet
+        self._queue: dict[int, collections.deque] = {r: collections.deque() for r in self.sandbox}
+        #: (gid, seq) -> group rank -> the sandbox member's CollectiveArrive
+        self._calls: dict[tuple[str, int], dict[int, P.CollectiveArrive]] = {}
+        #: outputs computed for an instance, by group rank, until every sandbox member took its own
+        self._outputs: dict[tuple[str, int], dict[int, list[Any]]] = {}
+        #: (gid, seq) -> whether every sandbox member's inputs matched the recording
+        self._on_record: dict[tuple[str, int], bool] = {}
+        #: (src, dst, tag, pseq) -> a sandbox's send to another sandbox
+        self._sent: dict[tuple[int, int, int, int], P.Send] = {}
+        #: engine node -> (rank, what to deliver once its end is known)
+        self._await_end: dict[int, tuple[int, tuple]] = {}
+        #: engine node -> engine time its data were delivered (for implicit waits)
+        self._delivered_at: dict[int, int] = {}
+        #: (release mono ns, tie, rank, message)
+        self._heap: list[tuple[int, int, int, P.Message]] = []
+        self._tie = 0
+        self._due_at = math.inf
+        self._rearm = trio.Event()
+        self._finished_ranks: set[int] = set()
+        self._last_activity = 0
+        self._message_handlers.update({
+            P.CollectiveArrive: self._on_coll,
+            P.Send: self._on_send,
+            P.RecvPost: self._on_recv,
+            P.Wait: self._on_wait,
+            P.GroupCreate: self._on_group,
+            P.SlotRequest: self._on_slot_request,
+            P.SlotRelease: self._ignore,
+            P.Taken: self._ignore,
+        })
+        self._event_handlers[Due] = self._on_due
+
+    # --- the pacer (replaces the coordinator's tick task) ---------------------
+
+    async def _tick(self, out) -> None:
+        from prism.shell.coordinator import Tick
+
+        async with out:
+            next_tick = trio.current_time() + 0.5
+            while True:
+                self._rearm = trio.Event()
+                with trio.move_on_at(min(next_tick, self._due_at)):
+                    await self._rearm.wait()
+                now = trio.current_time()
+                if now >= self._due_at:
+                    self._due_at = math.inf
+                    await out.send(Due())
+                if now >= next_tick:
+                    next_tick = now + 0.5
+                    await out.send(Tick())
+
+    def _wake_at(self, when_s: float) -> None:
+        if when_s < self._due_at:
+            self._due_at = when_s
+            self._rearm.set()
+
+    def _mono_to_trio(self, mono_ns: int) -> float:
+        return self._anchor_s + (mono_ns - self._anchor_ns) / 1e9
+
+    # --- sessions -----------------------------------------------------------------
+
+    async def _on_hello(self, identity: bytes, hello: P.Hello, now: int) -> None:
+        if hello.rank not in self.sandbox and 0 <= hello.rank < self.world_size:
+            await self._reply(identity, P.Error(
+                "bad_message", f"rank {hello.rank} is not a sandbox rank of this emulation (sandbox: "
+                f"{sorted(self.sandbox)}): a launch of the full world is using an emulation's coordinator",
+                rank=hello.rank))
+            return
+        await super()._on_hello(identity, hello, now)
+
+    async def _on_received(self, ev, now: int) -> None:
+        self._last_activity = now  # the quiet watchdog counts what the sandboxes say, not the pacer
+        await super()._on_received(ev, now)
+
+    def _finished(self) -> bool:
+        return (len(self.ranks) == len(self.sandbox) and all(r.done for r in self.ranks.values())
+                and not self._heap)
+
+    async def _ignore(self, session: RankSession, msg: P.Message, now: int) -> None:
+        pass
+
+    async def _on_slot_request(self, session: RankSession, msg: P.SlotRequest, now: int) -> None:
+        # A sandbox rank runs as it would on its own device: it never waits for a slot.
+        await session.deliver(P.SlotGrant(session.rank))
+
+    async def _on_group(self, session: RankSession, msg: P.GroupCreate, now: int) -> None:
+        if msg.gid not in self._gid_index:
+            log.warning("sandbox rank %d created group %s (ranks %s), which the capture does not have",
+                        msg.rank, msg.gid, list(msg.ranks))
+        self.stats.groups_created.add(msg.gid)
+
+    async def _on_goodbye(self, session: RankSession, msg: P.Goodbye, now: int) -> None:
+        rank = session.rank
+        session.end(msg.status, msg.message)
+        if msg.status == "ok":
+            self._queue[rank].append(("end", msg, None, now))
+            await self._pump()
+            return
+        self._failed[rank] = msg.message
+        if msg.status == "oom":
+            report = msg.message.split("\n\n", 1)[0]
+            self._fail("oom", f"sandbox rank {rank} ran out of memory: {report}\n(the traceback is in "
+                       f"{runfolder.log_path(self.run_dir, rank)})", 3)
+        self._fail("rank_failed", f"sandbox rank {rank} failed:\n{msg.message.rstrip()}", 1)
+
+    async def _judge_exit(self, rank: int, code: int, now: int) -> None:
+        session = self.sessions.get(rank)
+        if session is not None and session.done:
+            if code != 0 and session.status == "ok" and self._result is None:
+                self._failed[rank] = f"exited with status {code} after saying goodbye"
+                self._fail("rank_failed", f"sandbox rank {rank} exited with status {code} after its script ended", 1)
+            return
+        from prism.shell.coordinator import _describe_exit
+
+        what = _describe_exit(code)
+        if session is not None:
+            session.end("died", what)
+        self._failed[rank] = what
+        self._fail("rank_failed", f"sandbox rank {rank} {what} (see {runfolder.log_path(self.run_dir, rank)})", 1)
+
+    def _watchdog(self, now: int) -> None:
+        if self.progress is not None:
+            steps = [r.step for r in self.ranks.values()] or [-1]
+            self.progress.update(now, len(self.ranks), min(steps), max(steps), self.stats.deliveries)
+        if len(self.ranks) < len(self.sandbox):
+            if now - self._last_hello > self.register_stall_ns:
+                missing = sorted(self.sandbox - set(self.ranks))
+                self._fail("deadlock", f"only {len(self.ranks)} of {len(self.sandbox)} sandbox ranks registered; "
+                           f"missing: {missing}", 1)
+            return
+        if self._last_activity and now - self._last_activity > self.quiet_ns and not self._heap:
+            lines = []
+            for r in sorted(self.sandbox):
+                member = self.ranks.get(r)
+                if member is None or member.done:
+                    continue
+                if r in self.engine.computing:
+                    nd, _ = self.engine.computing[r]
+                    cn = self.engine.next_call_node(r, nd)
+                    nxt = (self.engine._expected(cn) if cn < self.graph.rank_ptr[r + 1]
+                           else "the end of its script")
+                    lines.append(f"sandbox rank {r} has not called anything; the graph has {nxt} next")
+                else:
+                    lines.append(f"sandbox rank {r} waits for its call at graph node {self.engine._pos[r]}, "
+                                 "which the emulated job never completes")
+            self._fail("deadlock", f"no progress for {(now - self._last_activity) / 1e9:.0f} s:\n  "
+                       + "\n  ".join(lines or ["(no live sandbox rank)"]), 1)
+
+    # --- calls --------------------------------------------------------------------
+
+    def _group_rank(self, gid: str, rank: int) -> tuple[int, tuple[int, ...]]:
+        ranks = self.graph.groups[self._gid_index[gid]].ranks if gid in self._gid_index else ()
+        return (ranks.index(rank) if rank in ranks else -1), ranks
+
+    def _check_sent(self, rank: int, key: str, payloads, n: int, role_ref) -> bool | None:
+        """Whether what ``rank`` sent equals the recording (None: nothing recorded for it)."""
+        rec = self.recordings.get(rank)
+        if rec is None:
+            return None
+        same = True
+        known = False
+        for i, p in enumerate(payloads):
+            want = rec.index.get(("sent", role_ref(i, n)))
+            if want is None:
+                continue
+            known = True
+            if PL.digest(memoryview(p).cast("B")) != want.digest:
+                same = False
+                if rank not in self.stats.divergence:
+                    self.stats.divergence[rank] = (
+                        f"rank {rank} first sent something other than the capture at step {want.step}: "
+                        f"{want.ref} ({want.dtype} {list(want.shape)}); from there its calls are compensated")
+        return same if known else None
+
+    async def _on_coll(self, session: RankSession, msg: P.CollectiveArrive, now: int) -> None:
+        rank = session.rank
+        key = (msg.gid, msg.seq)
+        g, _ = self._group_rank(msg.gid, rank)
+        same = self._check_sent(rank, msg.gid, msg.payloads, len(msg.payloads),
+                                lambda i, n: PL.coll_ref(msg.gid, msg.seq, "in", i, n))
+        ok = rank in self.recordings and same is not False
+        self._on_record[key] = self._on_record.get(key, True) and ok
+        self._calls.setdefault(key, {})[g] = msg
+        self._queue[rank].append(("coll", msg, Call("coll", msg.op, msg.gid, msg.seq), msg.issue_ns or now))
+        await self._pump()
+
+    async def _on_send(self, session: RankSession, msg: P.Send, now: int) -> None:
+        rank = session.rank
+        self._check_sent(rank, "", msg.payloads, 1, lambda i, n: PL.p2p_ref(msg.rank, msg.dst, msg.tag, msg.pseq))
+        if msg.dst in self.sandbox:
+            self._sent[(msg.rank, msg.dst, msg.tag, msg.pseq)] = msg
+        self._queue[rank].append(("send", msg, Call("send", peer=msg.dst, tag=msg.tag), msg.issue_ns or now))
+        await self._pump()
+
+    async def _on_recv(self, session: RankSession, msg: P.RecvPost, now: int) -> None:
+        self._queue[session.rank].append(("recv", msg, Call("recv", peer=msg.src, tag=msg.tag), msg.issue_ns or now))
+        await self._pump()
+
+    async def _on_wait(self, session: RankSession, msg: P.Wait, now: int) -> None:
+        self._queue[session.rank].append(("wait", msg, Call("wait"), msg.t_ns))
+        await self._pump()
+
+    # --- driving the engine -------------------------------------------------------
+
+    def _anchor(self, rank: int, t_ns: int) -> None:
+        if self.offset_ns is None:
+            self.offset_ns = t_ns - self._first_call_ns.get(rank, 0)
+
+    def _settle(self, rank: int) -> bool:
+        """Work the engine until ``rank`` computes again (its last call released); whether it does."""
+        eng = self.engine
+        budget = WORK_BUDGET
+        while rank not in eng.computing and budget > 0:
+            if eng.work_ahead(1000) is None:
+                break
+            budget -= 1000
+        return rank in eng.computing
+
+    async def _pump(self) -> None:
+        """Feed the sandboxes' queued calls to the engine and work it, until
+        neither moves: what one sandbox's call completes can let another's
+        queued call in."""
+        while self._result is None:
+            fed = sum([self._drain(r) for r in sorted(self.sandbox) if self._queue[r]])
+            await self._progress()
+            if not fed and not any(self._queue[r] and r in self.engine.computing for r in self.sandbox):
+                break
+
+    def _drain(self, rank: int) -> int:
+        """Feed ``rank``'s queued calls to the engine while it can take them; how many it took."""
+        taken = 0
+        eng = self.engine
+        q = self._queue[rank]
+        end = int(self.graph.rank_ptr[rank + 1])
+        while q and self._result is None:
+            kind, msg, call, t = q[0]
+            if kind != "wait":
+                self._anchor(rank, t)
+            if not self._settle(rank):
+                break
+            taken += 1
+            nd, start = eng.computing[rank]
+            cn = eng.next_call_node(rank, nd)
+            e = max(t - (self.offset_ns or 0), start)
+            at_wait = cn < end and eng._kind[cn] == WAIT
+            if kind == "wait":
+                q.popleft()
+                if at_wait and self._wait_matches(cn, msg.what):
+                    eng.arrive(rank, Call("wait"), e)
+                continue
+            if at_wait:
+                # The rank went on past an async op's wait without blocking.
+                op = int(eng._wait_of[cn])
+                d = self._delivered_at.get(op)
+                tw = max(start, min(d, e)) if d is not None else e
+                self.stats.implicit_waits += 1
+                eng.arrive(rank, Call("wait"), tw)
+                continue
+            if kind == "end":
+                q.popleft()
+                try:
+                    eng.finish(rank, e)
+                except HybridError as err:
+                    self._fail("mismatch", f"{err} (the script took another path than in the capture)", 1)
+                self._finished_ranks.add(rank)
+                continue
+            if cn < end and eng._matches(cn, call):
+                why = self._size_mismatch(rank, msg, cn)
+                if why is not None:
+                    self._fail("mismatch", why, 1)
+                    return taken
+            mismatch = eng.arrive(rank, call, e)
+            if mismatch is not None:
+                self._fail("mismatch", mismatch.message, 1)
+                return taken
+            q.popleft()
+            if kind == "coll":
+                self._await_end[cn] = (rank, ("coll", msg.gid, msg.seq))
+            elif kind == "recv":
+                self._await_end[cn] = (rank, ("recv", msg))
+        return taken
+
+    def _size_mismatch(self, rank: int, msg: Any, cn: int) -> str | None:
+        """The graph's node ``cn`` is the call ``msg`` makes (op, group,
+        sequence); a message when its dtype, reduce op or sizes differ (the
+        script's arguments changed since the capture)."""
+        g = self.graph
+        if isinstance(msg, P.CollectiveArrive):
+            got = (sum(memoryview(p).nbytes for p in msg.payloads) if msg.payloads or msg.op != "broadcast"
+                   else sum(C.nbytes(msg.dtype, s) for s in msg.out_shapes))
+            reduce_op, dtype, shapes = g.sig_table[g.sig[cn]]
+            what = f"{msg.op} on group {msg.gid} at sequence {msg.seq}"
+            if (reduce_op, dtype) != (msg.reduce_op, msg.dtype) or got != int(g.nbytes[cn]):
+                return (f"sandbox rank {rank} called {what} with {msg.reduce_op + ' ' if msg.reduce_op else ''}"
+                        f"{msg.dtype} tensors of shapes {[list(s) for s in msg.in_shapes or msg.out_shapes]} "
+                        f"({got:,} bytes), but the captured graph has it with "
+                        f"{reduce_op + ' ' if reduce_op else ''}{dtype}"
+                        f"{' shapes ' + str([list(x) for x in shapes]) if shapes else ''} ({int(g.nbytes[cn]):,} bytes) "
+                        "(the script's arguments, e.g. the model's width, changed since the capture)")
+            return None
+        if isinstance(msg, (P.Send, P.RecvPost)):
+            got = C.nbytes(msg.dtype, msg.shape)
+            if got != int(g.nbytes[cn]):
+                verb = "send to" if isinstance(msg, P.Send) else "recv from"
+                peer = msg.dst if isinstance(msg, P.Send) else msg.src
+                return (f"sandbox rank {rank} called {verb} rank {peer} tag {msg.tag} with {msg.dtype} "
+                        f"{list(msg.shape)} ({got:,} bytes), but the captured graph has {int(g.nbytes[cn]):,} bytes "
+                        "(the script's arguments changed since the capture)")
+        return None
+
+    def _wait_matches(self, node: int, what: str) -> bool:
+        op = int(self.engine._wait_of[node])
+        if self.engine._kind[op] == COLL:
+            c = self.engine.call_of(op)
+            return what == wait_key_coll(c.gid, c.seq)
+        return True
+
+    async def _progress(self) -> None:
+        """Engine work in small slices, each followed by what became known:
+        completions into the delivery heap, due deliveries out (a release
+        found early in a slice is not held back by the rest of the work)."""
+        eng = self.engine
+        if self.offset_ns is None:
+            return
+        budget = WORK_BUDGET
+        more = True
+        while budget > 0:
+            more = eng.work_ahead(SLICE) is not None
+            budget -= SLICE
+            eng.take_released()
+            if self._await_end:
+                self._collect_ends()
+            await self._send_due()
+            if not more or any(self._queue[r] and r in eng.computing for r in self.sandbox):
+                break
+        if more:
+            self._wake_at(trio.current_time())
+
+    def _collect_ends(self) -> None:
+        ends = self.engine._end
+        for node in [n for n in self._await_end if ends[n] >= 0]:
+            rank, what = self._await_end.pop(node)
+            t_end = int(ends[node])
+            self._delivered_at[node] = t_end
+            msg = self._message(rank, what)
+            if msg is not None:
+                self._tie += 1
+                heapq.heappush(self._heap, (t_end + self.offset_ns, self._tie, rank, msg))
+
+    async def _send_due(self) -> None:
+        heap = self._heap
+        now = self._now()
+        while heap and heap[0][0] - LEAD_NS <= now:
+            release, _, rank, msg = heapq.heappop(heap)
+            self.stats.send_lag_ns.append(now - release)
+            self.stats.deliveries += 1
+            if isinstance(msg, P.CollectiveResult):
+                msg = P.CollectiveResult(msg.gid, msg.seq, payloads=msg.payloads, release_ns=release)
+            else:
+                msg = P.P2PData(msg.src, msg.dst, msg.tag, msg.pseq, payloads=msg.payloads, release_ns=release)
+            await self._send(rank, msg)
+        if heap:
+            self._wake_at(self._mono_to_trio(heap[0][0] - LEAD_NS))
+
+    async def _on_due(self, ev: Due, now: int) -> None:
+        await self._pump()
+
+    # --- what a call delivers -----------------------------------------------------
+
+    def _message(self, rank: int, what: tuple) -> P.Message | None:
+        if what[0] == "coll":
+            _, gid, seq = what
+            outs = self._outputs.get((gid, seq))
+            if outs is None:
+                outs = self._outputs[(gid, seq)] = self._coll_outputs(gid, seq)
+            g, _ = self._group_rank(gid, rank)
+            payloads = outs.pop(g)
+            if not outs:
+                del self._outputs[(gid, seq)]
+            return P.CollectiveResult(gid, seq, payloads=tuple(payloads))
+        msg: P.RecvPost = what[1]
+        key = (msg.src, msg.rank, msg.tag, msg.pseq)
+        if msg.src in self.sandbox:
+            sent = self._sent.pop(key)
+            payloads = tuple(sent.payloads)
+        else:
+            rec = self.recordings.get(rank)
+            p = rec.index.get(("recv", PL.p2p_ref(*key))) if rec is not None else None
+            if p is not None:
+                payloads = (rec.load(p),)
+                self.stats.recorded_calls += 1
+            else:
+                payloads = (bytes(C.nbytes(msg.dtype, msg.shape)),)
+                self.stats.compensated_calls += 1
+        return P.P2PData(msg.src, msg.rank, msg.tag, msg.pseq, payloads=payloads)
+
+    def _coll_outputs(self, gid: str, seq: int) -> dict[int, list[Any]]:
+        calls = self._calls.pop((gid, seq))
+        on_record = self._on_record.pop((gid, seq), False)
+        if on_record:
+            out = {}
+            for g, msg in calls.items():
+                rec = self.recordings[msg.rank]
+                n = len(msg.out_shapes)
+                got = []
+                for i in range(n):
+                    p = rec.index.get(("recv", PL.coll_ref(gid, seq, "out", i, n)))
+                    if p is None:
+                        break
+                    got.append(rec.load(p))
+                else:
+                    out[g] = got
+                    continue
+                if n and not got and msg.op in ("broadcast", "reduce", "gather", "scatter"):
+                    out[g] = []  # "leave as it is": the recording has nothing for it either
+                    continue
+                break
+            else:
+                self.stats.recorded_calls += 1
+                return out
+        self.stats.compensated_calls += 1
+        _, ranks = self._group_rank(gid, next(iter(calls.values())).rank)
+        inputs = {g: self.matcher._arrays(msg, g) for g, msg in calls.items()}
+        try:
+            arrays = hybrid_outputs(calls, inputs, len(ranks), gid=gid, seq=seq, ranks=())
+        except (C.CollectiveError, ValueError) as e:
+            self._fail("invalid", f"cannot compute {next(iter(calls.values())).op} on group {gid} at sequence "
+                       f"{seq} for the sandbox: {e}", 1)
+            return {g: [] for g in calls}
+        out = {}
+        for g, arrs in arrays.items():
+            msg = calls[g]
+            res = []
+            for a, shape in zip(arrs, msg.out_shapes):
+                a = np.ascontiguousarray(a)
+                res.append(C.from_array(a.reshape(tuple(shape)) if a.size == math.prod(shape) else a))
+            out[g] = res
+        return out

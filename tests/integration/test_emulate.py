@@ -1,0 +1,131 @@
+"""``prism emulate``: sandbox ranks run for real against the captured run's virtual ranks (CPU).
+
+The bundled GPT (tp2 pp2 dp2, world 8) is captured once with ranks 0, 4 and
+5 recorded (rank 4 prints the losses). What must hold: only the sandbox
+ranks are launched, with their full-world environment; with the recording
+each sandbox's losses equal the capture's, printed digit for digit; without
+it the run completes with compensated values and says how far its losses
+moved; a changed model width stops the emulation within seconds naming
+rank, op, group and sequence; a crashing sandbox ends it with its
+traceback; no rank process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prism.shell import runfolder
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--steps", "4"]
+GPT = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--dp", "2", *SMALL]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+SCRIPTS = ROOT / "tests" / "support" / "scripts"
+
+
+def prism(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prism", *args], capture_output=True, text=True, timeout=timeout,
+                          env=ENV, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("emulate")
+    run = tmp / "gpt"
+    proc = prism("capture", "-n", "8", "--record", "0,4,5", "--out", str(run), "--progress", "off",
+                 "--show-ranks", "none", "--", *GPT, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def summary(out: str) -> dict:
+    return json.loads(out)
+
+
+def forkservers() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "prism.rank.forkserver"], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def test_recorded_sandboxes_reproduce_the_capture(gpt_run):
+    before = forkservers()
+    proc = prism("emulate", str(gpt_run), "--sandbox", "0,4,5", "--name", "rec", "--progress", "off", "--json",
+                 cwd=gpt_run.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    s = summary(proc.stdout)
+    assert s["status"] == "ok" and s["sandbox"] == [0, 4, 5]
+    out = gpt_run / "emulation" / "rec"
+    # only the sandbox ranks ran: their logs and traces, nobody else's
+    assert sorted(p.name for p in (out / runfolder.LOGS_DIR).iterdir()) == [
+        "rank-000000.log", "rank-000004.log", "rank-000005.log"]
+    r4 = s["ranks"]["4"]
+    assert r4["losses"] and len(r4["losses"]) == 4
+    assert r4["losses"] == r4["capture_losses"] and r4["losses_equal"] is True
+    assert s["calls"]["compensated"] == 0 and s["calls"]["recorded"] > 0
+    assert all(not s["ranks"][r]["divergence"] for r in ("0", "4", "5"))
+    # group reduction: the sandboxes created their groups only
+    assert 0 < s["groups"]["instantiated"] <= s["groups"]["with_sandbox"] < s["groups"]["in_graph"]
+    assert s["emulated_mean_ns"] > 0 and s["predicted_mean_ns"] > 0
+    for r in ("0", "4", "5"):
+        assert len(s["ranks"][r]["iteration_ns"]) == 4
+    timeline = json.loads((out / "timeline.json").read_text())
+    names = {e["args"]["name"] for e in timeline["traceEvents"] if e.get("name") == "process_name"}
+    assert {"rank 0", "rank 1", "rank 4", "rank 7"} <= names
+    assert forkservers() <= before
+
+
+def test_without_recording_compensates_and_says_how_far_losses_moved(gpt_run):
+    proc = prism("emulate", str(gpt_run), "--sandbox", "4", "--no-recording", "--name", "comp", "--progress", "off",
+                 cwd=gpt_run.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    s = json.loads((gpt_run / "emulation" / "comp" / "summary.json").read_text())
+    assert s["calls"]["compensated"] > 0 and s["calls"]["recorded"] == 0
+    r4 = s["ranks"]["4"]
+    assert len(r4["losses"]) == 4 and r4["max_loss_rel_diff"] is not None
+    assert "losses" in proc.stdout and "compensated" in proc.stdout
+
+
+def test_a_changed_width_stops_within_seconds_naming_rank_op_group_and_sequence(gpt_run):
+    changed = [*GPT]
+    changed[changed.index("--hidden") + 1] = "48"
+    t0 = time.monotonic()
+    before = forkservers()
+    proc = prism("emulate", str(gpt_run), "--sandbox", "0", "--name", "wide", "--progress", "off", "--", *changed,
+                 cwd=gpt_run.parent, timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert took < 30, took
+    text = proc.stdout + proc.stderr
+    assert "mismatch" in text and "sandbox rank 0 called" in text, text[-3000:]
+    assert "on group" in text and "at sequence" in text and "bytes" in text
+    assert forkservers() <= before
+
+
+def test_a_crashing_sandbox_ends_it_with_its_traceback(tmp_path):
+    run = tmp_path / "dp"
+    proc = prism("capture", "-n", "4", "--out", str(run), "--progress", "off", "--show-ranks", "none", "--",
+                 str(SCRIPTS / "fail_at_step.py"), "99", "0", "4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before = forkservers()
+    proc = prism("emulate", str(run), "--sandbox", "1", "--name", "crash", "--progress", "off", "--",
+                 str(SCRIPTS / "fail_at_step.py"), "1", "2", "4", cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "sandbox rank 1 failed" in text and "RuntimeError: rank 1 fails at step 2" in text, text[-3000:]
+    assert forkservers() <= before
+
+
+def test_bad_options_are_named(gpt_run, tmp_path):
+    proc = prism("emulate", str(tmp_path), "--sandbox", "0", cwd=tmp_path)
+    assert proc.returncode == 2 and "not a captured run" in proc.stderr
+    proc = prism("emulate", str(gpt_run), "--sandbox", "9", cwd=tmp_path)
+    assert proc.returncode == 2 and "--sandbox" in proc.stderr and "9" in proc.stderr
