@@ -195,6 +195,8 @@ class Goodbye:
     rank: int
     status: str
     message: str = ""
+    #: When it ended, on its clock (an emulation's sandbox: the dilated one); 0: not said.
+    t_ns: int = 0
 
 
 # --- coordinator -> rank ---------------------------------------------------
@@ -213,6 +215,10 @@ class Welcome:
     small_tensor_limit: int
     #: Ranks are swapped out of their GPU while blocked: say ``Taken``.
     swapping: bool = False
+    #: An emulation: the rank keeps a *dilated* clock for the times it sends
+    #: (``RankRuntime.dilation_ns``: Prism's own delay in the rank's waits
+    #: taken out), and results carry ``release_ns`` on that clock.
+    hybrid: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,6 +195,8 @@ class _Op:
         self.issue_ns = issue_ns
         self.wait_ns: int | None = issue_ns if blocking else None
         self.end_ns = 0
+        #: Emulation: when the emulated job completes this call (monotonic ns; 0: unknown).
+        self.release_mono_ns = 0
         self.step = step
         self.done = threading.Event()
         self._error: BaseException | None = None
@@ -219,7 +221,9 @@ class _Op:
             try:
                 rt.block_on(self.done, self.wait_key, t)
             finally:
-                rt.recorder.comm_exit(time.monotonic_ns())
+                resumed = time.monotonic_ns()
+                rt.recorder.comm_exit(resumed)
+                rt.waited(self.release_mono_ns, t, resumed)
         if self.error is not None:
             raise self.error
 
@@ -450,7 +454,7 @@ class PrismProcessGroup(dist.ProcessGroup):
                 out_splits=tuple(int(s) for s in out_splits),
                 premul=premul,
                 async_op=async_op,
-                issue_ns=t0,
+                issue_ns=rt.emu_ns(t0),
                 payloads=tuple(_buffer(h) for h in hosts),
             )
             what = f"{op} on group {self.gid} (seq {seq})"
@@ -673,7 +677,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             h = _host(t, copy=True)  # eager send: the caller may reuse t at once
             rt.send_call(protocol.Send(
                 rank=rt.rank, gid=self.gid, dst=peer, tag=tag, pseq=pseq, dtype=_dtype_name(t.dtype),
-                shape=_shape(t), issue_ns=t0, payloads=(_buffer(h),),
+                shape=_shape(t), issue_ns=rt.emu_ns(t0), payloads=(_buffer(h),),
             ))
             end = time.monotonic_ns()
             pending = _Op(f"send to rank {peer} tag {tag}", [], [t], t0, True, rt.recorder.step)
@@ -718,7 +722,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             pending.finish_events = finish
             fut = rt.client.future(("p2p", peer, rt.rank, tag, pseq))
             rt.send_call(protocol.RecvPost(
-                rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape, issue_ns=t0,
+                rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape,
+                issue_ns=rt.emu_ns(t0),
             ))
             rt.on_done(fut, lambda f: _complete_from_future(pending, f))
             return self._issued(PrismWork(pending))
@@ -768,7 +773,10 @@ def _complete_from_future(pending: _Op, fut: Any) -> None:
     except BaseException as e:
         pending.complete(None, PrismRankError(f"{pending.what} failed: {e}"))
         return
-    _hold_until(reply.release_ns)
+    if reply.release_ns:
+        # On the rank's dilated clock (an emulation): back onto the monotonic one.
+        pending.release_mono_ns = reply.release_ns + _rt.current().dilation_ns
+        _hold_until(pending.release_mono_ns)
     pending.complete(tuple(reply.payloads), None)
 
 

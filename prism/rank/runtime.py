@@ -117,6 +117,14 @@ class RankRuntime:
         else:
             self.clock_offset_ns = welcome.t_ns - (hello.t_ns + recv) // 2
         self.recorder = RankRecorder(self.rank, client.send, small_tensor_limit=welcome.small_tensor_limit)
+        #: Emulation (``Welcome.hybrid``): how long Prism itself has held this
+        #: rank in its waits beyond the emulated release (staging, messages,
+        #: the coordinator's turn). The times the rank sends are its monotonic
+        #: clock less this (``emu_ns``), so the emulated timeline is what the
+        #: real job's would be, without Prism's overhead; the rank's own trace
+        #: keeps the wall clock. Only the main thread changes it.
+        self.dilation_ns = 0
+        self.hybrid = bool(getattr(welcome, "hybrid", False))
         self._slot_lock = threading.Lock()
         self._holds_slot = False
         self._blocked = 0
@@ -183,7 +191,24 @@ class RankRuntime:
         if step_tracker is not None:
             step_tracker.flush_pending()
         self.recorder.finish(time.monotonic_ns(), status, message)
-        self.client.send(protocol.Goodbye(rank=self.rank, status=status, message=message))
+        self.client.send(protocol.Goodbye(rank=self.rank, status=status, message=message,
+                                          t_ns=self.emu_ns(time.monotonic_ns())))
+
+    # --- the dilated clock (emulation) -----------------------------------------
+
+    def emu_ns(self, t_ns: int) -> int:
+        """``t_ns`` (monotonic) on the dilated clock the emulation's coordinator keeps for this rank."""
+        return t_ns - self.dilation_ns
+
+    def waited(self, release_mono_ns: int, wait_start_ns: int, resumed_ns: int) -> None:
+        """The main thread waited from ``wait_start_ns`` to ``resumed_ns`` for a
+        result the emulated job releases at ``release_mono_ns`` (monotonic):
+        what it waited past the release is Prism's, not the job's."""
+        if not self.hybrid or not release_mono_ns:
+            return
+        late = resumed_ns - max(release_mono_ns, wait_start_ns)
+        if late > 0:
+            self.dilation_ns += late
 
     # --- slots -------------------------------------------------------------
 
@@ -203,7 +228,7 @@ class RankRuntime:
         ``t_ns`` is when the rank started to wait. Returns holding the slot.
         """
         self.recorder.flush_if_old(FLUSH_BEFORE_BLOCK_NS)
-        self.client.send(protocol.Wait(rank=self.rank, what=what, t_ns=t_ns))
+        self.client.send(protocol.Wait(rank=self.rank, what=what, t_ns=self.emu_ns(t_ns)))
         with self._slot_lock:
             self._blocked += 1
             self._awaited = done
@@ -327,7 +352,7 @@ class RankRuntime:
                     if op.wait_ns is None:
                         # The main thread may have gone idle before this op was issued.
                         op.wait_ns = max(idle_since, op.issue_ns)
-                self.client.send(protocol.Wait(rank=self.rank, what=op.wait_key, t_ns=idle_since))
+                self.client.send(protocol.Wait(rank=self.rank, what=op.wait_key, t_ns=self.emu_ns(idle_since)))
                 self.client.send(protocol.SlotRelease(rank=self.rank))
             idle_since = None
 

@@ -324,6 +324,8 @@ class Coordinator:
         self.on_listening = on_listening
         self.progress = progress
         self.authenticated = authenticated
+        #: An emulation's coordinator (``prism.shell.emulator``): ranks keep a dilated clock.
+        self.hybrid = False
         self.matcher = M.Matcher(world_size)
         self.scheduler = S.Scheduler(slots, range(world_size), policy)
         self.policy: S.SwapPolicy = self.scheduler.policy
@@ -539,7 +541,7 @@ class Coordinator:
         self.by_identity[identity] = hello.rank
         self._admit(session, now)
         await session.deliver(P.Welcome(P.PROTOCOL_VERSION, self.run_id, now, self.small_tensor_limit,
-                                        swapping=self.swapper is not None))
+                                        swapping=self.swapper is not None, hybrid=self.hybrid))
 
     def _admit(self, member: Participant, now: int) -> None:
         """``member`` joins the world: a rank session at its Hello (phase 2:

@@ -81,14 +81,16 @@ class EmulationStats:
     """What the emulator measured of itself."""
 
     deliveries: int = 0
-    #: ns each result left after its release (negative: ahead, as planned; positive: the rank got it late).
-    send_lag_ns: list[int] = field(default_factory=list)
     recorded_calls: int = 0
     compensated_calls: int = 0
     #: rank -> the first call where it sent something other than the recording
     divergence: dict[int, str] = field(default_factory=dict)
     groups_created: set[str] = field(default_factory=set)
     implicit_waits: int = 0
+    #: sandbox rank -> Prism's own delay in its waits, taken out of its emulated clock (at its goodbye)
+    dilation_ns: dict[int, int] = field(default_factory=dict)
+    #: ns from taking a sandbox's call to its result going out
+    turnaround_ns: list[int] = field(default_factory=list)
 
 
 class Emulator(Coordinator):
@@ -104,6 +106,7 @@ class Emulator(Coordinator):
                  first_call_ns: Mapping[int, int] | None = None) -> None:
         super().__init__(run_dir, engine.graph.world_size, slots=max(len(engine.sandbox), 1), endpoint=endpoint,
                          quiet_s=quiet_s, grace_s=grace_s, launch=launch, progress=progress)
+        self.hybrid = True
         self.engine = engine
         self.graph = engine.graph
         self.sandbox = frozenset(engine.sandbox)
@@ -128,12 +131,14 @@ class Emulator(Coordinator):
         self._await_end: dict[int, tuple[int, tuple]] = {}
         #: engine node -> engine time its data were delivered (for implicit waits)
         self._delivered_at: dict[int, int] = {}
-        #: (release mono ns, tie, rank, message)
-        self._heap: list[tuple[int, int, int, P.Message]] = []
+        #: (release ns on the rank's dilated clock, tie, rank, message, engine node)
+        self._heap: list[tuple[int, int, int, P.Message, int]] = []
         self._tie = 0
         self._due_at = math.inf
         self._rearm = trio.Event()
         self._finished_ranks: set[int] = set()
+        #: engine node -> when the coordinator took the sandbox's call (for the turnaround figure)
+        self._taken_at: dict[int, int] = {}
         self._last_activity = 0
         self._message_handlers.update({
             P.CollectiveArrive: self._on_coll,
@@ -210,7 +215,9 @@ class Emulator(Coordinator):
         rank = session.rank
         session.end(msg.status, msg.message)
         if msg.status == "ok":
-            self._queue[rank].append(("end", msg, None, now))
+            self._queue[rank].append(("end", msg, None, msg.t_ns or now))
+            if msg.t_ns:
+                self.stats.dilation_ns[rank] = now - msg.t_ns
             await self._pump()
             return
         self._failed[rank] = msg.message
@@ -395,6 +402,8 @@ class Emulator(Coordinator):
                 self._await_end[cn] = (rank, ("coll", msg.gid, msg.seq))
             elif kind == "recv":
                 self._await_end[cn] = (rank, ("recv", msg))
+            if cn in self._await_end:
+                self._taken_at[cn] = self._now()
         return taken
 
     def _size_mismatch(self, rank: int, msg: Any, cn: int) -> str | None:
@@ -462,14 +471,16 @@ class Emulator(Coordinator):
             msg = self._message(rank, what)
             if msg is not None:
                 self._tie += 1
-                heapq.heappush(self._heap, (t_end + self.offset_ns, self._tie, rank, msg))
+                heapq.heappush(self._heap, (t_end + self.offset_ns, self._tie, rank, msg, node))
 
     async def _send_due(self) -> None:
         heap = self._heap
         now = self._now()
         while heap and heap[0][0] - LEAD_NS <= now:
-            release, _, rank, msg = heapq.heappop(heap)
-            self.stats.send_lag_ns.append(now - release)
+            release, _, rank, msg, node = heapq.heappop(heap)
+            taken = self._taken_at.pop(node, None)
+            if taken is not None:
+                self.stats.turnaround_ns.append(now - taken)
             self.stats.deliveries += 1
             if isinstance(msg, P.CollectiveResult):
                 msg = P.CollectiveResult(msg.gid, msg.seq, payloads=msg.payloads, release_ns=release)

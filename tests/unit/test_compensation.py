@@ -120,3 +120,92 @@ def test_cases_cover_every_reduce_op_and_dtype():
     dts = {c[1] for c in CASES}
     assert ops == set(REDUCE_OPS) and dts == set(DTYPES)
     assert len(list(itertools.product(ops, dts))) > 0
+
+
+# --- hybrid_outputs: what the sandbox members of a collective receive ------------
+
+from dataclasses import dataclass as _dataclass  # noqa: E402
+
+from prism.core.collectives import run_collective  # noqa: E402
+from prism.core.compensation import hybrid_outputs  # noqa: E402
+
+
+@_dataclass(frozen=True)
+class _Call:
+    op: str
+    reduce_op: str
+    dtype: str
+    in_shapes: tuple
+    out_shapes: tuple
+    root: int = -1
+    in_splits: tuple = ()
+    out_splits: tuple = ()
+    premul: float | None = None
+
+
+def _world(n, sandbox, call, own, virtual):
+    """run_collective over the materialised group: sandbox members their own
+    inputs, virtual members what compensation assumes (``virtual(j)``)."""
+    calls = [call] * n
+    inputs = [own[j] if j in sandbox else virtual(j) for j in range(n)]
+    return run_collective(calls, inputs)
+
+
+@pytest.mark.parametrize("op", ["SUM", "AVG", "MAX"])
+def test_hybrid_all_reduce_equals_the_world_with_compensated_members(op):
+    n, sandbox = 6, (1, 4)
+    call = _Call("all_reduce", op, "int64" if op != "AVG" else "float64", ((5,),), ((5,),))
+    dt = np.int64 if op != "AVG" else np.float64
+    own = {j: [np.arange(5, dtype=dt) * (j + 1)] for j in sandbox}
+    got = hybrid_outputs({j: call for j in sandbox}, own, n)
+    each = virtual_contribution(op, call.dtype, [own[j][0] for j in sandbox])
+    want = _world(n, sandbox, call, own, lambda j: [each])
+    for j in sandbox:
+        np.testing.assert_allclose(got[j][0], want[j][0], rtol=1e-12)
+
+
+def test_hybrid_reduce_scatter_tensor_gives_each_member_its_part():
+    n, sandbox = 4, (0, 3)
+    call = _Call("reduce_scatter_tensor", "SUM", "int32", ((8,),), ((2,),))
+    own = {j: [np.arange(8, dtype=np.int32) + 10 * j] for j in sandbox}
+    got = hybrid_outputs({j: call for j in sandbox}, own, n)
+    each = virtual_contribution("SUM", "int32", [own[j][0] for j in sandbox])
+    want = _world(n, sandbox, call, own, lambda j: [each])
+    for j in sandbox:
+        assert got[j][0].tolist() == want[j][0].reshape(-1).tolist()
+
+
+def test_hybrid_all_gather_fills_virtual_shards_from_the_members_own():
+    n = 4
+    call = _Call("all_gather_into_tensor", "", "float32", ((3,),), ((12,),))
+    own = {2: [np.array([1, 2, 3], np.float32)]}
+    got = hybrid_outputs({2: call}, own, n)
+    assert got[2][0].reshape(-1).tolist() == [1, 2, 3] * 4
+
+
+def test_hybrid_rooted_ops_at_a_virtual_root_leave_tensors_as_they_are():
+    call = _Call("broadcast", "", "float32", ((3,),), ((3,),), root=0)
+    assert hybrid_outputs({2: call}, {2: []}, 4) == {2: []}
+    call = _Call("broadcast", "", "float32", ((3,),), ((3,),), root=2)
+    got = hybrid_outputs({2: call, 3: call}, {2: [np.ones(3, np.float32)], 3: []}, 4)
+    assert got[2] == [] and got[3][0].tolist() == [1, 1, 1]
+
+
+def test_hybrid_all_to_all_single_takes_sandbox_rows_and_fills_virtual_ones():
+    n = 4
+    call = _Call("all_to_all_single", "", "float32", ((4, 2),), ((4, 2),))
+    a = np.arange(8, dtype=np.float32).reshape(4, 2)
+    b = a + 100
+    got = hybrid_outputs({1: call, 2: call}, {1: [a], 2: [b]}, n)
+    # member 1 gets row 1 of member 2's input at slot 2, its own row 1 at slot 1
+    assert got[1][0][2].tolist() == b[1].tolist() and got[1][0][1].tolist() == a[1].tolist()
+    # a virtual member's chunk is the member's own chunk for it
+    assert got[1][0][0].tolist() == a[0].tolist()
+
+
+def test_hybrid_with_every_member_a_sandbox_is_the_plain_collective():
+    call = _Call("all_reduce", "SUM", "float32", ((3,),), ((3,),))
+    own = {j: [np.full(3, j + 0.5, np.float32)] for j in range(3)}
+    got = hybrid_outputs({j: call for j in range(3)}, own, 3)
+    want = run_collective([call] * 3, [own[j] for j in range(3)])
+    assert all(got[j][0].tolist() == want[j][0].tolist() for j in range(3))

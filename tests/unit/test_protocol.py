@@ -259,3 +259,11 @@ def test_routing_keys():
     assert routing_key(Welcome(PROTOCOL_VERSION, "r", 0, 0)) == ("welcome",)
     assert routing_key(Error("deadlock", "x")) is None
     assert protocol.routing_key(hello()) is None
+
+
+def test_emulation_fields_round_trip():
+    for msg in (CollectiveResult("g", 3, (b"ab",), release_ns=123), P2PData(1, 2, 0, 7, (b"x",), release_ns=5),
+                Welcome(PROTOCOL_VERSION, "r", 0, 0, hybrid=True)):
+        got = decode(encode(msg))
+        assert got == msg and getattr(got, "release_ns", None) == getattr(msg, "release_ns", None)
+    assert CollectiveResult("g", 3).release_ns == 0 and Welcome(PROTOCOL_VERSION, "r", 0, 0).hybrid is False

@@ -233,3 +233,23 @@ def test_a_call_never_goes_out_after_the_monitor_gave_the_slot_away(rt):
     after = [type(m) for m in rt.client.sent[:i] if not isinstance(m, protocol.TraceRecords)]
     assert after[-3:] == [protocol.Wait, protocol.SlotRelease, protocol.SlotRequest], kinds
     assert rt._holds_slot and not rt._implicit
+
+
+def test_the_dilated_clock_takes_out_only_what_a_wait_spent_past_its_release():
+    from types import SimpleNamespace
+
+    from prism.rank.runtime import RankRuntime
+
+    rt = SimpleNamespace(hybrid=True, dilation_ns=0)
+    waited = RankRuntime.waited.__get__(rt)
+    waited(1_000, 500, 1_300)  # released at 1000, resumed at 1300: Prism's 300
+    assert rt.dilation_ns == 300
+    waited(2_000, 2_500, 2_550)  # waited from after the release: only its own 50
+    assert rt.dilation_ns == 350
+    waited(3_000, 2_000, 2_900)  # resumed before the release (cannot happen late): nothing
+    waited(0, 0, 10_000)  # no release known (capture): nothing
+    assert rt.dilation_ns == 350
+    assert RankRuntime.emu_ns.__get__(rt)(10_000) == 9_650
+    rt.hybrid = False
+    waited(1_000, 0, 9_000)
+    assert rt.dilation_ns == 350
