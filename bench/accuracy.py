@@ -16,9 +16,19 @@ truth
     ``--warmup`` steps.
 prism
     ``prism.app.capture.capture_run`` with ``--slots`` = the core count (durations
-    measured without oversubscription), then the graph replayed with the
-    gloo profile fitted by ``prism netprofile`` on this host (fitted first if
-    there is none), mean over the same steps.
+    measured without oversubscription), rank 0 recorded, then the graph
+    replayed with gloo profiles fitted by ``prism netprofile`` on this host
+    (fitted first if there is none), mean over the same steps. Three profiles
+    from the same measured points, side by side on the same capture: one
+    alpha-beta set for every op (``one-fit``, the profile of the first
+    accuracy report), one per op (``per-op``), and per op corrected to the
+    measured points per size and group size (``measured``, what ``prism
+    netprofile`` writes now; the prediction the table reports).
+emulated
+    ``prism emulate`` of that capture with rank 0 as the sandbox (its
+    recorded payloads, the ``measured`` profile for the virtual ranks): the
+    emulated job's mean iteration time over the same steps, and the sandbox
+    rank's own.
 
 Per configuration it prints the truth's mean iteration time and its noise
 floor (coefficient of variation of the per-run means), Prism's mean
@@ -63,7 +73,10 @@ from prism.validation.truthrun import STEPCLOCK  # noqa: E402
 
 from _results import result_path  # noqa: E402  (bench/ is this script's folder, on sys.path)
 from prism.app.netprofile import DEFAULT_OPS, DEFAULT_SIZES, fitted_profile_path, measure, usable_cores  # noqa: E402
-from prism.core.netfit import fit_points, profile_toml  # noqa: E402
+from prism.core.costmodel import parse_profile  # noqa: E402
+from prism.core.netfit import Point, fit_per_op, fit_points, profile_toml  # noqa: E402
+from prism.core.payloads import RecordPlan  # noqa: E402
+from prism.app.emulate import EmulateConfig, emulate  # noqa: E402
 
 #: Model size: an iteration of about 50-200 ms per rank on one core.
 MODEL = ["--hidden", "128", "--layers", "2", "--heads", "4", "--seq-len", "64", "--batch", "4",
@@ -78,6 +91,11 @@ CONFIGS: dict[int, dict[str, list[str]]] = {
         "gpt-tp2-pp2-dp2": ["--tp", "2", "--pp", "2", "--dp", "2"],
         "gpt-tp2-dp4": ["--tp", "2", "--dp", "4"],
         "moe-tp2-dp4-ep2": ["--tp", "2", "--dp", "4", "--ep", "2", "--experts", "4"],
+    },
+    16: {
+        "gpt-tp2-pp2-dp4": ["--tp", "2", "--pp", "2", "--dp", "4"],
+        "gpt-tp4-dp4": ["--tp", "4", "--dp", "4"],
+        "moe-tp2-dp8-ep2": ["--tp", "2", "--dp", "8", "--ep", "2", "--experts", "4"],
     },
 }
 
@@ -117,16 +135,36 @@ def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float) -> 
     return np.diff(ends), wall, ends
 
 
-def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, model, slots: int, warmup: int):
+def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots: int, warmup: int,
+              emulate_with: str | None):
+    """Capture (rank 0 recorded), predict under each of ``models``, emulate with
+    sandbox 0 under the profile file ``emulate_with`` (None: no emulation)."""
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
     t0 = time.monotonic()
-    status = capture_run(d, world, cmd, slots=slots, show_ranks=(), progress="off").exit_code
+    status = capture_run(d, world, cmd, slots=slots, show_ranks=(), progress="off",
+                         record=RecordPlan(frozenset({0}), None, 4 << 30)).exit_code
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
     wall = time.monotonic() - t0
-    res = replay_batch(ExecutionGraph.from_events(read_run(d).ranks), cost_model=model)
+    graph = ExecutionGraph.from_events(read_run(d).ranks)
+    preds = {}
+    for name, model in models.items():
+        res = replay_batch(graph, cost_model=model)
+        preds[name] = (res.iteration_times, res.mean_iteration_time(warmup))
+    emu = None
+    if emulate_with is not None:
+        t1 = time.monotonic()
+        out = emulate(EmulateConfig(run=d, sandbox="0", net=emulate_with, name="acc", warmup=warmup))
+        if not out.ok:
+            raise RuntimeError(f"prism emulate failed ({out.status}): {out.message}")
+        s = out.summary
+        emu = {"job_step_ns": s["emulated_iteration_ns"], "job_mean_ns": s["emulated_mean_ns"],
+               "sandbox_step_ns": s["ranks"]["0"]["iteration_ns"], "sandbox_mean_ns": s["ranks"]["0"]["mean_iteration_ns"],
+               "sandbox_wall_step_ns": s["ranks"]["0"]["wall_iteration_ns"],
+               "prism_overhead_ns": s["ranks"]["0"]["prism_overhead_ns"], "wall_s": time.monotonic() - t1,
+               "turnaround_p50_ns": s["pacing"]["turnaround_p50_ns"]}
     shutil.rmtree(d.parent, ignore_errors=True)
-    return res.iteration_times, res.mean_iteration_time(warmup), wall
+    return preds, wall, emu
 
 
 def bootstrap_median_ci(x: list[float], reps: int = 4000, seed: int = 0) -> tuple[float, float]:
@@ -136,21 +174,50 @@ def bootstrap_median_ci(x: list[float], reps: int = 4000, seed: int = 0) -> tupl
     return float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))
 
 
-def ensure_profile(net: str | None) -> tuple[object, str]:
+def ensure_profile(net: str | None, tmp: pathlib.Path, remeasure: bool = False) -> tuple[dict, str, list]:
+    """The cost models to compare: name -> CostModel (the first is the one
+    reported), the path of the reported one, and the measured points."""
     if net:
-        return load_profile(net), net
+        return {"given": load_profile(net)}, net, []
     path = fitted_profile_path("gloo", socket.gethostname())
-    if not path.is_file():
-        print(f"no fitted gloo profile at {path}: running prism netprofile first", flush=True)
+    points_path = path.with_suffix(".points.json")
+    if remeasure or not points_path.is_file():
+        print(f"measuring gloo on this host (prism netprofile defaults) into {path}", flush=True)
         cores = usable_cores()
         gs = [n for n in (2, 4, 8, 16) if n <= cores] or [2]
         points = measure(DEFAULT_SIZES, gs, DEFAULT_OPS)
-        text = profile_toml(fit_points(points), points, host=socket.gethostname(), backend="gloo",
-                            ranks_per_node=cores, command="bench/accuracy.py (prism netprofile defaults)",
-                            date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return load_profile(path), str(path)
+        points_path.parent.mkdir(parents=True, exist_ok=True)
+        points_path.write_text(json.dumps([p.__dict__ if hasattr(p, "__dict__") else
+                                           {f: getattr(p, f) for f in Point.__slots__} for p in points]))
+    else:
+        points = [Point(**p) for p in json.loads(points_path.read_text())]
+    cores = usable_cores()
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    kw = dict(host=socket.gethostname(), backend="gloo", ranks_per_node=cores,
+              command="bench/accuracy.py (prism netprofile defaults)", date=date)
+    fit, per_op = fit_points(points), fit_per_op(points)
+    texts = {"measured": profile_toml(fit, points, per_op=per_op, **kw),
+             "per-op": profile_toml(fit, points, per_op=per_op, measured=False, **kw),
+             "one-fit": profile_toml(fit, points, measured=False, **kw)}
+    path.write_text(texts["measured"])
+    models = {}
+    for name, text in texts.items():
+        f = tmp / f"profile-{name}.toml"
+        f.write_text(text)
+        models[name] = parse_profile(text, str(f))
+    return models, str(path), [dataclasses_asdict(p) for p in points]
+
+
+def dataclasses_asdict(p) -> dict:
+    return {f: getattr(p, f) for f in Point.__slots__}
+
+
+def _stats(truth: list[float], vals: list[float]) -> dict:
+    errs = [abs(v - t) / t for v, t in zip(vals, truth)]
+    signed = [(v - t) / t for v, t in zip(vals, truth)]
+    lo, hi = bootstrap_median_ci(errs)
+    return {"mean_ms": statistics.mean(vals) / 1e6, "median_error": statistics.median(errs),
+            "median_signed_error": statistics.median(signed), "error_ci95": [lo, hi]}
 
 
 def main() -> int:
@@ -162,6 +229,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="2 runs of 6 steps")
     ap.add_argument("--net", default=None, help="cost profile (default: the fitted gloo profile of this host)")
+    ap.add_argument("--remeasure", action="store_true", help="measure gloo again even if this host has points")
+    ap.add_argument("--no-emulate", action="store_true", help="capture and predict only")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per ground-truth run")
     ap.add_argument("--out", default=str(result_path("accuracy")))
     a = ap.parse_args()
@@ -176,7 +245,10 @@ def main() -> int:
     unknown = [n for n in names if n not in CONFIGS[a.world]]
     if unknown:
         sys.exit(f"unknown config {unknown[0]!r} for --world {a.world}; known: {', '.join(CONFIGS[a.world])}")
-    model, profile_path = ensure_profile(a.net)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="prism-accuracy-"))
+    models, profile_path, points = ensure_profile(a.net, tmp, a.remeasure)
+    reported = next(iter(models))
+    emulate_with = None if a.no_emulate else (a.net or str(tmp / f"profile-{reported}.toml"))
     import torch
 
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -188,45 +260,54 @@ def main() -> int:
                     "load_average_at_start": os.getloadavg()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__},
         "model_flags": MODEL, "steps": a.steps, "warmup": a.warmup, "runs": a.runs,
-        "cost_profile": {"path": profile_path, "name": model.name, "description": model.description},
+        "cost_profile": {"path": profile_path, "reported": reported,
+                         "variants": {k: {"name": m.name, "description": m.description} for k, m in models.items()}},
+        "measured_points": points,
         "slots": cores, "configs": [],
     }
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="prism-accuracy-"))
     rows = []
     try:
         for name in names:
             cmd = command(CONFIGS[a.world][name], a.steps)
-            truth, pred, pairs = [], [], []
+            truth, pred, emu_job, emu_sb, pairs = [], {k: [] for k in models}, [], [], []
             for i in range(a.runs):
                 times, twall, ends = run_truth(a.world, cmd, tmp, a.timeout)
                 t_mean = mean_iteration(ends, a.warmup)
-                ptimes, p_mean, pwall = run_prism(a.world, cmd, tmp, model, cores, a.warmup)
+                preds, pwall, emu = run_prism(a.world, cmd, tmp, models, cores, a.warmup, emulate_with)
                 truth.append(t_mean)
-                pred.append(p_mean)
-                err = abs(p_mean - t_mean) / t_mean
+                for k, (_, m) in preds.items():
+                    pred[k].append(m)
+                if emu is not None:
+                    emu_job.append(emu["job_mean_ns"])
+                    emu_sb.append(emu["sandbox_mean_ns"])
                 pairs.append({"truth_step_ns": times.tolist(), "truth_mean_ns": t_mean, "truth_wall_s": twall,
-                              "prism_step_ns": ptimes.tolist(), "prism_mean_ns": p_mean, "capture_wall_s": pwall,
-                              "error": err})
-                print(f"{name} run {i}: truth {t_mean / 1e6:.1f} ms, prism {p_mean / 1e6:.1f} ms, "
-                      f"error {err:.1%}  (truth {twall:.0f} s, capture {pwall:.0f} s)", flush=True)
-            errs = [p["error"] for p in pairs]
+                              "prism": {k: {"step_ns": st.tolist(), "mean_ns": m} for k, (st, m) in preds.items()},
+                              "capture_wall_s": pwall, "emulation": emu})
+                line = f"{name} run {i}: truth {t_mean / 1e6:.1f} ms, " + ", ".join(
+                    f"{k} {m / 1e6:.1f}" for k, (_, m) in preds.items())
+                if emu is not None:
+                    line += f", emulated job {emu['job_mean_ns'] / 1e6:.1f} (sandbox {emu['sandbox_mean_ns'] / 1e6:.1f})"
+                print(line + f"  (truth {twall:.0f} s, capture {pwall:.0f} s)", flush=True)
             cv = statistics.stdev(truth) / statistics.mean(truth) if len(truth) > 1 else float("nan")
-            lo, hi = bootstrap_median_ci(errs)
             row = {"config": name, "flags": CONFIGS[a.world][name], "world": a.world,
                    "truth_mean_ms": statistics.mean(truth) / 1e6, "noise_floor_cv": cv,
-                   "prism_mean_ms": statistics.mean(pred) / 1e6, "median_error": statistics.median(errs),
-                   "error_ci95": [lo, hi], "runs": pairs}
+                   "predicted": {k: _stats(truth, v) for k, v in pred.items()},
+                   "emulated_job": _stats(truth, emu_job) if emu_job else None,
+                   "emulated_sandbox": _stats(truth, emu_sb) if emu_sb else None, "runs": pairs}
             out["configs"].append(row)
             rows.append(row)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print(f"accuracy: world {a.world}, {a.runs} interleaved truth/prism pairs, {a.steps} steps ({a.warmup} warm-up), "
-          f"profile {model.name}; {date}, {socket.gethostname()} ({cores} cores)")
-    print(f"{'config':<18} {'truth ms':>9} {'noise CV':>9} {'prism ms':>9} {'median err':>11} {'95% CI':>16}")
+    print(f"accuracy: world {a.world}, {a.runs} interleaved truth/prism pairs, {a.steps} steps ({a.warmup} warm-up); "
+          f"{date}, {socket.gethostname()} ({cores} cores); median paired error (signed median), 95% CI")
+    cols = [*models, *(["emulated job", "emulated sandbox"] if emulate_with else [])]
+    print(f"{'config':<18} {'truth ms':>9} {'noise CV':>9} " + " ".join(f"{c:>26}" for c in cols))
     for r in rows:
-        print(f"{r['config']:<18} {r['truth_mean_ms']:>9.1f} {r['noise_floor_cv']:>9.1%} {r['prism_mean_ms']:>9.1f} "
-              f"{r['median_error']:>11.1%} {r['error_ci95'][0]:>7.1%}-{r['error_ci95'][1]:<7.1%}")
+        cells = [r["predicted"][k] for k in models] + ([r["emulated_job"], r["emulated_sandbox"]] if emulate_with else [])
+        print(f"{r['config']:<18} {r['truth_mean_ms']:>9.1f} {r['noise_floor_cv']:>9.1%} " + " ".join(
+            f"{c['mean_ms']:>7.1f} {c['median_error']:>6.1%} ({c['median_signed_error']:+.1%}) "
+            f"{c['error_ci95'][0]:.0%}-{c['error_ci95'][1]:.0%}".rjust(26) for c in cells))
     pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(a.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {a.out}")

@@ -131,6 +131,16 @@ suite_cpu_accuracy() {  # gloo on the host's cores: profile, truth vs Prism at w
   x "$R/coordinator.txt" 90 python3 bench/coordinator.py --worlds 16,64 --iters 30 --out "$R/coordinator.json"
 }
 
+suite_emulate_accuracy() {  # gloo on the host's cores: truth vs predicted (three profiles) vs emulated, world 8
+  x "$R/accuracy-world8.txt" ${T8:-540} python3 bench/accuracy.py --world 8 --runs ${RUNS:-3} --steps 10 \
+    --out "$R/accuracy-world8.json"
+}
+
+suite_emulate_accuracy_16() {  # the same at world 16 (GPT in two layouts, the MoE)
+  x "$R/accuracy-world16.txt" ${T16:-540} python3 bench/accuracy.py --world 16 --runs ${RUNS:-3} --steps 10 \
+    --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} --out "$R/accuracy-world16.json"
+}
+
 suite_truth_segments() {  # a truth step under the profiler, cut at its calls, beside a capture's
   local s
   for s in ${SEGS:-pp2 fsdp2}; do
@@ -194,7 +204,8 @@ suite_cpu_scale() {  # CPU capture of the bundled GPT at 1,024 ranks, 16 slots
     --only cpu_scale --cpu-worlds 1024 --cpu-slots 16 --cpu-timeout 500 --runs-dir /tmp/cs
 }
 
-SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy truth-segments
+SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
+emulate-accuracy-16 truth-segments
 truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale"
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then

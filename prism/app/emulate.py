@@ -216,6 +216,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
             "max_loss_rel_diff": _max_rel(losses, captured),
             "peak_allocated": max((m.peak_allocated for m in mems), default=None),
             "divergence": emu.stats.divergence.get(r, ""),
+            "resized": emu.stats.resized.get(r, ""),
             "recorded": r in recordings,
         }
     job_times = emulated.iteration_times.tolist() if result.status == "ok" else []
@@ -344,6 +345,9 @@ def format_summary(s: dict, out_dir: Path) -> str:
                          "taken out of the emulated time")
         if info["divergence"]:
             lines.append(f"  {info['divergence']}")
+        if info.get("resized"):
+            lines.append(f"  its token dispatch moved other sizes than the capture's from {info['resized']} "
+                         "(data-dependent; the virtual ranks keep the capture's timing)")
     if s["predicted_mean_ns"] and s["emulated_mean_ns"]:
         d = s["emulated_mean_ns"] / s["predicted_mean_ns"] - 1
         lines.append(f"emulated vs predicted: {d:+.2%} (mean of steps {s['warmup']}.., warm-up dropped)")

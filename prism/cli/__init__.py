@@ -67,6 +67,12 @@ def _build_emulate(p: argparse.ArgumentParser) -> None:
     emulate.add_arguments(p)
 
 
+def _build_run(p: argparse.ArgumentParser) -> None:
+    from prism.cli import emulate
+
+    emulate.add_run_arguments(p)
+
+
 def _build_report(p: argparse.ArgumentParser) -> None:
     from prism.cli import report
 
@@ -83,6 +89,8 @@ _COMMANDS: tuple[_Command, ...] = (
     _Command("netprofile", "measure the local backend (gloo) and fit a communication cost profile", build=_build_netprofile),
     _Command("emulate", "run chosen sandbox ranks for real against the captured run's virtual ranks",
              build=_build_emulate),
+    _Command("run", "capture (recording the sandbox ranks), predict and emulate in one go; one report",
+             build=_build_run),
 )
 
 

@@ -62,3 +62,53 @@ def main(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(outcome.summary, indent=2) if args.json else outcome.text())
     return outcome.exit_code
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", "-n", type=int, required=True, help="number of logical ranks")
+    p.add_argument("--out", "-o", default=None, help="run directory (default runs/run-TIMESTAMP)")
+    p.add_argument("--slots", type=int, default=None, help="ranks that may compute at once during the capture "
+                                                           "(default: the number of cores)")
+    _common(p)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS, or -- -m MODULE ARGS")
+    p.set_defaults(func=run_main)
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """``prism run``: capture (recording the sandbox ranks), predict, emulate; one report."""
+    from prism.app import capture as app_capture
+    from prism.app import predict as app_predict
+    from prism.app.emulate import EmulateConfig, emulate
+
+    try:
+        plan = app_capture.plan_capture(app_capture.CaptureConfig(
+            world_size=args.world_size, command=args.command, out=args.out or app_capture.default_out("run"),
+            slots=args.slots, show_ranks=(), progress=args.progress, record=args.sandbox))
+        print(f"prism run: 1/3 capturing {plan.run_dir} at world {args.world_size}, recording sandbox ranks "
+              f"{args.sandbox}", file=sys.stderr, flush=True)
+        captured = app_capture.capture(plan)
+        print(captured.text(), file=sys.stderr)
+        if not captured.ok:
+            return captured.exit_code
+        print("prism run: 2/3 predicting", file=sys.stderr, flush=True)
+        prediction = app_predict.predict(app_predict.PredictConfig(run=plan.run_dir, net=args.net,
+                                                                   warmup=args.warmup))
+        print(f"prism run: 3/3 emulating with sandbox ranks {args.sandbox}", file=sys.stderr, flush=True)
+        outcome = emulate(EmulateConfig(run=plan.run_dir, sandbox=args.sandbox, net=args.net, name=args.name,
+                                        dormant=args.dormant, quiet_s=args.quiet, warmup=args.warmup,
+                                        show_ranks=_show(args.show_ranks), progress=args.progress,
+                                        use_recording=not args.no_recording))
+    except PrismError as e:
+        print(f"prism run: {e}", file=sys.stderr)
+        return e.exit_code
+    if args.json:
+        print(json.dumps({"capture": str(plan.run_dir), "prediction": prediction.summary(),
+                          "emulation": outcome.summary}, indent=2))
+    else:
+        print(f"== prism run: {plan.run_dir} ==")
+        print(f"capture: {captured.result.steps_done} steps in {captured.result.wall_s:.1f} s")
+        print("-- prediction --")
+        print(prediction.text())
+        print("-- emulation --")
+        print(outcome.text())
+    return outcome.exit_code

@@ -43,6 +43,15 @@ rank's CPU clock at every call (``issue_costs``). ``prism netprofile
 --backend nccl`` measures both. 0 where not given (gloo: a call's time is
 all on the calling thread, in the times above).
 
+Measured points (``[[measured]]`` tables: ``op``, ``ranks``, ``bytes``,
+``us``, as ``prism netprofile`` writes them) correct the alpha-beta form
+where it is wrong: for a group inside one node, the time is the model's times
+the ratio measured / modelled at the measured sizes of that op (or its
+``PARAM_FAMILY``), interpolated linearly in log(bytes) between them and held
+constant beyond, taken at the measured group size nearest in log2 (so an
+op's time per size and per group size is what was measured there, and the
+alpha-beta form only interpolates and extrapolates).
+
 Profiles are TOML files (see ``prism/profiles/``), parsed from their text
 with ``tomllib`` by ``parse_profile``; ``prism.shell.profiles.load_profile``
 finds and reads them. ``ZERO`` costs nothing (for tests).
@@ -128,6 +137,8 @@ class CostModel:
     #: CPU seconds one communication call costs the calling thread (GPU
     #: ranks; see the module docstring), for ops without their own
     issue: float = 0.0
+    #: measured points: (op, group size, bytes per rank ascending, seconds each), see the module docstring
+    measured: tuple[tuple[str, int, tuple[int, ...], tuple[float, ...]], ...] = ()
     _zero: bool = field(default=False, repr=False)
 
     @classmethod
@@ -192,6 +203,41 @@ class CostModel:
     def _cost(self, op: np.ndarray, nbytes: np.ndarray, n: np.ndarray, spans: np.ndarray) -> np.ndarray:
         if self._zero or len(op) == 0:
             return np.zeros(len(op), np.int64)
+        t = self._alpha_beta(op, nbytes, n, spans)
+        if self.measured:
+            t = t * self._measured_ratio(op, nbytes, n, spans)
+        t = np.where(n <= 1, 0.0, t)  # a group of one does no communication
+        return np.rint(t * 1e9).astype(np.int64)
+
+    def _measured_ratio(self, op: np.ndarray, nbytes: np.ndarray, n: np.ndarray, spans: np.ndarray) -> np.ndarray:
+        """Per call: measured / modelled time at its op, size and group size
+        (1 where nothing was measured; see the module docstring)."""
+        ratio = np.ones(len(op))
+        table: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        for name, ranks, sizes, secs in self.measured:
+            x = np.asarray(sizes, np.int64)
+            modelled = self._alpha_beta(np.full(len(x), OP_CODE[name]), x, np.full(len(x), ranks),
+                                        np.zeros(len(x), bool))
+            r = np.asarray(secs, np.float64) / np.maximum(modelled, 1e-12)
+            table.setdefault(name, {})[ranks] = (np.log(np.maximum(x, 1)), np.log(np.maximum(r, 1e-12)))
+        for code in np.unique(op).tolist():
+            name = OPS[code]
+            by_n = table.get(name) or table.get(PARAM_FAMILY.get(name, ""))
+            if not by_n:
+                continue
+            m = np.flatnonzero((op == code) & ~spans)
+            if not len(m):
+                continue
+            known = np.asarray(sorted(by_n), np.float64)
+            for k in np.unique(n[m]).tolist():
+                near = int(known[np.argmin(np.abs(np.log2(known) - math.log2(max(k, 1))))])
+                lx, lr = by_n[near]
+                sel = m[n[m] == k]
+                ratio[sel] = np.exp(np.interp(np.log(np.maximum(nbytes[sel], 1)), lx, lr))
+        return ratio
+
+    def _alpha_beta(self, op: np.ndarray, nbytes: np.ndarray, n: np.ndarray, spans: np.ndarray) -> np.ndarray:
+        """The alpha-beta time (float seconds) of each call, per-op parameters applied."""
         n = n.astype(np.float64)
         S = nbytes.astype(np.float64)
         bw = np.where(spans, self.inter.bandwidth, self.intra.bandwidth)
@@ -228,14 +274,14 @@ class CostModel:
                     continue
                 m = (op == code) & ~spans
                 t[m] = p.base_latency + steps[m] * p.latency + moved[m] / p.bandwidth
-        t = np.where(n <= 1, 0.0, t)  # a group of one does no communication
-        return np.rint(t * 1e9).astype(np.int64)
+        return t
 
 
 ZERO = CostModel.zero()
 
 _TOP_KEYS = {"name", "description", "ranks_per_node", "base_latency_us", "issue_us", "intra", "inter", "algorithms",
-             "ops"}
+             "ops", "measured"}
+_MEASURED_KEYS = {"op", "ranks", "bytes", "us"}
 _OP_KEYS = {"base_latency_us", "latency_us", "bandwidth_GBps", "issue_us"}
 _LINK_KEYS = {"bandwidth_GBps", "latency_us"}
 
@@ -321,8 +367,32 @@ def parse_profile(text: str, source: str) -> CostModel:
             positive(need(t, "latency_us", where, (int, float)), where + "latency_us", allow_zero=True) * 1e-6,
             positive(need(t, "bandwidth_GBps", where, (int, float)), where + "bandwidth_GBps") * 1e9,
             issue_of(t, where))))
+    measured = []
+    rows = data.get("measured", [])
+    if not isinstance(rows, list):
+        _bad(source, "measured", rows, "an array of [[measured]] tables")
+    for i, t in enumerate(rows):
+        where = f"measured[{i}]."
+        if not isinstance(t, dict):
+            _bad(source, f"measured[{i}]", t, "a table")
+        extra = sorted(set(t) - _MEASURED_KEYS)
+        if extra:
+            raise ProfileError(f"{source}: unknown key '{where}{extra[0]}' (allowed: {sorted(_MEASURED_KEYS)})")
+        op = need(t, "op", where, str)
+        if op not in OP_CODE:
+            raise ProfileError(f"{source}: key '{where}op' has value {op!r}: unknown op (known: {', '.join(OPS)})")
+        ranks = need(t, "ranks", where, int)
+        sizes, us = need(t, "bytes", where, list), need(t, "us", where, list)
+        if ranks < 2 or not sizes or len(sizes) != len(us):
+            raise ProfileError(f"{source}: {where[:-1]} needs ranks >= 2 and as many 'us' as 'bytes' "
+                               f"(got ranks {ranks}, {len(sizes)} sizes, {len(us)} times)")
+        if any(not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in sizes) or sizes != sorted(set(sizes)):
+            _bad(source, where + "bytes", sizes, "ascending distinct non-negative integers")
+        secs = tuple(positive(v, where + "us") * 1e-6 if isinstance(v, (int, float)) and not isinstance(v, bool)
+                     else _bad(source, where + "us", v, "positive numbers") for v in us)
+        measured.append((op, ranks, tuple(sizes), secs))
     return CostModel(name, rpn, link("intra"), link("inter"), base * 1e-6, tuple(sorted(algos.items())),
-                     source=source, description=desc, per_op=tuple(per_op), issue=issue)
+                     source=source, description=desc, per_op=tuple(per_op), issue=issue, measured=tuple(measured))
 
 
 def _bad(source: str, key: str, value: Any, expected: str) -> None:

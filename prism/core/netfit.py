@@ -116,10 +116,12 @@ def relative_errors(fit: Fit, points: Sequence[Point], per_op: dict[str, Fit] | 
 
 
 def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, ranks_per_node: int,
-                 command: str, date: str, per_op: dict[str, Fit] | None = None) -> str:
+                 command: str, date: str, per_op: dict[str, Fit] | None = None, measured: bool = True) -> str:
     """The fitted profile as TOML (``parse_profile`` format), measured points in
-    comments; ``per_op`` fits become ``[ops.NAME]`` tables. ``date`` is when the
-    points were measured (ISO 8601, UTC), written into the header."""
+    comments; ``per_op`` fits become ``[ops.NAME]`` tables; with ``measured``
+    the points also become ``[[measured]]`` tables, which correct the fitted
+    form to them. ``date`` is when the points were measured (ISO 8601, UTC),
+    written into the header."""
     err = relative_errors(fit, points, per_op)
     one = relative_errors(fit, points)
     pred = predict_seconds(fit, points, per_op)
@@ -164,6 +166,17 @@ def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, 
         f"latency_us = {fit.latency * 1e6:.6g}",
         "",
     ]
+    if measured:
+        lines += ["# The measured points themselves: the model's times are corrected to them per op, size and",
+                  "# group size (prism.core.costmodel, 'Measured points').", ""]
+        groups: dict[tuple[str, int], list[Point]] = {}
+        for p in points:
+            groups.setdefault((p.op, p.n), []).append(p)
+        for (op, n), ps in sorted(groups.items()):
+            ps = sorted({q.nbytes: q for q in ps}.values(), key=lambda q: q.nbytes)
+            lines += ["[[measured]]", f'op = "{op}"', f"ranks = {n}",
+                      f"bytes = [{', '.join(str(q.nbytes) for q in ps)}]",
+                      f"us = [{', '.join(f'{q.seconds * 1e6:.6g}' for q in ps)}]", ""]
     for op, f in sorted((per_op or {}).items()):
         lines += [
             f"[ops.{op}]",

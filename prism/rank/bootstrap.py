@@ -66,8 +66,21 @@ def connect(endpoint: str, hello: protocol.Hello, *, timeout: float = CONNECT_TI
     else:
         from transport.client import BlockingClient
 
-        fn = BlockingClient.connect
+        return BlockingClient.connect(endpoint, hello, timeout=timeout,
+                                      heartbeat_timeout_s=heartbeat_timeout_s(hello.world_size))
     return fn(endpoint, hello, timeout=timeout)
+
+
+def heartbeat_timeout_s(world_size: int) -> float:
+    """How long the rank's client waits for the coordinator's heartbeats
+    before it counts as lost: ``PRISM_HEARTBEAT_TIMEOUT_S`` if set, else 10 s,
+    more when the world has many ranks per core (1,024 ranks on 2 cores
+    starve the coordinator's I/O thread for tens of seconds at a time)."""
+    env = os.environ.get("PRISM_HEARTBEAT_TIMEOUT_S")
+    if env:
+        return float(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(10.0, 0.1 * world_size / max(cores, 1))
 
 
 def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) -> _rt.RankRuntime:

@@ -9,8 +9,9 @@ the only sender on the socket. So the state needs no locks, and a thousand
 ranks cost a thousand dictionary entries, not a thousand tasks. The loop
 dispatches by table: event type -> handler, message type -> handler.
 
-The members of the world are *participants* (``Participant``): today every
-one is a ``RankSession``, a rank process behind the socket. Residency (GPU
+The members of the world are *participants* (``Participant``): each one is a
+``RankSession``, a rank process behind the socket (an emulation's subclass,
+``prism.shell.emulator``, has only the sandbox ranks as sessions). Residency (GPU
 swaps) is the ``SwapPolicy``'s: the coordinator tells it what ranks do and
 carries out the actions it returns, through the swap executor.
 
@@ -125,11 +126,11 @@ class Participant(Protocol):
     it is done, how results and errors reach it (``deliver``), and its trace
     (``writer``, ended by ``end`` and ``close``).
 
-    Today every participant is a ``RankSession``: a rank process behind the
-    ROUTER socket. Phase 2's virtual ranks (objects driven by the core's
-    hybrid engine, ``prism/core/hybrid.py``, not processes) will be a second
-    implementation, entered in ``Coordinator.ranks`` beside the sessions, so
-    that matching, results and failure reports go through one path.
+    Every participant is a ``RankSession``: a rank process behind the
+    ROUTER socket. In an emulation (``prism.shell.emulator.Emulator``) the
+    sessions are the sandbox ranks; the virtual ranks are not participants
+    but cursors inside the core's hybrid engine (``prism/core/hybrid.py``),
+    which answers the sandboxes' calls in the matcher's place.
     """
 
     rank: int
@@ -326,6 +327,8 @@ class Coordinator:
         self.authenticated = authenticated
         #: An emulation's coordinator (``prism.shell.emulator``): ranks keep a dilated clock.
         self.hybrid = False
+        #: What this coordinator serves, in messages to the ranks.
+        self.what = "capture"
         self.matcher = M.Matcher(world_size)
         self.scheduler = S.Scheduler(slots, range(world_size), policy)
         self.policy: S.SwapPolicy = self.scheduler.policy
@@ -544,8 +547,7 @@ class Coordinator:
                                         swapping=self.swapper is not None, hybrid=self.hybrid))
 
     def _admit(self, member: Participant, now: int) -> None:
-        """``member`` joins the world: a rank session at its Hello (phase 2:
-        the virtual ranks too, when the hybrid engine starts)."""
+        """``member`` joins the world: a rank session at its Hello."""
         self.ranks[member.rank] = member
         self._last_hello = now
 
@@ -792,7 +794,7 @@ class Coordinator:
         reason = self._result.message.splitlines()[0] if self._result else "stopped"
         for rank, member in self.ranks.items():
             if not member.done:
-                await self._send(rank, P.Shutdown(f"capture stopped: {reason}"))
+                await self._send(rank, P.Shutdown(f"{self.what} stopped: {reason}"))
         with trio.move_on_after(self.grace_s):
             async for event in events:
                 await self._handle(event)

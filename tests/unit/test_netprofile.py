@@ -60,7 +60,8 @@ def test_fit_needs_three_points():
 def test_profile_toml_parses_and_predicts_what_the_fit_predicts():
     fit = Fit(30e-6, 12e-6, 2.5e9)
     pts = _points(fit)
-    text = profile_toml(fit, pts, host="h", backend="gloo", ranks_per_node=2, command="x", date="2026-12-02T00:00:00Z")
+    text = profile_toml(fit, pts, host="h", backend="gloo", ranks_per_node=2, command="x", date="2026-12-02T00:00:00Z",
+                        measured=False)
     model = parse_profile(text, "p.toml")
     assert model.name == "gloo-h" and "fit error median" in model.description
     for p, t in zip(pts, predict_seconds(fit, pts)):
@@ -78,7 +79,8 @@ def test_per_op_fits_recover_each_ops_parameters_and_round_trip_through_the_prof
         assert per_op[op].bandwidth == pytest.approx(f.bandwidth, rel=1e-6)
         assert per_op[op].base_latency + per_op[op].latency == pytest.approx(f.base_latency + f.latency, rel=1e-6)
     assert relative_errors(one, pts, per_op).max() < 1e-6 < relative_errors(one, pts).max()
-    text = profile_toml(one, pts, host="h", backend="nccl", ranks_per_node=4, command="x", date="2026-12-02T00:00:00Z", per_op=per_op)
+    text = profile_toml(one, pts, host="h", backend="nccl", ranks_per_node=4, command="x", date="2026-12-02T00:00:00Z",
+                        per_op=per_op, measured=False)
     model = parse_profile(text, "p.toml")
     assert dict(model.per_op).keys() == set(OPS)
     for p, t in zip(pts, predict_seconds(one, pts, per_op)):
@@ -87,6 +89,47 @@ def test_per_op_fits_recover_each_ops_parameters_and_round_trip_through_the_prof
     # A family member takes its measured op's parameters (recv as send, all_gather as all_gather_into_tensor).
     assert model.collective_ns("all_gather", 1 << 20, [0, 1]) == model.collective_ns("all_gather_into_tensor",
                                                                                      1 << 20, [0, 1])
+
+
+def test_measured_points_correct_the_model_per_op_size_and_group_size():
+    # Measured times that no alpha-beta form fits: the profile reproduces them
+    # at the measured points and interpolates in log(bytes) between them.
+    fit = Fit(30e-6, 12e-6, 2.5e9)
+    pts = [Point("all_reduce", n, b, t) for n, b, t in
+           [(2, 1024, 50e-6), (2, 1 << 20, 900e-6), (2, 1 << 24, 30e-3), (4, 1024, 150e-6), (4, 1 << 20, 2e-3)]]
+    pts += [Point("send", 2, b, t) for b, t in [(1024, 20e-6), (1 << 20, 500e-6)]]
+    text = profile_toml(fit, pts, host="h", backend="gloo", ranks_per_node=8, command="x", date="2026-12-02T00:00:00Z")
+    assert text.count("[[measured]]") == 3
+    model = parse_profile(text, "p.toml")
+    for p in pts:
+        ns = model.p2p_ns(p.nbytes, 0, 1) if p.op == "send" else model.collective_ns(p.op, p.nbytes, list(range(p.n)))
+        assert ns == pytest.approx(p.seconds * 1e9, rel=1e-5)
+    bare = parse_profile(profile_toml(fit, pts, host="h", backend="gloo", ranks_per_node=8, command="x",
+                                      date="2026-12-02T00:00:00Z", measured=False), "q.toml")
+    # between two measured sizes: between their corrections
+    mid = model.collective_ns("all_reduce", 1 << 15, [0, 1])
+    r_lo = 50e-6 / (bare.collective_ns("all_reduce", 1024, [0, 1]) / 1e9)
+    r_hi = 900e-6 / (bare.collective_ns("all_reduce", 1 << 20, [0, 1]) / 1e9)
+    r_mid = mid / bare.collective_ns("all_reduce", 1 << 15, [0, 1])
+    assert min(r_lo, r_hi) < r_mid < max(r_lo, r_hi)
+    # a group size not measured takes the nearest one's correction (8 -> 4)
+    r8 = model.collective_ns("all_reduce", 1024, list(range(8))) / bare.collective_ns("all_reduce", 1024, list(range(8)))
+    r4 = 150e-6 / (bare.collective_ns("all_reduce", 1024, list(range(4))) / 1e9)
+    assert r8 == pytest.approx(r4, rel=1e-4)  # both rounded to whole ns
+    # an op never measured keeps the fitted form; a group spanning nodes too
+    assert model.collective_ns("broadcast", 1024, [0, 1]) == bare.collective_ns("broadcast", 1024, [0, 1])
+    assert model.collective_ns("all_reduce", 1024, [0, 8]) == bare.collective_ns("all_reduce", 1024, [0, 8])
+
+
+def test_measured_tables_errors_name_the_key():
+    base = 'name = "x"\nranks_per_node = 2\n[intra]\nbandwidth_GBps = 1\nlatency_us = 1\n' \
+           '[inter]\nbandwidth_GBps = 1\nlatency_us = 1\n'
+    with pytest.raises(ValueError, match="'measured\\[0\\].op' has value 'allreduce'"):
+        parse_profile(base + '[[measured]]\nop = "allreduce"\nranks = 2\nbytes = [1]\nus = [1]\n', "p.toml")
+    with pytest.raises(ValueError, match="as many 'us' as 'bytes'"):
+        parse_profile(base + '[[measured]]\nop = "send"\nranks = 2\nbytes = [1, 2]\nus = [1]\n', "p.toml")
+    with pytest.raises(ValueError, match="ascending distinct"):
+        parse_profile(base + '[[measured]]\nop = "send"\nranks = 2\nbytes = [2, 1]\nus = [1, 1]\n', "p.toml")
 
 
 def test_profile_op_table_errors_name_the_key():
