@@ -296,6 +296,9 @@ def main() -> int:
                    "emulated_sandbox": _stats(truth, emu_sb) if emu_sb else None, "runs": pairs}
             out["configs"].append(row)
             rows.append(row)
+            # written after every configuration: a run stopped at its time limit keeps what it measured
+            pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            pathlib.Path(a.out).write_text(json.dumps(out, indent=2))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print()
