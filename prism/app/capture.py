@@ -77,6 +77,8 @@ class CaptureConfig:
     record_steps: str | None = None
     #: ``--record-limit``: at most this many GiB of recorded tensors, all ranks together.
     record_limit_gib: float = PL.DEFAULT_RECORD_LIMIT / 2**30
+    #: ``--value-limit``: tensors up to this many bytes have their values in the trace (0: none).
+    small_tensor_limit: int = T.DEFAULT_SMALL_TENSOR_LIMIT
 
 
 @dataclass
@@ -220,6 +222,8 @@ def plan_capture(config: CaptureConfig) -> CapturePlan:
     """Check ``config``; raises ``UsageError`` naming the bad option."""
     if config.world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {config.world_size}")
+    if config.small_tensor_limit < 0:
+        raise UsageError(f"--value-limit must be 0 or more bytes, got {config.small_tensor_limit}")
     cmd = _check_command(config.command)
     record = _record_plan(config)
     run_dir = Path(config.out) if config.out else default_out("capture")
@@ -281,13 +285,15 @@ def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
     c = plan.config
     return capture_run(plan.run_dir, c.world_size, plan.command, slots=plan.slots, coordinator=c.coordinator,
                        nproc_per_node=c.nproc_per_node, show_ranks=c.show_ranks, quiet_s=c.quiet_s,
-                       progress=c.progress, gpu=plan.gpu, record=plan.record)
+                       progress=c.progress, gpu=plan.gpu, record=plan.record,
+                       small_tensor_limit=c.small_tensor_limit)
 
 
 def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[str], *, slots: int,
                 coordinator: str | None = None, nproc_per_node: int = 8, show_ranks: str | tuple[int, ...] = (),
                 quiet_s: float = 30.0, progress: str = "off", gpu: Any = None,
-                record: PL.RecordPlan | None = None) -> CaptureOutcome:
+                record: PL.RecordPlan | None = None,
+                small_tensor_limit: int = T.DEFAULT_SMALL_TENSOR_LIMIT) -> CaptureOutcome:
     """Capture ``cmd`` as ``world_size`` ranks into ``run_dir``. ``gpu`` is a
     ``prism.shell.gpu_plan.GpuPlan`` (None: CPU); ``record`` what to keep of
     the chosen ranks' payloads. Raises ``UsageError`` only when a GPU swap
@@ -336,7 +342,8 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
                                                              nproc_per_node=nproc_per_node,
                                                              show_ranks=show_ranks, env=env),
                         policy=gpu.policy if gpu is not None else None,
-                        swapper=gpu.executor if gpu is not None else None, record=record)
+                        swapper=gpu.executor if gpu is not None else None, record=record,
+                        small_tensor_limit=small_tensor_limit)
     from prism.shell.telemetry import GpuSampler
 
     sampler = GpuSampler(run_dir, gpu.gpus if gpu is not None and not gpu.simulated else None)

@@ -215,6 +215,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
             "losses_equal": (losses == {k: v for k, v in captured.items() if k in losses}) if losses else None,
             "max_loss_rel_diff": _max_rel(losses, captured),
             "peak_allocated": max((m.peak_allocated for m in mems), default=None),
+            "peak_rss_bytes": getattr(emu._processes, "peak_rss", {}).get(r),
             "divergence": emu.stats.divergence.get(r, ""),
             "resized": emu.stats.resized.get(r, ""),
             "recorded": r in recordings,
@@ -336,7 +337,9 @@ def format_summary(s: dict, out_dir: Path) -> str:
         loss = ("losses equal to the capture's" if eq else
                 f"losses moved by up to {info['max_loss_rel_diff']:.3g} (relative)" if info["max_loss_rel_diff"]
                 is not None else "no losses printed" if eq is None else "losses differ")
-        peak = f", peak {info['peak_allocated']:,} B" if info["peak_allocated"] is not None else ""
+        peak = f", torch peak {info['peak_allocated']:,} B" if info["peak_allocated"] is not None else ""
+        if info.get("peak_rss_bytes"):
+            peak += f", process peak RSS {info['peak_rss_bytes'] / 2**20:,.0f} MiB"
         lines.append(f"{'sandbox rank ' + r:<28}{_ms(info['mean_iteration_ns']):>16}  {loss}{peak}")
         if info.get("prism_overhead_ns") is not None and info["wall_iteration_ns"]:
             n = max(len(info["wall_iteration_ns"]), 1)

@@ -18,6 +18,7 @@ from prism.app import predict as app_predict
 from prism.app import trace as app_trace
 from prism.app.errors import PrismError
 from prism.core import payloads as PL
+from prism.core import trace as T
 
 
 def _positive(name: str):
@@ -89,6 +90,10 @@ def add_capture_arguments(p: argparse.ArgumentParser) -> None:
                         "RUN/payloads/, with a digest of every tensor they send: 0,5 or 0-3 or all")
     r.add_argument("--record-steps", default=None, metavar="STEPS",
                    help="record only these iterations, e.g. 1-2 or 0,3- (default: all)")
+    r.add_argument("--value-limit", type=int, default=T.DEFAULT_SMALL_TENSOR_LIMIT, metavar="BYTES",
+                   help="tensors up to this many bytes have their values in the trace (value records; default "
+                        f"{T.DEFAULT_SMALL_TENSOR_LIMIT}); 0 keeps none, for large worlds whose trace would be mostly "
+                        "values")
     r.add_argument("--record-limit", type=float, default=PL.DEFAULT_RECORD_LIMIT / 2**30, metavar="GIB",
                    help="stop recording (with a warning; what was kept stays valid) before the stored tensors "
                         f"pass GIB GiB, all ranks together (default {PL.DEFAULT_RECORD_LIMIT / 2**30:g})")
@@ -122,7 +127,7 @@ def run_capture(args: argparse.Namespace) -> int:
         quiet_s=args.quiet_period, progress=args.progress, gpus=args.gpus, resident=args.resident, gang=args.gang,
         rank_memory_gib=args.rank_memory, simulate_swaps=args.simulate_swaps, memory_limit_gib=args.memory_limit,
         memory_overhead_gib=args.memory_overhead, record=args.record, record_steps=args.record_steps,
-        record_limit_gib=args.record_limit)
+        record_limit_gib=args.record_limit, small_tensor_limit=args.value_limit)
     try:
         plan = app_capture.plan_capture(config)
     except PrismError as e:

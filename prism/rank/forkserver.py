@@ -228,7 +228,7 @@ def serve(spec: dict[str, Any]) -> None:
                     console(rank, line + b"\n")
         while alive:
             try:
-                pid, raw = os.waitpid(-1, os.WNOHANG)
+                pid, raw, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 alive.clear()
                 break
@@ -239,7 +239,8 @@ def serve(spec: dict[str, Any]) -> None:
                 continue
             status = os.waitstatus_to_exitcode(raw)
             exited[rank] = status
-            _report({"ev": "exit", "rank": rank, "status": status})
+            # ru_maxrss: the rank's peak resident memory in KiB (Linux)
+            _report({"ev": "exit", "rank": rank, "status": status, "maxrss_kib": usage.ru_maxrss})
             show_failure(rank)
     _report({"ev": "done"})
 

@@ -48,6 +48,8 @@ class RankProcesses:
         self.ranks = list(range(world_size)) if ranks is None else sorted(int(r) for r in ranks)
         self.pids: list[int] = [0] * world_size
         self.returncodes: list[int | None] = [None] * world_size
+        #: rank -> its process's peak resident memory (bytes), once it exited
+        self.peak_rss: dict[int, int] = {}
         self._cond = threading.Condition()
         self._started = 0
         self._done = False
@@ -64,6 +66,8 @@ class RankProcesses:
                     self._started += 1
                 elif ev["ev"] == "exit":
                     self.returncodes[ev["rank"]] = ev["status"]
+                    if "maxrss_kib" in ev:
+                        self.peak_rss[ev["rank"]] = int(ev["maxrss_kib"]) * 1024
                 self._cond.notify_all()
         self._server.stdout.close()
         self._server.wait()

@@ -33,8 +33,10 @@ def _routing(texts: dict[int, str]) -> dict[int, str]:
     return {int(s): c for text in texts.values() for s, c in ROUTING.findall(text)}
 
 
+# Each model under one wrapper (the suite's time: each pair is ~20 s on 2
+# cores); the other two pairs ran green when these were added (2026-12-01).
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama", "qwen3-moe"])
+@pytest.mark.parametrize("model", ["qwen3-moe"])
 def test_hf_ddp_matches_gloo(runs, model):
     args = ("--model", model, "--parallel", "ddp")
     _, run_dir, logs, _ = runs.prism(SCRIPT, *args)
@@ -50,7 +52,7 @@ def test_hf_ddp_matches_gloo(runs, model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama", "qwen3-moe"])
+@pytest.mark.parametrize("model", ["llama"])
 def test_hf_fsdp2_matches_gloo(runs, model):
     args = ("--model", model, "--parallel", "fsdp2")
     _, run_dir, logs, _ = runs.prism(SCRIPT, *args)
