@@ -34,7 +34,7 @@ def _routing(texts: dict[int, str]) -> dict[int, str]:
 
 
 # Each model under one wrapper (the suite's time: each pair is ~20 s on 2
-# cores); the other two pairs ran green when these were added (2026-12-01).
+# cores); the other two pairs passed in the runs of the session that added them.
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["qwen3-moe"])
 def test_hf_ddp_matches_gloo(runs, model):
