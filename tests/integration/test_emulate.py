@@ -129,3 +129,14 @@ def test_bad_options_are_named(gpt_run, tmp_path):
     assert proc.returncode == 2 and "not a captured run" in proc.stderr
     proc = prism("emulate", str(gpt_run), "--sandbox", "9", cwd=tmp_path)
     assert proc.returncode == 2 and "--sandbox" in proc.stderr and "9" in proc.stderr
+
+
+def test_run_chains_capture_predict_and_emulate_into_one_report(tmp_path):
+    proc = prism("run", "-n", "4", "--sandbox", "1", "--out", str(tmp_path / "r"), "--progress", "off", "--",
+                 str(SCRIPTS / "fail_at_step.py"), "99", "0", "4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "-- prediction --" in out and "predicted iteration time" in out
+    assert "-- emulation --" in out and "sandbox rank 1" in out and "losses equal to the capture's" in out
+    assert (tmp_path / "r" / "payloads").is_dir()  # the sandbox was recorded
+    assert len(list((tmp_path / "r" / "emulation").iterdir())) == 1
