@@ -24,11 +24,19 @@ def test_unbuilt_command_refuses_and_names_its_issue(capsys, monkeypatch):
     assert "not built yet" in err and "issue #21" in err
 
 
-def test_emulate_takes_the_script_after_its_options(monkeypatch):
-    import prism.cli.emulate as em
+def test_emulate_takes_the_script_after_its_options(monkeypatch, capsys):
+    import prism.app.emulate as app_emulate
 
     seen = {}
-    # the parser is built inside cli.main, binding the module's main then
-    monkeypatch.setattr(em, "main", lambda args: seen.update(vars(args)) or 0)
+
+    class Outcome:
+        exit_code, summary = 0, {}
+
+        def text(self):
+            return "emulated"
+
+    monkeypatch.setattr(app_emulate, "emulate", lambda config: seen.setdefault("config", config) and Outcome())
     assert cli.main(["emulate", "runs/x", "--sandbox", "0,5", "--", "-m", "pkg.train", "--tp", "2"]) == 0
-    assert seen["run"] == "runs/x" and seen["sandbox"] == "0,5" and seen["script"] == ["-m", "pkg.train", "--tp", "2"]
+    c = seen["config"]
+    assert str(c.run) == "runs/x" and c.sandbox == "0,5" and list(c.command) == ["-m", "pkg.train", "--tp", "2"]
+    assert "emulated" in capsys.readouterr().out
