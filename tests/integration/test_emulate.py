@@ -140,3 +140,18 @@ def test_run_chains_capture_predict_and_emulate_into_one_report(tmp_path):
     assert "-- emulation --" in out and "sandbox rank 1" in out and "losses equal to the capture's" in out
     assert (tmp_path / "r" / "payloads").is_dir()  # the sandbox was recorded
     assert len(list((tmp_path / "r" / "emulation").iterdir())) == 1
+
+
+def test_ddp_async_buckets_pass_their_waits_and_reproduce_the_losses(tmp_path):
+    # DDP's reducer all-reduces buckets asynchronously and waits in C++: the
+    # emulation passes the graph's wait nodes from the sandbox's next calls.
+    run = tmp_path / "ddp"
+    proc = prism("capture", "-n", "4", "--record", "0", "--out", str(run), "--progress", "off", "--show-ranks",
+                 "none", "--", "-m", "prism.workloads.ddp_example", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = prism("emulate", str(run), "--sandbox", "0", "--name", "d", "--progress", "off", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    s = summary(proc.stdout)
+    r0 = s["ranks"]["0"]
+    assert r0["losses"] and r0["losses_equal"] is True
+    assert s["calls"]["compensated"] == 0 and s["calls"]["implicit_waits"] > 0
