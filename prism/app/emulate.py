@@ -96,6 +96,7 @@ def _read_text(path: Path) -> str:
 
 def emulate(config: EmulateConfig) -> EmulationOutcome:
     """Run one emulation; raises ``UsageError`` for bad options or a run that cannot be emulated."""
+    import orjson
     import trio
 
     from prism.app.predict import _complete_steps, load_run_events, load_run_manifest, resolve_profile, \
@@ -109,7 +110,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     from prism.core.replay import ReplayResult
     from prism.shell import runfolder
     from prism.shell.coordinator import Progress
-    from prism.shell.emulator import LEAD_NS, Emulator, Recording  # noqa: F401
+    from prism.shell.emulator import LEAD_NS, Emulator, Recording
     from prism.shell.launcher import launch_ranks
     from transport.endpoints import default_endpoint
 
@@ -173,8 +174,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     show = () if config.show_ranks == "none" else config.show_ranks
     emu = Emulator(out, engine, endpoint=default_endpoint(out), recordings=recordings, quiet_s=config.quiet_s,
                    progress=Progress(len(sandbox), mode=config.progress), first_call_ns=first_call,
-                   launch=lambda endpoint: launch_ranks(world, endpoint, out, cmd, show_ranks=show, ranks=sandbox,
-                                                        nproc_per_node=_nproc(manifest)))
+                   launch=lambda endpoint: launch_ranks(world, endpoint, out, cmd, show_ranks=show, ranks=sandbox))
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     wall0 = time.perf_counter()
     result = trio.run(emu.run)
@@ -248,8 +248,6 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     }
     if result.status == "ok":
         try:
-            import orjson
-
             tl = Timeline(graph, start, end, engine.costs, "emulated")
             shown = sorted(set(sandbox) | set(sorted(engine.live)[:62]))
             trace = chrome_trace(tl, ranks=shown, metadata={"prism": "emulation", "sandbox": sandbox,
@@ -258,14 +256,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
             summary["timeline"] = str(out / "timeline.json")
         except Exception as e:  # noqa: BLE001 (the timeline is a view; the results stand without it)
             summary["timeline_error"] = str(e)
-    import orjson
-
     (out / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     return EmulationOutcome(out, result.exit_code, result.status, result.message, summary)
-
-
-def _nproc(manifest: Any) -> int:
-    return 8
 
 
 class _PayloadCache:

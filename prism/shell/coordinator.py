@@ -327,8 +327,9 @@ class Coordinator:
         self.authenticated = authenticated
         #: An emulation's coordinator (``prism.shell.emulator``): ranks keep a dilated clock.
         self.hybrid = False
-        #: What this coordinator serves, in messages to the ranks.
+        #: What this coordinator serves, in messages to the ranks, and what it calls a rank in its reports.
         self.what = "capture"
+        self.rank_word = "rank"
         self.matcher = M.Matcher(world_size)
         self.scheduler = S.Scheduler(slots, range(world_size), policy)
         self.policy: S.SwapPolicy = self.scheduler.policy
@@ -671,16 +672,23 @@ class Coordinator:
         if session is not None and session.done:
             if code != 0 and session.status == "ok" and self._result is None:
                 self._failed[rank] = f"exited with status {code} after saying goodbye"
-                self._fail("rank_failed", f"rank {rank} exited with status {code} after its script ended", 1)
+                self._fail("rank_failed", f"{self.rank_word} {rank} exited with status {code} after its script "
+                           "ended", 1)
             return
         what = _describe_exit(code)
         if session is not None:
             session.end("died", what)
         self._failed[rank] = what
+        await self._rank_died(rank, what, now)
+        if self._result is None:
+            self._fail("rank_failed", f"{self.rank_word} {rank} {what} (see {runfolder.log_path(self.run_dir, rank)})",
+                       1)
+
+    async def _rank_died(self, rank: int, what: str, now: int) -> None:
+        """A rank died without its goodbye: its slot is freed and its peers in
+        the matcher's open calls fail (an emulation has neither)."""
         await self._actions(self.scheduler.finish(rank))
         await self._outcomes(self.matcher.rank_failed(rank, what, now), now)
-        if self._result is None:
-            self._fail("rank_failed", f"rank {rank} {what} (see {runfolder.log_path(self.run_dir, rank)})", 1)
 
     # --- the watchdog -------------------------------------------------------------
 

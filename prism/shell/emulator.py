@@ -113,6 +113,7 @@ class Emulator(Coordinator):
                          quiet_s=quiet_s, grace_s=grace_s, launch=launch, progress=progress)
         self.hybrid = True
         self.what = "emulation"
+        self.rank_word = "sandbox rank"
         self.engine = engine
         self.graph = engine.graph
         self.sandbox = frozenset(engine.sandbox)
@@ -233,20 +234,8 @@ class Emulator(Coordinator):
                        f"{runfolder.log_path(self.run_dir, rank)})", 3)
         self._fail("rank_failed", f"sandbox rank {rank} failed:\n{msg.message.rstrip()}", 1)
 
-    async def _judge_exit(self, rank: int, code: int, now: int) -> None:
-        session = self.sessions.get(rank)
-        if session is not None and session.done:
-            if code != 0 and session.status == "ok" and self._result is None:
-                self._failed[rank] = f"exited with status {code} after saying goodbye"
-                self._fail("rank_failed", f"sandbox rank {rank} exited with status {code} after its script ended", 1)
-            return
-        from prism.shell.coordinator import _describe_exit
-
-        what = _describe_exit(code)
-        if session is not None:
-            session.end("died", what)
-        self._failed[rank] = what
-        self._fail("rank_failed", f"sandbox rank {rank} {what} (see {runfolder.log_path(self.run_dir, rank)})", 1)
+    async def _rank_died(self, rank: int, what: str, now: int) -> None:
+        pass  # no slots and no matcher: the failure itself ends the emulation
 
     def _watchdog(self, now: int) -> None:
         if self.progress is not None:

@@ -121,26 +121,27 @@ def test_measured_points_correct_the_model_per_op_size_and_group_size():
     assert model.collective_ns("all_reduce", 1024, [0, 8]) == bare.collective_ns("all_reduce", 1024, [0, 8])
 
 
+#: A profile with only its required keys, for the error tests.
+BASE = 'name = "x"\nranks_per_node = 2\n[intra]\nbandwidth_GBps = 1\nlatency_us = 1\n' \
+       '[inter]\nbandwidth_GBps = 1\nlatency_us = 1\n'
+
+
 def test_measured_tables_errors_name_the_key():
-    base = 'name = "x"\nranks_per_node = 2\n[intra]\nbandwidth_GBps = 1\nlatency_us = 1\n' \
-           '[inter]\nbandwidth_GBps = 1\nlatency_us = 1\n'
     with pytest.raises(ValueError, match="'measured\\[0\\].op' has value 'allreduce'"):
-        parse_profile(base + '[[measured]]\nop = "allreduce"\nranks = 2\nbytes = [1]\nus = [1]\n', "p.toml")
+        parse_profile(BASE + '[[measured]]\nop = "allreduce"\nranks = 2\nbytes = [1]\nus = [1]\n', "p.toml")
     with pytest.raises(ValueError, match="as many 'us' as 'bytes'"):
-        parse_profile(base + '[[measured]]\nop = "send"\nranks = 2\nbytes = [1, 2]\nus = [1]\n', "p.toml")
+        parse_profile(BASE + '[[measured]]\nop = "send"\nranks = 2\nbytes = [1, 2]\nus = [1]\n', "p.toml")
     with pytest.raises(ValueError, match="ascending distinct"):
-        parse_profile(base + '[[measured]]\nop = "send"\nranks = 2\nbytes = [2, 1]\nus = [1, 1]\n', "p.toml")
+        parse_profile(BASE + '[[measured]]\nop = "send"\nranks = 2\nbytes = [2, 1]\nus = [1, 1]\n', "p.toml")
 
 
 def test_profile_op_table_errors_name_the_key():
-    base = 'name = "x"\nranks_per_node = 2\n[intra]\nbandwidth_GBps = 1\nlatency_us = 1\n' \
-           '[inter]\nbandwidth_GBps = 1\nlatency_us = 1\n'
     with pytest.raises(ValueError, match="'ops.allreduce': unknown op"):
-        parse_profile(base + "[ops.allreduce]\nbase_latency_us = 1\nlatency_us = 1\nbandwidth_GBps = 1\n", "p.toml")
+        parse_profile(BASE + "[ops.allreduce]\nbase_latency_us = 1\nlatency_us = 1\nbandwidth_GBps = 1\n", "p.toml")
     with pytest.raises(ValueError, match="missing key 'ops.send.bandwidth_GBps'"):
-        parse_profile(base + "[ops.send]\nbase_latency_us = 1\nlatency_us = 1\n", "p.toml")
+        parse_profile(BASE + "[ops.send]\nbase_latency_us = 1\nlatency_us = 1\n", "p.toml")
     with pytest.raises(ValueError, match="'ops.send.bandwidth_GBps' has value 0"):
-        parse_profile(base + "[ops.send]\nbase_latency_us = 1\nlatency_us = 1\nbandwidth_GBps = 0\n", "p.toml")
+        parse_profile(BASE + "[ops.send]\nbase_latency_us = 1\nlatency_us = 1\nbandwidth_GBps = 0\n", "p.toml")
 
 
 def test_fitted_profile_path_honours_the_environment(monkeypatch, tmp_path):
@@ -197,11 +198,9 @@ def test_issue_times_round_trip_per_op_and_a_ping_pong_gets_none():
     assert model.issue_ns("all_reduce") == 20_000 and model.issue_ns("all_gather") == 30_000
     assert model.issue_ns("all_to_all_single") == 60_000 and model.issue_ns("send") == model.issue_ns("recv") == 0
     assert model.issue == pytest.approx(40e-6)  # median over the points that have one
-    base = 'name = "x"\nranks_per_node = 2\n[intra]\nbandwidth_GBps = 1\nlatency_us = 1\n' \
-           '[inter]\nbandwidth_GBps = 1\nlatency_us = 1\n'
-    assert parse_profile(base, "p.toml").issue_ns("all_reduce") == 0
+    assert parse_profile(BASE, "p.toml").issue_ns("all_reduce") == 0
     with pytest.raises(ValueError, match="'issue_us' has value -1"):
-        parse_profile("issue_us = -1\n" + base, "p.toml")
+        parse_profile("issue_us = -1\n" + BASE, "p.toml")
     with pytest.raises(ValueError, match="'ops.send.issue_us' has value 'a'"):
-        parse_profile(base + '[ops.send]\nbase_latency_us = 1\nlatency_us = 1\nbandwidth_GBps = 1\nissue_us = "a"\n',
+        parse_profile(BASE + '[ops.send]\nbase_latency_us = 1\nlatency_us = 1\nbandwidth_GBps = 1\nissue_us = "a"\n',
                       "p.toml")
