@@ -18,15 +18,18 @@ prism
     ``prism.app.capture.capture_run`` with ``--slots`` = the core count (durations
     measured without oversubscription), rank 0 recorded, then the graph
     replayed with gloo profiles fitted by ``prism netprofile`` on this host
-    (fitted first if there is none), mean over the same steps. Three profiles
-    from the same measured points, side by side on the same capture: one
-    alpha-beta set for every op (``one-fit``, the profile of the first
-    accuracy report), one per op (``per-op``), and per op corrected to the
-    measured points per size and group size (``measured``, what ``prism
-    netprofile`` writes now; the prediction the table reports).
+    (fitted first if there is none), mean over the same steps. Four profiles,
+    side by side on the same capture. From points timed one group at a time
+    (``prism netprofile``'s default): one alpha-beta set for every op
+    (``one-fit``, the profile of the first accuracy report), one per op
+    (``per-op``), and per op corrected to the measured points per size and
+    group size (``measured``). From points timed with every group of a size
+    busy at once on ``--world`` ranks (``prism netprofile --concurrent
+    WORLD``), per op and corrected to them: ``concurrent``.
 emulated
     ``prism emulate`` of that capture with rank 0 as the sandbox (its
-    recorded payloads, the ``measured`` profile for the virtual ranks): the
+    recorded payloads, the ``--emulate-profile`` profile, default
+    ``concurrent``, for the virtual ranks): the
     emulated job's mean iteration time over the same steps, and the sandbox
     rank's own.
 
@@ -174,38 +177,49 @@ def bootstrap_median_ci(x: list[float], reps: int = 4000, seed: int = 0) -> tupl
     return float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))
 
 
-def ensure_profile(net: str | None, tmp: pathlib.Path, remeasure: bool = False) -> tuple[dict, str, list]:
-    """The cost models to compare: name -> CostModel (the first is the one
-    reported), the path of the reported one, and the measured points."""
+def _points(path: pathlib.Path, remeasure: bool, what: str, **kw) -> list:
+    """Measured points cached at ``path`` (measured first if absent or ``remeasure``)."""
+    if remeasure or not path.is_file():
+        print(f"measuring gloo on this host ({what}) into {path}", flush=True)
+        points = measure(DEFAULT_SIZES, kw.pop("group_sizes"), DEFAULT_OPS, **kw)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([dataclasses_asdict(p) for p in points]))
+        return points
+    return [Point(**p) for p in json.loads(path.read_text())]
+
+
+def ensure_profile(net: str | None, tmp: pathlib.Path, world: int, remeasure: bool = False) -> tuple[dict, str, dict]:
+    """The cost models to compare: name -> CostModel, the path of the
+    default one, and the measured points by kind (isolated, concurrent)."""
     if net:
-        return {"given": load_profile(net)}, net, []
+        return {"given": load_profile(net)}, net, {}
     path = fitted_profile_path("gloo", socket.gethostname())
-    points_path = path.with_suffix(".points.json")
-    if remeasure or not points_path.is_file():
-        print(f"measuring gloo on this host (prism netprofile defaults) into {path}", flush=True)
-        cores = usable_cores()
-        gs = [n for n in (2, 4, 8, 16) if n <= cores] or [2]
-        points = measure(DEFAULT_SIZES, gs, DEFAULT_OPS)
-        points_path.parent.mkdir(parents=True, exist_ok=True)
-        points_path.write_text(json.dumps([p.__dict__ if hasattr(p, "__dict__") else
-                                           {f: getattr(p, f) for f in Point.__slots__} for p in points]))
-    else:
-        points = [Point(**p) for p in json.loads(points_path.read_text())]
     cores = usable_cores()
+    gs = [n for n in (2, 4, 8, 16) if n <= cores] or [2]
+    points = _points(path.with_suffix(".points.json"), remeasure, "prism netprofile defaults, one group at a time",
+                     group_sizes=gs)
+    cgs = [n for n in gs if world % n == 0 and n <= world]
+    conc = _points(path.with_suffix(f".concurrent{world}.points.json"), remeasure,
+                   f"prism netprofile --concurrent {world}", group_sizes=cgs, concurrent=world) if world > 2 else points
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     kw = dict(host=socket.gethostname(), backend="gloo", ranks_per_node=cores,
               command="bench/accuracy.py (prism netprofile defaults)", date=date)
     fit, per_op = fit_points(points), fit_per_op(points)
-    texts = {"measured": profile_toml(fit, points, per_op=per_op, **kw),
+    cfit, cper_op = fit_points(conc), fit_per_op(conc)
+    texts = {"concurrent": profile_toml(cfit, conc, per_op=cper_op, **{**kw, "command": kw["command"] +
+                                        f" --concurrent {world}"}, concurrent=world),
+             "measured": profile_toml(fit, points, per_op=per_op, **kw),
              "per-op": profile_toml(fit, points, per_op=per_op, measured=False, **kw),
              "one-fit": profile_toml(fit, points, measured=False, **kw)}
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(texts["measured"])
     models = {}
     for name, text in texts.items():
         f = tmp / f"profile-{name}.toml"
         f.write_text(text)
         models[name] = parse_profile(text, str(f))
-    return models, str(path), [dataclasses_asdict(p) for p in points]
+    return models, str(path), {"isolated": [dataclasses_asdict(p) for p in points],
+                               "concurrent": [dataclasses_asdict(p) for p in conc]}
 
 
 def dataclasses_asdict(p) -> dict:
@@ -231,6 +245,8 @@ def main() -> int:
     ap.add_argument("--net", default=None, help="cost profile (default: the fitted gloo profile of this host)")
     ap.add_argument("--remeasure", action="store_true", help="measure gloo again even if this host has points")
     ap.add_argument("--no-emulate", action="store_true", help="capture and predict only")
+    ap.add_argument("--emulate-profile", default="concurrent",
+                    help="which profile the emulation's virtual ranks use (concurrent, measured, per-op, one-fit)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per ground-truth run")
     ap.add_argument("--out", default=str(result_path("accuracy")))
     a = ap.parse_args()
@@ -246,8 +262,8 @@ def main() -> int:
     if unknown:
         sys.exit(f"unknown config {unknown[0]!r} for --world {a.world}; known: {', '.join(CONFIGS[a.world])}")
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="prism-accuracy-"))
-    models, profile_path, points = ensure_profile(a.net, tmp, a.remeasure)
-    reported = next(iter(models))
+    models, profile_path, points = ensure_profile(a.net, tmp, a.world, a.remeasure)
+    reported = a.emulate_profile if a.emulate_profile in models else next(iter(models))
     emulate_with = None if a.no_emulate else (a.net or str(tmp / f"profile-{reported}.toml"))
     import torch
 

@@ -28,7 +28,11 @@ sides' CPU).
 One real process runs per rank (``OMP_NUM_THREADS=1``, at most one rank per
 core, so ranks do not steal each other's time); each op is timed at each
 message size on groups of each size (the slowest rank's time per call, the
-median over trials).
+median over trials). By default one group of each size runs alone, the other
+ranks idle. ``concurrent=W`` (gloo) cuts W ranks into W // n groups of n and
+times them all at once, the slowest group's time: a training layout's groups
+of one kind (its TP pairs, its DP groups) communicate together and share the
+host's cores, caches and memory bandwidth, which a lone group does not see.
 
 Where profiles live: ``out`` if given, else ``fitted_profile_path("gloo",
 HOST)``: ``$PRISM_PROFILE_DIR/gloo-HOST.toml`` when that variable is set,
@@ -120,6 +124,7 @@ def _worker(argv: Sequence[str]) -> None:
     ap.add_argument("--group-sizes", required=True)
     ap.add_argument("--ops", required=True)
     ap.add_argument("--backend", default="gloo", choices=BACKENDS)
+    ap.add_argument("--concurrent", action="store_true")
     a = ap.parse_args(argv)
     sizes = [int(x) for x in a.sizes.split(",")]
     gsizes = [int(x) for x in a.group_sizes.split(",")]
@@ -131,11 +136,19 @@ def _worker(argv: Sequence[str]) -> None:
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    groups = {n: dist.new_group(list(range(n))) for n in gsizes}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Isolated: one group [0, n) per size, the other ranks idle. Concurrent:
+    # the world cut into world // n blocks of n consecutive ranks, every block
+    # timing the same op at once (the traffic of a layout's groups of that size).
+    groups = {}
+    for n in gsizes:
+        blocks = range(world // n) if a.concurrent else range(1)
+        made = [dist.new_group(list(range(b * n, b * n + n))) for b in blocks]
+        groups[n] = made[rank // n] if rank // n < len(made) else None
+    world_group = dist.group.WORLD if a.concurrent else None
     for n in gsizes:
         g = groups[n]
-        if rank >= n:
+        if g is None:
             continue
         for op in ops:
             if op == "send" and n != 2:
@@ -147,7 +160,8 @@ def _worker(argv: Sequence[str]) -> None:
                     rec = {"op": op, "n": n, "nbytes": nbytes, "seconds": secs, "issue_seconds": issue,
                            "back_to_back_seconds": wall}
                 else:
-                    rec = {"op": op, "n": n, "nbytes": nbytes, "seconds": _time_op(torch, dist, fn, g, device)}
+                    rec = {"op": op, "n": n, "nbytes": nbytes,
+                           "seconds": _time_op(torch, dist, fn, world_group or g, device)}
                 if rank == 0:
                     print(json.dumps(rec), flush=True)
     dist.barrier()
@@ -181,10 +195,10 @@ def _op_call(torch, dist, op: str, n: int, nbytes: int, g, rank: int, device):
     if op == "broadcast":
         return lambda: dist.broadcast(x, group_src=0, group=g)
     if op == "send":
-        peer = 1 - rank
+        peer = rank ^ 1  # the other member of this block of 2 (a global rank)
 
         def pingpong():
-            if rank == 0:
+            if rank % 2 == 0:
                 dist.send(x, peer, group=g)
                 dist.recv(x, peer, group=g)
             else:
@@ -195,6 +209,9 @@ def _op_call(torch, dist, op: str, n: int, nbytes: int, g, rank: int, device):
 
 
 def _time_op(torch, dist, fn, g, device) -> float:
+    """Seconds per call of ``fn``, the slowest member of ``g``'s (``g`` is the
+    op's group, or the whole world when every block times at once: then the
+    trials start together and the slowest block's time is taken)."""
     cuda = device.type == "cuda"
 
     def sync() -> None:
@@ -290,13 +307,20 @@ def _sleep_clock(torch) -> float:
 
 
 def measure(sizes: Sequence[int], group_sizes: Sequence[int], ops: Sequence[str], *,
-            timeout: float = 600.0, backend: str = "gloo") -> list[Point]:
-    """Run the measurement world (``max(group_sizes)`` processes) and return its points."""
+            timeout: float = 600.0, backend: str = "gloo", concurrent: int | None = None) -> list[Point]:
+    """Run the measurement world and return its points: ``max(group_sizes)``
+    processes, one group of each size timed alone; or, with ``concurrent=W``,
+    W processes, every size timed by all W // n groups of it at once (each
+    size must divide W)."""
     from prism.workloads.harness import run_world
 
-    world = max(group_sizes)
+    world = concurrent or max(group_sizes)
+    if concurrent and any(world % n for n in group_sizes):
+        raise ValueError(f"concurrent measurement: every group size must divide the world {world}; "
+                         f"got {list(group_sizes)}")
     argv = ["-m", "prism.app.netprofile", "--worker", "--sizes", ",".join(map(str, sizes)),
-            "--group-sizes", ",".join(map(str, group_sizes)), "--ops", ",".join(ops), "--backend", backend]
+            "--group-sizes", ",".join(map(str, group_sizes)), "--ops", ",".join(ops), "--backend", backend,
+            *(["--concurrent"] if concurrent else [])]
     root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {"OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
@@ -320,6 +344,10 @@ class NetprofileConfig:
     group_sizes: Sequence[int] | None = None
     ops: Sequence[str] = DEFAULT_OPS
     json_out: str | os.PathLike[str] | None = None
+    #: Time each group size with all ``concurrent // n`` groups of it at once
+    #: (on ``concurrent`` processes), as a layout's groups run in training;
+    #: None times one group alone.
+    concurrent: int | None = None
 
 
 @dataclass(frozen=True)
@@ -335,12 +363,14 @@ class NetprofilePlan:
     host: str
     out: pathlib.Path
     json_out: pathlib.Path | None
+    concurrent: int | None = None
 
     @property
     def command(self) -> str:
         """The command that reproduces this measurement (written into the profile)."""
         return (f"python -m prism netprofile --backend {self.backend} --sizes {','.join(map(str, self.sizes))} "
-                f"--group-sizes {','.join(map(str, self.group_sizes))} --ops {','.join(self.ops)}")
+                f"--group-sizes {','.join(map(str, self.group_sizes))} --ops {','.join(self.ops)}"
+                + (f" --concurrent {self.concurrent}" if self.concurrent else ""))
 
 
 @dataclass(frozen=True)
@@ -381,21 +411,34 @@ def plan_netprofile(config: NetprofileConfig) -> NetprofilePlan:
     unknown = [o for o in config.ops if o not in DEFAULT_OPS]
     if unknown:
         raise UsageError(f"unknown op {unknown[0]!r}; known: {', '.join(DEFAULT_OPS)}")
+    conc = config.concurrent
+    if conc is not None:
+        if backend != "gloo":
+            raise UsageError("--concurrent is for gloo (CPU ranks sharing this host's cores); NCCL's groups "
+                             "each have their own GPUs: profile them one at a time")
+        if conc < 2 or conc > cores:
+            raise UsageError(f"--concurrent {conc} must be in 2..{cores} (the {unit})")
+        if config.group_sizes is None:
+            gsizes = tuple(n for n in gsizes if conc % n == 0)
+        odd = [n for n in gsizes if conc % n]
+        if odd:
+            raise UsageError(f"--concurrent {conc}: group size {odd[0]} does not divide it (the world is cut "
+                             f"into {conc} // n groups of each size n)")
     host = socket.gethostname()
     out = pathlib.Path(config.out) if config.out else fitted_profile_path(backend, host)
     return NetprofilePlan(backend, sizes, gsizes, tuple(config.ops), cores, host, out,
-                          pathlib.Path(config.json_out) if config.json_out else None)
+                          pathlib.Path(config.json_out) if config.json_out else None, conc)
 
 
 def run_netprofile(plan: NetprofilePlan) -> NetprofileResult:
     """Measure, fit, and write the profile to ``plan.out`` (and JSON to ``plan.json_out``)."""
     t0 = time.monotonic()
-    points = measure(plan.sizes, plan.group_sizes, plan.ops, backend=plan.backend)
+    points = measure(plan.sizes, plan.group_sizes, plan.ops, backend=plan.backend, concurrent=plan.concurrent)
     fit = fit_points(points)
     per_op = fit_per_op(points)
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     text = profile_toml(fit, points, host=plan.host, backend=plan.backend, ranks_per_node=plan.ranks_per_node,
-                        command=plan.command, date=date, per_op=per_op)
+                        command=plan.command, date=date, per_op=per_op, concurrent=plan.concurrent)
     parse_profile(text, str(plan.out))  # never write what predict cannot read
     plan.out.parent.mkdir(parents=True, exist_ok=True)
     plan.out.write_text(text)
@@ -405,7 +448,7 @@ def run_netprofile(plan: NetprofilePlan) -> NetprofileResult:
                               time.monotonic() - t0, text)
     if plan.json_out is not None:
         plan.json_out.write_text(json.dumps({
-            "host": plan.host, "backend": plan.backend, "command": plan.command,
+            "host": plan.host, "backend": plan.backend, "command": plan.command, "concurrent": plan.concurrent,
             "points": [dataclasses.asdict(p) for p in points],
             "fit": {"base_latency_s": fit.base_latency, "latency_s": fit.latency, "bandwidth_Bps": fit.bandwidth},
             "per_op": {op: dataclasses.asdict(f) for op, f in per_op.items()},

@@ -45,18 +45,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", type=_list(str), default=list(DEFAULT_OPS),
                    help=f"ops to measure (default: {','.join(DEFAULT_OPS)}; send is a ping-pong between 2 ranks)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the points and fit as JSON")
+    p.add_argument("--concurrent", type=int, default=None, metavar="W",
+                   help="gloo: time each group size on W ranks with all W/n groups of it at once (as a training "
+                        "layout's groups run together) instead of one group alone; sizes must divide W")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     config = NetprofileConfig(backend=args.backend, out=args.out, sizes=args.sizes, group_sizes=args.group_sizes,
-                              ops=tuple(args.ops), json_out=args.json)
+                              ops=tuple(args.ops), json_out=args.json, concurrent=args.concurrent)
     try:
         plan = plan_netprofile(config)
     except PrismError as e:
         print(f"prism netprofile: {e}", file=sys.stderr)
         return e.exit_code
-    print(f"prism netprofile: {plan.backend}, {max(plan.group_sizes)} processes, group sizes "
+    print(f"prism netprofile: {plan.backend}, {plan.concurrent or max(plan.group_sizes)} processes"
+          f"{' (all groups of a size at once)' if plan.concurrent else ''}, group sizes "
           f"{list(plan.group_sizes)}, ops {','.join(plan.ops)}, sizes {','.join(map(str, plan.sizes))} bytes",
           file=sys.stderr)
     result = run_netprofile(plan)

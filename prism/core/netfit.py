@@ -116,12 +116,14 @@ def relative_errors(fit: Fit, points: Sequence[Point], per_op: dict[str, Fit] | 
 
 
 def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, ranks_per_node: int,
-                 command: str, date: str, per_op: dict[str, Fit] | None = None, measured: bool = True) -> str:
+                 command: str, date: str, per_op: dict[str, Fit] | None = None, measured: bool = True,
+                 concurrent: int | None = None) -> str:
     """The fitted profile as TOML (``parse_profile`` format), measured points in
     comments; ``per_op`` fits become ``[ops.NAME]`` tables; with ``measured``
     the points also become ``[[measured]]`` tables, which correct the fitted
     form to them. ``date`` is when the points were measured (ISO 8601, UTC),
-    written into the header."""
+    written into the header; ``concurrent`` (a world size) says the points
+    were timed with every group of a size busy at once on that many ranks."""
     err = relative_errors(fit, points, per_op)
     one = relative_errors(fit, points)
     pred = predict_seconds(fit, points, per_op)
@@ -131,6 +133,8 @@ def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, 
         f"# {backend}, one process per rank ({'one GPU each' if backend == 'nccl' else 'OMP_NUM_THREADS=1'}), "
         "all ranks on this host: the",
         "# inter-node link was NOT measured; it is set equal to the intra-node one.",
+        *([f"# Concurrent: {concurrent} ranks, every group of a size timed at once ({concurrent} // n groups of n),",
+           "# as a training layout's groups run together; the time is the slowest group's."] if concurrent else []),
         f"# Fit: non-negative least squares on relative error over {len(points)} points;",
         f"# relative error median {np.median(err):.1%}, max {np.max(err):.1%}"
         + (f" with per-op parameters ({', '.join(sorted(per_op))}); one set for all ops: median "
@@ -144,7 +148,8 @@ def profile_toml(fit: Fit, points: Sequence[Point], *, host: str, backend: str, 
     for p, t in zip(points, pred):
         lines.append(f"#   {p.op:<24} {p.n:>3} {p.nbytes:>10} {p.seconds * 1e6:>12.1f} {t * 1e6:>12.1f}"
                      + (f"   issue {p.issue_seconds * 1e6:.1f}" if p.issue_seconds is not None else ""))
-    desc = (f"{backend} on {host}, measured {date[:10]} by prism netprofile; fit error median "
+    desc = (f"{backend} on {host}, measured {date[:10]} by prism netprofile"
+            + (f" ({concurrent} ranks at once)" if concurrent else "") + "; fit error median "
             f"{np.median(err):.0%}, max {np.max(err):.0%}")
     bw = fit.bandwidth / 1e9
     lines += [

@@ -28,3 +28,14 @@ def test_tiny_real_nccl_measurement_and_fit():
     # collectives: GPU time and the CPU's issue time per call, measured apart
     assert all(0 < p.issue_seconds < 1e-3 for p in pts if p.op != "send")
     assert all(p.issue_seconds is None for p in pts if p.op == "send")
+
+
+@pytest.mark.slow
+def test_concurrent_measurement_times_every_block_at_once():
+    # 4 processes cut into 2 blocks of 2 (and one block of 4): every block runs
+    # the op (a block that did not would leave the world's barrier hanging).
+    pts = measure([1 << 10], [2, 4], ["all_reduce", "send"], timeout=180, concurrent=4)
+    assert [(p.op, p.n) for p in pts] == [("all_reduce", 2), ("send", 2), ("all_reduce", 4)]
+    assert all(0 < p.seconds < 1 for p in pts)
+    with pytest.raises(ValueError, match="divide the world 4"):
+        measure([1 << 10], [3], ["all_reduce"], concurrent=4)

@@ -204,3 +204,27 @@ def test_issue_times_round_trip_per_op_and_a_ping_pong_gets_none():
     with pytest.raises(ValueError, match="'ops.send.issue_us' has value 'a'"):
         parse_profile(BASE + '[ops.send]\nbase_latency_us = 1\nlatency_us = 1\nbandwidth_GBps = 1\nissue_us = "a"\n',
                       "p.toml")
+
+
+def test_netprofile_concurrent_checks_its_world(capsys, monkeypatch):
+    from prism.app import netprofile as app_np
+
+    monkeypatch.setattr(app_np, "usable_cores", lambda: 8)
+    plan = app_np.plan_netprofile(app_np.NetprofileConfig(concurrent=8))
+    assert plan.concurrent == 8 and plan.group_sizes == (2, 4, 8) and "--concurrent 8" in plan.command
+    assert app_np.plan_netprofile(app_np.NetprofileConfig(concurrent=6)).group_sizes == (2,)
+    for argv, msg in ((["--concurrent", "6", "--group-sizes", "4"], "group size 4 does not divide it"),
+                      (["--concurrent", "16"], "must be in 2..8"),
+                      (["--concurrent", "4", "--backend", "nccl"], "--concurrent is for gloo")):
+        monkeypatch.setattr(app_np, "gpu_count", lambda: 8)
+        assert cli.main(["netprofile", *argv]) == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_profile_toml_says_the_points_were_concurrent():
+    fit = Fit(10e-6, 0.0, 300e9)
+    pts = _points(fit)
+    text = profile_toml(fit, pts, host="h", backend="gloo", ranks_per_node=16, command="x",
+                        date="2026-12-02T00:00:00Z", concurrent=16)
+    assert "# Concurrent: 16 ranks" in text
+    assert "(16 ranks at once)" in parse_profile(text, "p.toml").description
