@@ -1,5 +1,408 @@
-"""Prism's CUDA extension for phase 2 (hybrid emulation): prefetch buffer
-pools, stream-ordered release flags, and the kernels of communication pruning
-and compensation, compiled with ``torch.utils.cpp_extension`` on demand, each
-with a pure-torch fallback that defines its semantics. Not built yet; see
-docs/DESIGN.md, "Phase 2: where each part goes"."""
+"""Prism's CUDA extension for phase 2 (hybrid emulation on GPUs).
+
+What a GPU sandbox rank needs so that a collective answered by virtual ranks
+looks to it as it would on the real cluster, with no host round trip on its
+critical path (docs/DESIGN.md, "GPU sandbox and cuda_ext"):
+
+``combine(op, own, folded, n=, factor=, out=)``
+    the compensation step, ``out = own (op) folded`` for SUM, AVG, PREMUL_SUM,
+    MIN and MAX, fused in one kernel for float32, float16 and bfloat16
+    (``cuda_ext/reference.py`` has the semantics); ``place`` puts the
+    sandbox's own chunk into a gather or all-to-all layout.
+``DevicePool(nbytes, device)``
+    device memory from ``cudaMalloc``, outside torch's caching allocator, so
+    ``torch.cuda.memory_allocated`` and the program's peaks stay the
+    program's; handed out as a ring in delivery order (``nbytes`` and
+    ``peak`` are Prism's own memory, reported apart).
+``PrefetchPool(nbytes, device)``
+    a ``DevicePool`` filled ahead of time from pinned host staging on a side
+    stream: ``stage(key, data)`` while the sandbox computes, ``take(key)``
+    on the consuming stream (which waits for the fill on the GPU, not the
+    CPU), ``done(key)`` once consumed.
+``ReleaseFlags(slots)``
+    stream-ordered release: ``wait(slot, value)`` enqueues on the current
+    stream a wait for ``flags[slot] >= value`` and returns at once (a
+    spinning kernel, ``mode="kernel"``, or ``cuStreamWaitValue32``,
+    ``mode="memop"``); ``release(slot, value)`` from any host thread lets the
+    stream go on; the GPU's clock when the stream reached the wait and when it
+    saw the release are stamped in ``reached_ns(slot)`` / ``released_ns(slot)``
+    (the GPU's globaltimer, nanoseconds).
+
+The kernels are compiled on first use with ``torch.utils.cpp_extension``
+(cached under ``$PRISM_CUDA_EXT_DIR``, default
+``~/.cache/prism/cuda_ext/TORCH-VERSION``; ninja from PyPI). Where there is no
+GPU, no compiler, or the build fails, the pure-torch fallback runs with the
+same results (``info()`` says which path runs and why; ``PRISM_CUDA_EXT=off``
+forces the fallback). ``pip install -e .`` never compiles anything.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cuda_ext.reference import OPS, place
+from cuda_ext import reference
+
+__all__ = ["OPS", "KERNEL_DTYPES", "Info", "info", "combine", "place", "DevicePool", "PrefetchPool",
+           "ReleaseFlags", "PoolFull"]
+
+#: The dtypes the combine kernels take; others run the fallback.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_lock = threading.Lock()
+_module: Any = None
+_info: "Info | None" = None
+
+
+@dataclass(frozen=True)
+class Info:
+    """Which path runs: ``"kernels"`` (the compiled extension) or ``"fallback"``, and why."""
+
+    path: str
+    reason: str
+    build_dir: str | None = None
+    build_s: float | None = None
+
+
+def build_dir() -> pathlib.Path:
+    base = os.environ.get("PRISM_CUDA_EXT_DIR")
+    root = pathlib.Path(base) if base else pathlib.Path.home() / ".cache" / "prism" / "cuda_ext"
+    return root / torch.__version__.replace("+", "-")
+
+
+def _load() -> tuple[Any, Info]:
+    if os.environ.get("PRISM_CUDA_EXT", "").lower() in ("off", "0", "fallback"):
+        return None, Info("fallback", "PRISM_CUDA_EXT=off")
+    if not torch.cuda.is_available():
+        return None, Info("fallback", "no CUDA device (torch.cuda.is_available() is False)")
+    try:
+        from torch.utils import cpp_extension
+    except ImportError as e:  # pragma: no cover - torch always has it
+        return None, Info("fallback", f"torch.utils.cpp_extension unavailable: {e}")
+    if cpp_extension.CUDA_HOME is None:
+        return None, Info("fallback", "no CUDA toolkit (nvcc) found: set CUDA_HOME to build the kernels")
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    src = pathlib.Path(__file__).with_name("csrc") / "prism_ext.cu"
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        # this GPU's architecture only: a faster build, and no warning from torch about the choice
+        major, minor = torch.cuda.get_device_capability()
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+    t0 = time.monotonic()
+    try:
+        with warnings.catch_warnings():  # the build's own notices are not the program's warnings
+            warnings.simplefilter("ignore")
+            mod = cpp_extension.load(name="prism_cuda_ext", sources=[str(src)], build_directory=str(d),
+                                     extra_cuda_cflags=["-O3", "--fmad=false"], extra_ldflags=["-lcuda"],
+                                     verbose=bool(os.environ.get("PRISM_CUDA_EXT_VERBOSE")))
+    except Exception as e:  # a failed build is reported, and the fallback runs
+        last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
+        return None, Info("fallback", f"the build failed ({last[0][:300]}); see {d}", str(d))
+    return mod, Info("kernels", f"built with {cpp_extension.CUDA_HOME}", str(d), time.monotonic() - t0)
+
+
+def kernels() -> Any:
+    """The compiled module, or None (the fallback runs; ``info()`` says why)."""
+    global _module, _info
+    with _lock:
+        if _info is None:
+            _module, _info = _load()
+        return _module
+
+
+def info() -> Info:
+    kernels()
+    assert _info is not None
+    return _info
+
+
+# --- compensation -------------------------------------------------------------
+
+
+def combine(op: str, own: torch.Tensor, folded: torch.Tensor, *, n: int = 1, factor: float = 1.0,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = own (op) folded`` (``cuda_ext/reference.py``): the kernel on
+    contiguous CUDA float tensors when built, else the fallback."""
+    reference._check(op, own, folded, out)
+    mod = kernels() if own.is_cuda else None
+    if (mod is None or own.dtype not in KERNEL_DTYPES or not own.is_contiguous() or not folded.is_contiguous()
+            or (out is not None and not out.is_contiguous())):
+        return reference.combine(op, own, folded, n=n, factor=factor, out=out)
+    if out is None:
+        out = torch.empty_like(own)
+    mod.combine(out, own, folded, OPS[op], float(factor), int(n))
+    return out
+
+
+# --- device memory outside torch's allocator ------------------------------------
+
+
+class PoolFull(RuntimeError):
+    """The pool has no room for the request until earlier deliveries are done."""
+
+
+def _slab(nbytes: int, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    mod = kernels()
+    if mod is not None:
+        return mod.device_slab(nbytes, device.index if device.index is not None else torch.cuda.current_device())
+    return _slab_cuda_python(nbytes, device)
+
+
+def _slab_cuda_python(nbytes: int, device: torch.device) -> torch.Tensor:
+    """cudaMalloc through cuda-python, wrapped without torch's allocator."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        raise RuntimeError("cuda_ext: a device pool outside torch's allocator needs the compiled extension or "
+                           "cuda-python (pip install cuda-bindings); neither is here") from None
+    with torch.cuda.device(device):
+        err, ptr = cudart.cudaMalloc(nbytes)
+    if int(err) != 0:
+        raise RuntimeError(f"cuda_ext: cudaMalloc of {nbytes} bytes for the prefetch pool failed ({err})")
+
+    class _Mem:
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (int(ptr), False), "version": 3}
+
+        def __del__(self) -> None:
+            cudart.cudaFree(ptr)
+
+    holder = _Mem()
+    t = torch.as_tensor(holder, device=device)
+    t._prism_holder = holder  # type: ignore[attr-defined]  # frees with the tensor
+    return t
+
+
+class DevicePool:
+    """``nbytes`` of device memory outside torch's caching allocator, handed
+    out as a ring in delivery order: ``alloc`` takes from the head, ``free``
+    of the oldest live block moves the tail (blocks freed out of order are
+    reclaimed when everything before them is)."""
+
+    ALIGN = 256
+
+    def __init__(self, nbytes: int, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.nbytes = int(nbytes)
+        self.slab = _slab(self.nbytes, self.device)
+        self._live: collections.OrderedDict[int, list] = collections.OrderedDict()  # id -> [start, size, freed]
+        self._head = 0  # next free byte (mod nbytes)
+        self._used = 0
+        self.peak = 0
+        self._next = 0
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def alloc(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """(block id, a uint8 view of ``nbytes``); raises ``PoolFull``."""
+        size = max(self.ALIGN, -(-int(nbytes) // self.ALIGN) * self.ALIGN)
+        if size > self.nbytes:
+            raise PoolFull(f"a delivery of {nbytes} bytes exceeds the whole prefetch pool ({self.nbytes} bytes): "
+                           "raise the pool size")
+        start = self._head
+        pad = 0
+        if start + size > self.nbytes:  # wrap: the rest of the slab is skipped
+            pad, start = self.nbytes - start, 0
+        if self._used + pad + size > self.nbytes:
+            raise PoolFull(f"the prefetch pool is full ({self._used} of {self.nbytes} bytes in use)")
+        bid = self._next
+        self._next += 1
+        self._live[bid] = [start, size + pad, False]
+        self._head = (start + size) % self.nbytes
+        self._used += size + pad
+        self.peak = max(self.peak, self._used)
+        return bid, self.slab[start:start + int(nbytes)]
+
+    def free(self, bid: int) -> None:
+        blk = self._live.get(bid)
+        if blk is None:
+            raise KeyError(f"pool block {bid} is not live")
+        blk[2] = True
+        while self._live:
+            first = next(iter(self._live.values()))
+            if not first[2]:
+                break
+            self._live.popitem(last=False)
+            self._used -= first[1]
+        if not self._live:
+            self._head, self._used = 0, 0
+
+
+class PrefetchPool:
+    """A ``DevicePool`` filled ahead of use from pinned host staging on a side
+    stream (see the module docstring). Keys are the caller's (e.g. a
+    collective's ``(gid, seq)``)."""
+
+    def __init__(self, nbytes: int, device: torch.device | str) -> None:
+        self.pool = DevicePool(nbytes, device)
+        self.device = self.pool.device
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if cuda else None
+        self._items: dict[Any, tuple[int, torch.Tensor, Any, torch.Tensor]] = {}
+        self._retired: collections.deque[tuple[int, Any]] = collections.deque()
+        self.staged_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
+
+    def _reclaim(self, block: bool = False) -> None:
+        """Return to the pool the blocks whose consumers have passed them (in
+        order); with ``block``, wait for the oldest first."""
+        while self._retired:
+            bid, fin = self._retired[0]
+            if fin is not None and not fin.query():
+                if not block:
+                    return
+                fin.synchronize()
+                block = False
+            self._retired.popleft()
+            self.pool.free(bid)
+
+    def stage(self, key: Any, data: torch.Tensor) -> None:
+        """Copy ``data`` (a CPU tensor) into the pool on the side stream;
+        returns once the copy is queued. Raises ``PoolFull`` only when even the
+        deliveries already consumed cannot make room."""
+        if key in self._items:
+            raise KeyError(f"prefetch: {key!r} is already staged")
+        src = data.detach().reshape(-1).contiguous().view(torch.uint8)
+        self._reclaim()
+        while True:
+            try:
+                bid, view = self.pool.alloc(src.numel())
+                break
+            except PoolFull:
+                if not self._retired:
+                    raise
+                self._reclaim(block=True)
+        if self.stream is None:
+            view.copy_(src)
+            self._items[key] = (bid, view, None, src)
+        else:
+            pinned = src if src.is_pinned() else torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+            if pinned is not src:
+                pinned.copy_(src)
+            with torch.cuda.stream(self.stream):
+                view.copy_(pinned, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+            self._items[key] = (bid, view, ev, pinned)  # pinned kept alive until the copy is done
+        self.staged_bytes += src.numel()
+
+    def take(self, key: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The staged data as ``dtype``/``shape``, ordered after its fill on the
+        current stream (the GPU waits, the CPU does not)."""
+        bid, view, ev, _ = self._items[key]
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        return view.view(dtype).view(shape)
+
+    def done(self, key: Any) -> None:
+        """The delivery of ``key`` is queued on the current stream: its block
+        returns to the pool once that stream has passed this point (the slab
+        is not torch's, so torch's stream bookkeeping does not cover it)."""
+        bid, _, _, _ = self._items.pop(key)
+        fin = None
+        if self.stream is not None:
+            fin = torch.cuda.Event()
+            fin.record(torch.cuda.current_stream(self.device))
+        self._retired.append((bid, fin))
+        self._reclaim()
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._items
+
+
+# --- stream-ordered release ----------------------------------------------------------
+
+
+class ReleaseFlags:
+    """``slots`` release flags in pinned host memory the GPU can read (see the
+    module docstring). On a CPU (no streams) ``wait`` blocks the calling
+    thread until the release: the same order of events, on the host."""
+
+    MODES = ("kernel", "memop", "host")
+
+    def __init__(self, slots: int, device: torch.device | str = "cuda") -> None:
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        self.flags = torch.zeros(slots, dtype=torch.int32, pin_memory=cuda)
+        self.stamps = torch.zeros(2 * slots, dtype=torch.int64, pin_memory=cuda)
+        self._cond = threading.Condition()
+
+    def default_mode(self) -> str:
+        if self.device.type != "cuda":
+            return "host"
+        return "kernel" if kernels() is not None else ("memop" if _driver() is not None else "host")
+
+    def wait(self, slot: int, value: int, mode: str | None = None) -> None:
+        """Make the current stream (``host``: this thread) wait until
+        ``flags[slot] >= value``."""
+        mode = mode or self.default_mode()
+        if mode not in self.MODES:
+            raise ValueError(f"ReleaseFlags.wait: mode {mode!r}; known: {', '.join(self.MODES)}")
+        if mode == "host":
+            with self._cond:
+                self._cond.wait_for(lambda: int(self.flags[slot]) >= value)
+            self.stamps[2 * slot + 1] = time.monotonic_ns()
+            return
+        mod = kernels()
+        if mode == "kernel":
+            if mod is None:
+                raise RuntimeError(f"ReleaseFlags: the wait kernel needs the compiled extension ({info().reason})")
+            mod.wait_flag_kernel(self.flags, slot, value, self.stamps)
+        elif mod is not None:
+            none = torch.empty(0, dtype=torch.int32)
+            mod.stamp(self.stamps, 2 * slot, none, 0, 0)
+            mod.wait_flag_memop(self.flags, slot, value)
+            mod.stamp(self.stamps, 2 * slot + 1, none, 0, 0)
+        else:
+            _memop_cuda_python(self.flags, slot, value)
+
+    def release(self, slot: int, value: int) -> None:
+        """Let waits on ``slot`` up to ``value`` go on (any host thread)."""
+        with self._cond:
+            self.flags[slot] = value  # a store to pinned memory: the GPU sees it over PCIe/NVLink-C2C
+            self._cond.notify_all()
+
+    def reached_ns(self, slot: int) -> int:
+        """The GPU's globaltimer when the stream reached the wait (kernel mode; 0 if not known)."""
+        return int(self.stamps[2 * slot])
+
+    def released_ns(self, slot: int) -> int:
+        """The GPU's globaltimer when the wait saw the release (kernel mode; host mode: this host's monotonic clock)."""
+        return int(self.stamps[2 * slot + 1])
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    return driver
+
+
+def _memop_cuda_python(flags: torch.Tensor, slot: int, value: int) -> None:
+    drv = _driver()
+    if drv is None:
+        raise RuntimeError("ReleaseFlags: mode 'memop' needs the compiled extension or cuda-python")
+    host = flags.data_ptr() + 4 * slot
+    err, dptr = drv.cuMemHostGetDevicePointer(host, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed ({err})")
+    stream = torch.cuda.current_stream().cuda_stream
+    (err,) = drv.cuStreamWaitValue32(stream, dptr, value, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    if int(err) != 0:
+        raise RuntimeError(f"cuStreamWaitValue32 failed ({err}); use mode='kernel'")

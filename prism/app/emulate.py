@@ -61,6 +61,14 @@ class EmulateConfig:
     show_ranks: str | tuple[int, ...] = ()
     progress: str = "off"
     use_recording: bool = True
+    #: GPUs the sandbox ranks run on (``"0"``, ``"0,1"``); None: GPU 0 when
+    #: the capture ran on CUDA, none otherwise. A sandbox keeps its logical
+    #: device (local rank 5 sees ``cuda:5``) on whichever GPU it is given.
+    gpus: str | None = None
+    #: As ``prism capture --memory-limit``: torch's allocator may hold this
+    #: much per sandbox rank, less ``memory_overhead_gib``.
+    memory_limit_gib: float | None = None
+    memory_overhead_gib: float = 0.6  # prism.app.capture.DEFAULT_MEMORY_OVERHEAD_GIB
 
 
 @dataclass
@@ -92,6 +100,42 @@ def _read_text(path: Path) -> str:
         return path.read_text(errors="replace")
     except OSError:
         return ""
+
+
+def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[int]) -> dict[str, str]:
+    """The sandbox ranks' GPU environment (``prism.rank.devices``: the
+    logical-device mode; ``prism.rank.oom``: the memory limit), or {} on CPU."""
+    from prism.rank import devices as D
+    from prism.shell.gpu_plan import visible_gpus
+
+    gpus = config.gpus
+    if gpus is None and device_kind == "cuda":
+        gpus = "0"
+    if gpus is None:
+        if config.memory_limit_gib is not None:
+            raise UsageError("--memory-limit emulates a smaller GPU, but this capture ran on CPU and no --gpus "
+                             "was given")
+        return {}
+    try:
+        ids = [int(x) for x in gpus.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--gpus takes GPU indices like 0 or 0,1; got {gpus!r}") from None
+    seen = visible_gpus()
+    bad = [g for g in ids if g not in seen]
+    if not ids or bad:
+        raise UsageError(f"--gpus {gpus}: {'GPU ' + str(bad[0]) + ' is' if bad else 'no GPU'} not visible here "
+                         f"(visible: {seen or 'none'}); the capture ran on {device_kind or 'an unknown device'}: "
+                         "a sandbox of a CUDA capture needs a GPU")
+    env = {D.GPUS_ENV: ",".join(map(str, ids))}
+    if config.memory_limit_gib is not None:
+        from prism.rank.oom import MEMORY_LIMIT_ENV
+
+        budget = config.memory_limit_gib - config.memory_overhead_gib
+        if budget <= 0:
+            raise UsageError(f"--memory-limit {config.memory_limit_gib} GiB leaves nothing for torch's allocator "
+                             f"after --memory-overhead {config.memory_overhead_gib} GiB")
+        env[MEMORY_LIMIT_ENV] = str(int(budget * 2**30))
+    return env
 
 
 def emulate(config: EmulateConfig) -> EmulationOutcome:
@@ -145,6 +189,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         model, why = resolve_profile(config.net, manifest, traced_device_kind(ranks))
     except ProfileError as e:
         raise UsageError(str(e)) from None
+    env = _gpu_env(config, manifest.device_kind, sandbox)
     t_setup = time.perf_counter()
     batch = replay_batch(graph, cost_model=model)
     dormant = config.dormant if config.dormant != "auto" else ("offline" if world >= 256 else "simulate")
@@ -174,7 +219,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     show = () if config.show_ranks == "none" else config.show_ranks
     emu = Emulator(out, engine, endpoint=default_endpoint(out), recordings=recordings, quiet_s=config.quiet_s,
                    progress=Progress(len(sandbox), mode=config.progress), first_call_ns=first_call,
-                   launch=lambda endpoint: launch_ranks(world, endpoint, out, cmd, show_ranks=show, ranks=sandbox))
+                   launch=lambda endpoint: launch_ranks(world, endpoint, out, cmd, show_ranks=show, ranks=sandbox,
+                                                       env=env))
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     wall0 = time.perf_counter()
     result = trio.run(emu.run)

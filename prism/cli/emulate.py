@@ -36,6 +36,20 @@ def _common(p: argparse.ArgumentParser) -> None:
                                                         "or a list (failing ranks always show their last lines)")
     p.add_argument("--progress", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--gpus", default=None, metavar="IDS",
+                   help="GPUs the sandbox ranks run on, as 0 or 0,1 (default: GPU 0 for a capture that ran on CUDA); "
+                        "each sandbox keeps its logical device")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
+                   help="emulate a GPU of GIB per sandbox rank, as `prism capture --memory-limit`")
+    p.add_argument("--memory-overhead", type=float, default=None, metavar="GIB",
+                   help="of --memory-limit, what the GPU holds outside torch's allocator (default: as capture)")
+
+
+def _gpu_kw(args: argparse.Namespace) -> dict:
+    kw = {"gpus": args.gpus, "memory_limit_gib": args.memory_limit}
+    if args.memory_overhead is not None:
+        kw["memory_overhead_gib"] = args.memory_overhead
+    return kw
 
 
 def _show(text: str):
@@ -52,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
         config = EmulateConfig(run=args.run, sandbox=args.sandbox, command=cmd or None, net=args.net, name=args.name,
                                dormant=args.dormant, quiet_s=args.quiet, warmup=args.warmup,
                                show_ranks=_show(args.show_ranks), progress=args.progress,
-                               use_recording=not args.no_recording)
+                               use_recording=not args.no_recording, **_gpu_kw(args))
         outcome = emulate(config)
     except PrismError as e:
         print(f"prism emulate: {e}", file=sys.stderr)
@@ -83,7 +97,10 @@ def run_main(args: argparse.Namespace) -> int:
     try:
         plan = app_capture.plan_capture(app_capture.CaptureConfig(
             world_size=args.world_size, command=args.command, out=args.out or app_capture.default_out("run"),
-            slots=args.slots, show_ranks=(), progress=args.progress, record=args.sandbox))
+            slots=args.slots, show_ranks=(), progress=args.progress, record=args.sandbox, gpus=args.gpus,
+            memory_limit_gib=args.memory_limit,
+            memory_overhead_gib=(args.memory_overhead if args.memory_overhead is not None
+                                 else app_capture.DEFAULT_MEMORY_OVERHEAD_GIB)))
         print(f"prism run: 1/3 capturing {plan.run_dir} at world {args.world_size}, recording sandbox ranks "
               f"{args.sandbox}", file=sys.stderr, flush=True)
         captured = app_capture.capture(plan)
@@ -97,7 +114,7 @@ def run_main(args: argparse.Namespace) -> int:
         outcome = emulate(EmulateConfig(run=plan.run_dir, sandbox=args.sandbox, net=args.net, name=args.name,
                                         dormant=args.dormant, quiet_s=args.quiet, warmup=args.warmup,
                                         show_ranks=_show(args.show_ranks), progress=args.progress,
-                                        use_recording=not args.no_recording))
+                                        use_recording=not args.no_recording, **_gpu_kw(args)))
     except PrismError as e:
         print(f"prism run: {e}", file=sys.stderr)
         return e.exit_code

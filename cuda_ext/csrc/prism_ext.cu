@@ -1,0 +1,182 @@
+// Prism's CUDA extension (cuda_ext): compensation kernels, a device slab
+// outside torch's caching allocator, and stream-ordered release waits.
+// The semantics of every function are those of cuda_ext/reference.py; the
+// tests check the two against each other bit for bit.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace {
+
+// ---- compensation: out = own (op) folded, in float32, rounded once ------------
+enum Op { SUM = 0, AVG = 1, PREMUL_SUM = 2, MIN = 3, MAX = 4 };
+
+template <typename T> __device__ __forceinline__ float to_f(T x);
+template <> __device__ __forceinline__ float to_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float apply(int op, float a, float b, float factor, float n) {
+  switch (op) {
+    case SUM: return __fadd_rn(a, b);
+    case AVG: return __fdiv_rn(__fadd_rn(a, b), n);
+    // two roundings, never contracted into an fma: the reference multiplies, then adds
+    case PREMUL_SUM: return __fadd_rn(__fmul_rn(factor, a), b);
+    case MIN: return isnan(a) ? a : (isnan(b) ? b : (b < a ? b : a));
+    default: return isnan(a) ? a : (isnan(b) ? b : (b > a ? b : a));
+  }
+}
+
+template <typename T>
+__global__ void combine_kernel(T* __restrict__ out, const T* __restrict__ own, const T* __restrict__ folded,
+                               int64_t n_elems, int op, float factor, float n) {
+  int64_t stride = (int64_t)blockDim.x * gridDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n_elems; i += stride)
+    out[i] = from_f<T>(apply(op, to_f<T>(own[i]), to_f<T>(folded[i]), factor, n));
+}
+
+// 16-byte vectors where all three pointers allow it (the bandwidth case).
+template <typename T>
+__global__ void combine_kernel_vec(T* __restrict__ out, const T* __restrict__ own, const T* __restrict__ folded,
+                                   int64_t n_vec, int op, float factor, float n) {
+  constexpr int K = 16 / sizeof(T);
+  int64_t stride = (int64_t)blockDim.x * gridDim.x;
+  for (int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v < n_vec; v += stride) {
+    uint4 a = reinterpret_cast<const uint4*>(own)[v];
+    uint4 b = reinterpret_cast<const uint4*>(folded)[v];
+    uint4 r;
+    const T* pa = reinterpret_cast<const T*>(&a);
+    const T* pb = reinterpret_cast<const T*>(&b);
+    T* pr = reinterpret_cast<T*>(&r);
+#pragma unroll
+    for (int k = 0; k < K; ++k) pr[k] = from_f<T>(apply(op, to_f<T>(pa[k]), to_f<T>(pb[k]), factor, n));
+    reinterpret_cast<uint4*>(out)[v] = r;
+  }
+}
+
+int blocks_for(int64_t work) {
+  int dev = 0, sms = 132;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  int64_t b = (work + 255) / 256;
+  return (int)std::max<int64_t>(1, std::min<int64_t>(b, (int64_t)sms * 8));
+}
+
+template <typename T>
+void launch_combine(torch::Tensor out, torch::Tensor own, torch::Tensor folded, int op, float factor, float n) {
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  int64_t ne = own.numel();
+  auto* o = reinterpret_cast<T*>(out.data_ptr());
+  auto* a = reinterpret_cast<const T*>(own.data_ptr());
+  auto* b = reinterpret_cast<const T*>(folded.data_ptr());
+  constexpr int K = 16 / sizeof(T);
+  bool aligned = ((uintptr_t)o % 16 == 0) && ((uintptr_t)a % 16 == 0) && ((uintptr_t)b % 16 == 0);
+  int64_t nv = aligned ? ne / K : 0;
+  if (nv > 0) combine_kernel_vec<T><<<blocks_for(nv), 256, 0, stream>>>(o, a, b, nv, op, factor, n);
+  int64_t done = nv * K;
+  if (done < ne)
+    combine_kernel<T><<<blocks_for(ne - done), 256, 0, stream>>>(o + done, a + done, b + done, ne - done, op,
+                                                                   factor, n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void combine(torch::Tensor out, torch::Tensor own, torch::Tensor folded, int64_t op, double factor, int64_t n) {
+  TORCH_CHECK(own.is_cuda() && folded.is_cuda() && out.is_cuda(), "combine: CUDA tensors");
+  TORCH_CHECK(own.is_contiguous() && folded.is_contiguous() && out.is_contiguous(), "combine: contiguous tensors");
+  TORCH_CHECK(own.numel() == folded.numel() && own.numel() == out.numel(), "combine: sizes differ");
+  TORCH_CHECK(own.scalar_type() == folded.scalar_type() && own.scalar_type() == out.scalar_type(),
+              "combine: dtypes differ");
+  c10::cuda::CUDAGuard guard(own.device());
+  float f = (float)factor, nf = (float)n;
+  switch (own.scalar_type()) {
+    case at::kFloat: launch_combine<float>(out, own, folded, (int)op, f, nf); break;
+    case at::kHalf: launch_combine<__half>(out, own, folded, (int)op, f, nf); break;
+    case at::kBFloat16: launch_combine<__nv_bfloat16>(out, own, folded, (int)op, f, nf); break;
+    default: TORCH_CHECK(false, "combine: the kernels take float32, float16 and bfloat16");
+  }
+}
+
+// ---- a device slab outside torch's caching allocator -------------------------
+torch::Tensor device_slab(int64_t nbytes, int64_t device) {
+  c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, (size_t)nbytes);
+  TORCH_CHECK(e == cudaSuccess, "cuda_ext: cudaMalloc of ", nbytes, " bytes for the prefetch pool failed: ",
+              cudaGetErrorString(e));
+  auto opts = torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA, device);
+  return torch::from_blob(p, {nbytes}, [](void* q) { cudaFree(q); }, opts);
+}
+
+// ---- stream-ordered release ------------------------------------------------------
+// flags: a pinned host int32 tensor (mapped: with unified addressing the host
+// pointer is the device pointer); stamps: pinned int64, two per slot.
+__global__ void wait_kernel(volatile int* flag, int value, unsigned long long* stamp) {
+  unsigned long long t0, t1;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  while (*flag < value) {
+#if __CUDA_ARCH__ >= 700
+    __nanosleep(64);
+#endif
+  }
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+  if (stamp) { stamp[0] = t0; stamp[1] = t1; }
+  __threadfence_system();
+}
+
+void wait_flag_kernel(torch::Tensor flags, int64_t slot, int64_t value, torch::Tensor stamps) {
+  TORCH_CHECK(flags.is_pinned() && flags.scalar_type() == at::kInt, "wait: flags must be pinned int32");
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  unsigned long long* st = stamps.numel() ? reinterpret_cast<unsigned long long*>(stamps.data_ptr<int64_t>()) + 2 * slot
+                                          : nullptr;
+  wait_kernel<<<1, 1, 0, stream>>>(flags.data_ptr<int>() + slot, (int)value, st);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void wait_flag_memop(torch::Tensor flags, int64_t slot, int64_t value) {
+  TORCH_CHECK(flags.is_pinned() && flags.scalar_type() == at::kInt, "wait: flags must be pinned int32");
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  CUdeviceptr dptr = 0;
+  void* host = flags.data_ptr<int>() + slot;
+  CUresult r = cuMemHostGetDevicePointer(&dptr, host, 0);
+  TORCH_CHECK(r == CUDA_SUCCESS, "cuMemHostGetDevicePointer failed (", (int)r, ")");
+  r = cuStreamWaitValue32((CUstream)stream.stream(), dptr, (cuuint32_t)value, CU_STREAM_WAIT_VALUE_GEQ);
+  TORCH_CHECK(r == CUDA_SUCCESS, "cuStreamWaitValue32 failed (", (int)r, "); this GPU or driver may not support "
+              "stream memory operations: use the wait kernel");
+}
+
+__global__ void stamp_kernel(unsigned long long* stamp, volatile int* ack, int value) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (stamp) *stamp = t;
+  if (ack) *ack = value;
+  __threadfence_system();
+}
+
+// Writes the GPU's globaltimer (and, if given, an ack value) when the stream gets here.
+void stamp(torch::Tensor stamps, int64_t index, torch::Tensor acks, int64_t ack_slot, int64_t value) {
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  unsigned long long* st = stamps.numel() ? reinterpret_cast<unsigned long long*>(stamps.data_ptr<int64_t>()) + index
+                                          : nullptr;
+  int* ak = acks.numel() ? acks.data_ptr<int>() + ack_slot : nullptr;
+  stamp_kernel<<<1, 1, 0, stream>>>(st, ak, (int)value);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("combine", &combine, "out = own (op) folded, float32 math, rounded once");
+  m.def("device_slab", &device_slab, "device memory from cudaMalloc, outside torch's caching allocator");
+  m.def("wait_flag_kernel", &wait_flag_kernel, "the stream waits (a spinning kernel) until flags[slot] >= value");
+  m.def("wait_flag_memop", &wait_flag_memop, "the stream waits (cuStreamWaitValue32) until flags[slot] >= value");
+  m.def("stamp", &stamp, "write the GPU's globaltimer (and an ack) when the stream reaches this point");
+}

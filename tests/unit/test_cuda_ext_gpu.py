@@ -1,0 +1,81 @@
+"""cuda_ext on a GPU: the compiled kernels against the pure-torch fallback,
+bit for bit, for every op and dtype (aligned and unaligned, odd sizes, NaN
+and signed zeros); the pool outside torch's allocator; the stream-ordered
+release in both modes; the prefetch pool's ordering on the GPU. Skips
+without a CUDA device (tests/unit/test_cuda_ext.py covers the CPU)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import cuda_ext
+from cuda_ext import reference
+
+pytestmark = pytest.mark.gpu(reason="the CUDA kernels of cuda_ext")
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def test_the_kernels_were_built():
+    i = cuda_ext.info()
+    assert i.path == "kernels", i.reason
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("op", list(reference.OPS))
+@pytest.mark.parametrize("n_elems,offset", [(1 << 20, 0), (4099, 0), (4099, 3)])
+def test_kernel_equals_fallback_bit_for_bit(op, dtype, n_elems, offset):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a = (torch.randn(n_elems + offset, device="cuda", generator=g) * 3).to(dtype)[offset:]
+    b = (torch.randn(n_elems + offset, device="cuda", generator=g) * 1e-2).to(dtype)[offset:]
+    a[:6] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1.0, 60000.0]).to(dtype)
+    b[:6] = torch.tensor([-0.0, 0.0, 1.0, 2.0, float("nan"), 60000.0]).to(dtype)
+    kw = dict(n=7, factor=0.125 if op == "PREMUL_SUM" else 1.0)
+    got = cuda_ext.combine(op, a, b, **kw)
+    want = reference.combine(op, a, b, **kw)
+    nan = torch.isnan(got.float())
+    assert torch.equal(nan, torch.isnan(want.float()))
+    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+    assert torch.equal(got[~nan].view(bits), want[~nan].view(bits))
+
+
+def test_pool_memory_is_not_torchs():
+    torch.cuda.synchronize()
+    before, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+    pool = cuda_ext.DevicePool(64 << 20, "cuda")
+    _, v = pool.alloc(1 << 20)
+    v.fill_(3)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before and torch.cuda.max_memory_allocated() == peak
+    assert int(v[:16].sum()) == 48
+
+
+def test_prefetch_fill_is_ordered_on_the_gpu():
+    pp = cuda_ext.PrefetchPool(32 << 20, "cuda")
+    host = torch.arange(1 << 20, dtype=torch.float32)
+    torch.cuda._sleep(50_000_000)  # the consumer stream is busy; the fill goes on beside it
+    pp.stage("k", host)
+    x = pp.take("k", torch.float32, (1 << 20,))
+    y = x * 2
+    pp.done("k")
+    assert torch.equal(y.cpu(), host * 2)
+
+
+@pytest.mark.parametrize("mode", ["kernel", "memop"])
+def test_release_holds_the_stream_not_the_cpu(mode):
+    flags = cuda_ext.ReleaseFlags(8, "cuda")
+    out = torch.zeros(4, device="cuda")
+    t0 = time.monotonic()
+    flags.wait(3, 1, mode=mode)
+    out.fill_(5)  # queued behind the wait
+    returned = time.monotonic() - t0
+    assert returned < 0.05  # the call did not block the CPU
+    ev = torch.cuda.Event()
+    ev.record()
+    time.sleep(0.05)
+    assert not ev.query()  # still held by the flag
+    threading.Timer(0.05, flags.release, (3, 1)).start()
+    ev.synchronize()
+    assert out.sum().item() == 20
+    assert flags.released_ns(3) >= flags.reached_ns(3) > 0

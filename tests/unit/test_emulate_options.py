@@ -1,0 +1,29 @@
+"""``prism emulate``'s GPU options, checked before anything is launched."""
+
+import pytest
+
+from prism.app import emulate as E
+from prism.app.errors import UsageError
+
+
+def test_a_cpu_capture_needs_no_gpu_env():
+    assert E._gpu_env(E.EmulateConfig(run="r"), "cpu", [0]) == {}
+
+
+def test_a_memory_limit_on_cpu_is_refused():
+    with pytest.raises(UsageError, match="--memory-limit emulates a smaller GPU"):
+        E._gpu_env(E.EmulateConfig(run="r", memory_limit_gib=4), "cpu", [0])
+
+
+def test_gpus_must_be_visible_and_well_formed(monkeypatch):
+    import prism.shell.gpu_plan as G
+
+    monkeypatch.setattr(G, "visible_gpus", lambda: [0])
+    with pytest.raises(UsageError, match="GPU 3 is not visible here"):
+        E._gpu_env(E.EmulateConfig(run="r", gpus="3"), "cuda", [0])
+    with pytest.raises(UsageError, match="--gpus takes GPU indices"):
+        E._gpu_env(E.EmulateConfig(run="r", gpus="a"), "cuda", [0])
+    env = E._gpu_env(E.EmulateConfig(run="r", memory_limit_gib=2.6), "cuda", [0, 1])  # cuda capture: GPU 0
+    assert env["PRISM_GPUS"] == "0" and int(env["PRISM_MEMORY_LIMIT_BYTES"]) == 2 * 2**30
+    with pytest.raises(UsageError, match="leaves nothing"):
+        E._gpu_env(E.EmulateConfig(run="r", memory_limit_gib=0.5), "cuda", [0])
