@@ -69,6 +69,10 @@ class EmulateConfig:
     #: much per sandbox rank, less ``memory_overhead_gib``.
     memory_limit_gib: float | None = None
     memory_overhead_gib: float = 0.6  # prism.app.capture.DEFAULT_MEMORY_OVERHEAD_GIB
+    #: GPU sandboxes: collectives answered by virtual members only keep their
+    #: data on the GPU (``prism.rank.devicepath``); False stages every call
+    #: through host memory (the capture's path).
+    device_path: bool = True
 
 
 @dataclass
@@ -126,7 +130,11 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
         raise UsageError(f"--gpus {gpus}: {'GPU ' + str(bad[0]) + ' is' if bad else 'no GPU'} not visible here "
                          f"(visible: {seen or 'none'}); the capture ran on {device_kind or 'an unknown device'}: "
                          "a sandbox of a CUDA capture needs a GPU")
-    env = {D.GPUS_ENV: ",".join(map(str, ids))}
+    from prism.rank import devicepath
+
+    env = {D.GPUS_ENV: ",".join(map(str, ids)), devicepath.SANDBOX_ENV: ",".join(map(str, sandbox))}
+    if config.device_path:
+        env[devicepath.GPU_SANDBOX_ENV] = "1"
     if config.memory_limit_gib is not None:
         from prism.rank.oom import MEMORY_LIMIT_ENV
 
@@ -283,6 +291,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         "groups": {"in_graph": len(graph.groups), "with_sandbox": groups_with_sandbox,
                    "instantiated": len(emu.stats.groups_created)},
         "calls": {"recorded": emu.stats.recorded_calls, "compensated": emu.stats.compensated_calls,
+                  "on_device": emu.stats.device_calls,
                   "implicit_waits": emu.stats.implicit_waits, "deliveries": emu.stats.deliveries},
         "pacing": {"lead_ns": LEAD_NS,
                    "turnaround_p50_ns": int(np.percentile(turn, 50)), "turnaround_p99_ns": int(np.percentile(turn, 99)),
@@ -365,8 +374,9 @@ def format_summary(s: dict, out_dir: Path) -> str:
     lines.append(f"groups: {gr['instantiated']} instantiated for real (the sandbox's), of {gr['in_graph']} in the "
                  f"graph ({gr['with_sandbox']} have a sandbox member)")
     c = s["calls"]
-    lines.append(f"calls: {c['recorded']} answered from the recording, {c['compensated']} compensated; "
-                 f"{c['deliveries']} results released")
+    lines.append(f"calls: {c['recorded']} answered from the recording, {c['compensated']} compensated"
+                 + (f" ({c['on_device']} of them on the sandbox's GPU, no host round trip)" if c.get("on_device") else "")
+                 + f"; {c['deliveries']} results released")
     lines.append(f"{'':<28}{'iteration time':>16}")
     lines.append(f"{'capture prediction':<28}{_ms(s['predicted_mean_ns']):>16}")
     lines.append(f"{'emulated job':<28}{_ms(s['emulated_mean_ns']):>16}")

@@ -22,7 +22,7 @@ import orjson
 from prism.core import codec
 
 #: 2: results carry ``release_ns`` (emulation: when the call completes).
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: Largest message (all frames together) a peer may send. Tensors staged
 #: through the coordinator in phase 1 are gradient buckets and activations:
 #: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
@@ -98,6 +98,10 @@ class CollectiveArrive:
     premul: float | None = None
     async_op: bool = False
     issue_ns: int = 0
+    #: Emulation, a GPU sandbox alone among virtual members of its group: the
+    #: data stays on the rank's GPU (no payloads) and the rank forms its
+    #: outputs there; the reply carries only the release.
+    on_device: bool = False
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
 
 

@@ -61,6 +61,7 @@ from torch._C._distributed_c10d import ReduceOp
 
 from prism.core import protocol, trace
 from prism.core.matcher import wait_key_coll, wait_key_p2p
+from prism.rank import devicepath
 from prism.rank import runtime as _rt
 
 # torch.frombuffer on the coordinator's read-only frames (see _from_payload).
@@ -197,6 +198,11 @@ class _Op:
         self.end_ns = 0
         #: Emulation: when the emulated job completes this call (monotonic ns; 0: unknown).
         self.release_mono_ns = 0
+        #: Emulation on a GPU (``prism.rank.devicepath``): the stream waits on
+        #: ``release_flag`` (releaser, slot, value), flipped at the release;
+        #: a wait from the host returns at once, as NCCL's does.
+        self.on_device = False
+        self.release_flag: tuple[Any, int, int] | None = None
         self.step = step
         self.done = threading.Event()
         self._error: BaseException | None = None
@@ -212,6 +218,8 @@ class _Op:
         return self._error
 
     def wait(self) -> None:
+        if self.on_device:
+            return  # the caller's stream already waits for the release (NCCL's semantics)
         if not self.done.is_set():
             rt = _rt.current()
             t = rt.recorder.comm_enter()
@@ -425,7 +433,10 @@ class PrismProcessGroup(dist.ProcessGroup):
         out_splits: Sequence[int] = (),
     ) -> PrismWork:
         rt = _rt.current()
-        if rt.recorder.gpu is None:
+        reduce_name, premul = _reduce_op(reduce) if reduce is not None else ("", None)
+        on_device = rt.hybrid and devicepath.eligible(op, self.global_ranks, rt.rank, [*inputs, *outputs],
+                                                      in_splits, out_splits, reduce_name)
+        if rt.recorder.gpu is None and not on_device:
             _settle([*inputs, *outputs])
         rt.ensure_slot()
         t0 = rt.recorder.comm_enter()
@@ -433,11 +444,13 @@ class PrismProcessGroup(dist.ProcessGroup):
             with self._seq_lock:
                 seq = self._seq
                 self._seq += 1
-            reduce_name, premul = _reduce_op(reduce) if reduce is not None else ("", None)
             tensors = list(inputs) or list(outputs)
             dtype = _dtype_name(tensors[0].dtype) if tensors else "uint8"
-            hosts = [_host(t) for t in inputs]
             async_op = bool(getattr(opts, "asyncOp", True))
+            if on_device:
+                return self._on_device(rt, op, seq, reduce_name, premul, dtype, inputs, outputs, result, root,
+                                       in_splits, out_splits, async_op, t0)
+            hosts = [_host(t) for t in inputs]
             msg = protocol.CollectiveArrive(
                 rank=rt.rank,
                 gid=self.gid,
@@ -486,6 +499,42 @@ class PrismProcessGroup(dist.ProcessGroup):
             return self._issued(PrismWork(pending))
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
+
+    def _on_device(self, rt: Any, op: str, seq: int, reduce_name: str, premul: float | None, dtype: str,
+                   inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                   result: Sequence[torch.Tensor] | None, root: int, in_splits: Sequence[int],
+                   out_splits: Sequence[int], async_op: bool, t0: int) -> PrismWork:
+        """A GPU sandbox's call answered by virtual members only
+        (``prism.rank.devicepath``): the stream waits for the release and
+        forms the outputs in place; the CPU goes on at once."""
+        rel = devicepath.releaser()
+        slot, value = rel.enqueue_wait()
+        devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs)
+        in_shapes = tuple(_shape(t) for t in (inputs if inputs or op != "broadcast" else outputs))
+        msg = protocol.CollectiveArrive(
+            rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype, in_shapes=in_shapes,
+            out_shapes=tuple(_shape(t) for t in outputs), root=root, in_splits=tuple(int(x) for x in in_splits),
+            out_splits=tuple(int(x) for x in out_splits), premul=premul, async_op=async_op,
+            issue_ns=rt.emu_ns(t0), on_device=True)
+        what = f"{op} on group {self.gid} (seq {seq})"
+        pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
+        pending.wait_key = wait_key_coll(self.gid, seq)
+        pending.on_device = True
+        pending.release_flag = (rel, slot, value)
+        nbytes = sum(t.numel() * t.element_size() for t in (inputs if inputs or op != "broadcast" else outputs))
+
+        def finish(p: _Op) -> list[Any]:
+            return [trace.Collective(
+                gid=msg.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype, in_shapes=msg.in_shapes,
+                out_shapes=msg.out_shapes, bytes=nbytes, root=root, in_splits=msg.in_splits,
+                out_splits=msg.out_splits, premul=premul, async_op=async_op, issue_ns=p.issue_ns,
+                wait_ns=p.wait_ns or p.end_ns, end_ns=p.end_ns, step=p.step)]
+
+        pending.finish_events = finish
+        fut = rt.client.future(("coll", self.gid, seq))
+        rt.send_call(msg)
+        rt.on_done(fut, lambda f: _complete_from_future(pending, f))
+        return self._issued(PrismWork(pending))
 
     def _check_len(self, call: str, what: str, items: Sequence[Any], n: int) -> None:
         if len(items) != n:
@@ -771,12 +820,18 @@ def _complete_from_future(pending: _Op, fut: Any) -> None:
     try:
         reply = fut.result()
     except BaseException as e:
+        if pending.release_flag is not None:  # never leave the GPU spinning on a call that failed
+            rel, slot, value = pending.release_flag
+            rel.release(slot, value)
         pending.complete(None, PrismRankError(f"{pending.what} failed: {e}"))
         return
     if reply.release_ns:
         # On the rank's dilated clock (an emulation): back onto the monotonic one.
         pending.release_mono_ns = reply.release_ns + _rt.current().dilation_ns
         _hold_until(pending.release_mono_ns)
+    if pending.release_flag is not None:
+        rel, slot, value = pending.release_flag
+        rel.release(slot, value)  # the GPU goes on
     pending.complete(tuple(reply.payloads), None)
 
 

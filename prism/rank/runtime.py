@@ -169,7 +169,9 @@ class RankRuntime:
         )
         from prism.rank import devices
 
-        if devices.installed():
+        if devices.installed() and not self.hybrid:
+            # (an emulation's GPU sandbox runs as the real job: no per-segment
+            # GPU timing, which synchronises the device at every call)
             from prism.rank import gputime
 
             timing = gputime.from_env(devices.mode(), swapping=self.welcome.swapping)
