@@ -70,9 +70,11 @@ class EmulateConfig:
     memory_limit_gib: float | None = None
     memory_overhead_gib: float = 0.6  # prism.app.capture.DEFAULT_MEMORY_OVERHEAD_GIB
     #: GPU sandboxes: collectives answered by virtual members only keep their
-    #: data on the GPU (``prism.rank.devicepath``); False stages every call
-    #: through host memory (the capture's path).
-    device_path: bool = True
+    #: data on the GPU (``prism.rank.devicepath``). Off by default: its one
+    #: run on an H200 (2026-12-02) hung at the sandbox's first call, cause not
+    #: yet found; False stages every call through host memory (the capture's
+    #: path, which works on GPUs).
+    device_path: bool = False
 
 
 @dataclass
@@ -112,6 +114,8 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
     from prism.rank import devices as D
     from prism.shell.gpu_plan import visible_gpus
 
+    from prism.rank import devicepath
+
     gpus = config.gpus
     if gpus is None and device_kind == "cuda":
         gpus = "0"
@@ -119,7 +123,7 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
         if config.memory_limit_gib is not None:
             raise UsageError("--memory-limit emulates a smaller GPU, but this capture ran on CPU and no --gpus "
                              "was given")
-        return {}
+        return {devicepath.SANDBOX_ENV: ",".join(map(str, sandbox))}
     try:
         ids = [int(x) for x in gpus.split(",") if x.strip()]
     except ValueError:
@@ -130,11 +134,11 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
         raise UsageError(f"--gpus {gpus}: {'GPU ' + str(bad[0]) + ' is' if bad else 'no GPU'} not visible here "
                          f"(visible: {seen or 'none'}); the capture ran on {device_kind or 'an unknown device'}: "
                          "a sandbox of a CUDA capture needs a GPU")
-    from prism.rank import devicepath
-
     env = {D.GPUS_ENV: ",".join(map(str, ids)), devicepath.SANDBOX_ENV: ",".join(map(str, sandbox))}
     if config.device_path:
         env[devicepath.GPU_SANDBOX_ENV] = "1"
+        # no lazy module loading while the GPU waits on a release (prism/rank/devicepath.py, the hazard)
+        env["CUDA_MODULE_LOADING"] = "EAGER"
     if config.memory_limit_gib is not None:
         from prism.rank.oom import MEMORY_LIMIT_ENV
 

@@ -41,15 +41,15 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "each sandbox keeps its logical device")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
                    help="emulate a GPU of GIB per sandbox rank, as `prism capture --memory-limit`")
-    p.add_argument("--host-path", action="store_true",
-                   help="GPU sandboxes: stage every collective through host memory (as capture does) instead of "
-                        "keeping the data of calls answered by virtual ranks on the GPU")
+    p.add_argument("--device-path", action="store_true",
+                   help="GPU sandboxes (experimental): keep the data of calls answered by virtual ranks only on the "
+                        "GPU, behind a stream-ordered release, instead of staging every call through host memory")
     p.add_argument("--memory-overhead", type=float, default=None, metavar="GIB",
                    help="of --memory-limit, what the GPU holds outside torch's allocator (default: as capture)")
 
 
 def _gpu_kw(args: argparse.Namespace) -> dict:
-    kw = {"gpus": args.gpus, "memory_limit_gib": args.memory_limit, "device_path": not args.host_path}
+    kw = {"gpus": args.gpus, "memory_limit_gib": args.memory_limit, "device_path": args.device_path}
     if args.memory_overhead is not None:
         kw["memory_overhead_gib"] = args.memory_overhead
     return kw

@@ -508,8 +508,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         (``prism.rank.devicepath``): the stream waits for the release and
         forms the outputs in place; the CPU goes on at once."""
         rel = devicepath.releaser()
-        slot, value = rel.enqueue_wait()
-        devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs)
+        slot, value = rel.reserve()
         in_shapes = tuple(_shape(t) for t in (inputs if inputs or op != "broadcast" else outputs))
         msg = protocol.CollectiveArrive(
             rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype, in_shapes=in_shapes,
@@ -532,8 +531,14 @@ class PrismProcessGroup(dist.ProcessGroup):
 
         pending.finish_events = finish
         fut = rt.client.future(("coll", self.gid, seq))
+        # The call goes out before anything is queued on the GPU: whatever
+        # blocks this thread next (a kernel's first launch, a copy), the
+        # release can come (the flags only grow: a release before the wait
+        # is queued lets it pass at once).
         rt.send_call(msg)
         rt.on_done(fut, lambda f: _complete_from_future(pending, f))
+        rel.enqueue_wait(slot, value)
+        devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs)
         return self._issued(PrismWork(pending))
 
     def _check_len(self, call: str, what: str, items: Sequence[Any], n: int) -> None:

@@ -89,6 +89,12 @@ def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) ->
         device = f"cuda:{local_rank % torch.cuda.device_count()}"
     else:
         device = "cpu"
+    dump = os.environ.get(STACK_DUMP_ENV)
+    if dump:
+        # a hang's stacks (every thread) in the rank's log, for diagnosis
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(dump), repeat=True)
     hello = _rt.make_hello(rank, world_size, local_rank, device)
     client, welcome = connect(endpoint, hello)
     rt = _rt.RankRuntime(client, welcome, hello, welcome_recv_ns=time.monotonic_ns())
@@ -102,6 +108,11 @@ def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) ->
         gpus = os.environ.get(_devices.GPUS_ENV)
         _memstats.install(shared_gpu=bool(gpus) and world_size > len(_devices.parse_gpus(gpus)))
     return rt
+
+
+#: Seconds after which (and every as many after) a rank writes every thread's
+#: Python stack to its log (``faulthandler``): to see where a hung rank is.
+STACK_DUMP_ENV = "PRISM_STACK_DUMP_S"
 
 
 # --- forcing the backend -------------------------------------------------------------

@@ -37,6 +37,18 @@ broadcast / barrier      nothing changes
 
 Other ops (uneven all_to_all, gather, scatter, point-to-point, groups with
 two sandbox members) keep the host path.
+
+The hazard: while the GPU waits on a flag, anything that needs the whole
+GPU idle before it returns blocks the thread that asked, and if that thread
+holds the GIL the release (a Python thread) cannot come. CUDA's lazy module
+loading is one such thing (a kernel's first launch may synchronise the
+context: CUDA programming guide, "Lazy Loading", potential hazards), so a
+device-path sandbox runs with ``CUDA_MODULE_LOADING=EAGER`` (set by
+``prism emulate``; the module images then sit in GPU memory from the start,
+outside torch's allocator, whose figures do not change). ``cudaFree`` under
+memory pressure and ``torch.cuda.empty_cache()`` are others, not handled yet.
+The call's message is sent before the wait is queued, so the release never
+depends on what the main thread does after it.
 """
 
 from __future__ import annotations
@@ -61,7 +73,14 @@ _sandbox: frozenset[int] | None = None
 
 
 def enabled() -> bool:
-    return os.environ.get(GPU_SANDBOX_ENV) == "1"
+    return os.environ.get(GPU_SANDBOX_ENV) in ("1", "cpu-test")
+
+
+def _cpu_test() -> bool:
+    """``PRISM_GPU_SANDBOX=cpu-test``: the device path's protocol and in-place
+    outputs on CPU tensors, with no stream to wait on (the outputs are formed
+    at the call, not at the release): for tests of the path without a GPU."""
+    return os.environ.get(GPU_SANDBOX_ENV) == "cpu-test"
 
 
 def sandbox_ranks() -> frozenset[int]:
@@ -79,7 +98,7 @@ def eligible(op: str, members: Sequence[int], rank: int, tensors: Sequence[torch
         return False
     if any(m in sandbox_ranks() for m in members if m != rank):
         return False  # another sandbox's real data is needed: the host path exchanges it
-    if tensors and not all(t.is_cuda and t.is_contiguous() for t in tensors):
+    if tensors and not all((t.is_cuda or _cpu_test()) and t.is_contiguous() for t in tensors):
         return False
     if op == "all_to_all_single" and (len(set(in_splits)) > 1 or list(in_splits) != list(out_splits)):
         return False
@@ -99,16 +118,33 @@ class Releaser:
         self._n = 0
         self._lock = threading.Lock()
 
-    def enqueue_wait(self) -> tuple[int, int]:
-        """Make the current stream wait for the next flag; returns (slot, value)."""
+    def reserve(self) -> tuple[int, int]:
+        """The next (slot, value) to wait on."""
         with self._lock:
             n, self._n = self._n, self._n + 1
-        slot, value = n % SLOTS, n // SLOTS + 1
+        return n % SLOTS, n // SLOTS + 1
+
+    def enqueue_wait(self, slot: int, value: int) -> None:
+        """Make the current stream wait until ``slot`` reaches ``value``."""
         self.flags.wait(slot, value, mode=self.mode)
-        return slot, value
 
     def release(self, slot: int, value: int) -> None:
         self.flags.release(slot, value)
+
+
+class _NullReleaser:
+    """``cpu-test``: nothing to wait on."""
+
+    mode = "cpu-test"
+
+    def reserve(self) -> tuple[int, int]:
+        return 0, 0
+
+    def enqueue_wait(self, slot: int, value: int) -> None:
+        pass
+
+    def release(self, slot: int, value: int) -> None:
+        pass
 
 
 def releaser() -> Releaser | None:
@@ -116,6 +152,8 @@ def releaser() -> Releaser | None:
     (no compiled wait kernel and no cuda-python): the host path runs."""
     global _releaser
     with _lock:
+        if _releaser is None and _cpu_test():
+            _releaser = _NullReleaser()
         if _releaser is None:
             try:
                 r = Releaser()

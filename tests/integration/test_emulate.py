@@ -32,9 +32,9 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 SCRIPTS = ROOT / "tests" / "support" / "scripts"
 
 
-def prism(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def prism(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "prism", *args], capture_output=True, text=True, timeout=timeout,
-                          env=ENV, cwd=cwd)
+                          env=env or ENV, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,20 @@ def test_without_recording_compensates_and_says_how_far_losses_moved(gpt_run):
     r4 = s["ranks"]["4"]
     assert len(r4["losses"]) == 3 and r4["max_loss_rel_diff"] is not None
     assert "losses" in proc.stdout and "compensated" in proc.stdout
+
+
+def test_the_device_path_protocol_compensates_as_the_coordinator_does(gpt_run):
+    # PRISM_GPU_SANDBOX=cpu-test runs the GPU sandbox's path (on_device calls,
+    # outputs formed in place by the rank) on CPU tensors: the losses equal the
+    # host path's compensated ones, digit for digit.
+    env = dict(ENV, PRISM_GPU_SANDBOX="cpu-test")
+    dev = prism("emulate", str(gpt_run), "--sandbox", "4", "--no-recording", "--name", "dev", "--progress", "off",
+                "--json", cwd=gpt_run.parent, env=env)
+    assert dev.returncode == 0, dev.stderr[-3000:]
+    d = summary(dev.stdout)
+    host = json.loads((gpt_run / "emulation" / "comp" / "summary.json").read_text())
+    assert d["calls"]["on_device"] > 0 and host["calls"]["on_device"] == 0
+    assert d["ranks"]["4"]["losses"] == host["ranks"]["4"]["losses"]
 
 
 def test_a_changed_width_stops_within_seconds_naming_rank_op_group_and_sequence(gpt_run):

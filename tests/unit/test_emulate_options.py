@@ -7,7 +7,7 @@ from prism.app.errors import UsageError
 
 
 def test_a_cpu_capture_needs_no_gpu_env():
-    assert E._gpu_env(E.EmulateConfig(run="r"), "cpu", [0]) == {}
+    assert E._gpu_env(E.EmulateConfig(run="r"), "cpu", [0, 3]) == {"PRISM_SANDBOX_RANKS": "0,3"}
 
 
 def test_a_memory_limit_on_cpu_is_refused():
@@ -24,6 +24,8 @@ def test_gpus_must_be_visible_and_well_formed(monkeypatch):
     with pytest.raises(UsageError, match="--gpus takes GPU indices"):
         E._gpu_env(E.EmulateConfig(run="r", gpus="a"), "cuda", [0])
     env = E._gpu_env(E.EmulateConfig(run="r", memory_limit_gib=2.6), "cuda", [0, 1])  # cuda capture: GPU 0
-    assert env["PRISM_GPUS"] == "0" and env["PRISM_SANDBOX_RANKS"] == "0,1" and env["PRISM_GPU_SANDBOX"] == "1" and int(env["PRISM_MEMORY_LIMIT_BYTES"]) == 2 * 2**30
+    assert env["PRISM_GPUS"] == "0" and env["PRISM_SANDBOX_RANKS"] == "0,1" and "PRISM_GPU_SANDBOX" not in env and int(env["PRISM_MEMORY_LIMIT_BYTES"]) == 2 * 2**30
+    on = E._gpu_env(E.EmulateConfig(run="r", device_path=True), "cuda", [0])
+    assert on["PRISM_GPU_SANDBOX"] == "1" and on["CUDA_MODULE_LOADING"] == "EAGER"  # the device path, opt-in
     with pytest.raises(UsageError, match="leaves nothing"):
         E._gpu_env(E.EmulateConfig(run="r", memory_limit_gib=0.5), "cuda", [0])
