@@ -141,6 +141,13 @@ suite_emulate_accuracy_16() {  # the same at world 16 (GPT in two layouts, the M
     --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} --out "$R/accuracy-world16.json"
 }
 
+suite_comm_share() {  # CPU truth vs replay split into communication and the rest, world 8 and 16
+  x "$R/comm_share-world8.txt" ${T8:-280} python3 bench/comm_share.py --world 8 --runs ${RUNS:-2} --steps 10 \
+    --out "$R/comm_share-world8.json"
+  x "$R/comm_share-world16.txt" ${T16:-280} python3 bench/comm_share.py --world 16 --runs ${RUNS:-2} --steps 10 \
+    --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} --out "$R/comm_share-world16.json"
+}
+
 suite_truth_segments() {  # a truth step under the profiler, cut at its calls, beside a capture's
   local s
   for s in ${SEGS:-pp2 fsdp2}; do
@@ -205,7 +212,7 @@ suite_cpu_scale() {  # CPU capture of the bundled GPT at 1,024 ranks, 16 slots
 }
 
 SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
-emulate-accuracy-16 truth-segments
+emulate-accuracy-16 comm-share truth-segments
 truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale"
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then

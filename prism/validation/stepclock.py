@@ -29,6 +29,15 @@ K's end, into ``profile-rank-R.json`` (Chrome trace) beside the step file:
 calls only (far less CPU overhead than operator records):
 ``prism.validation.truthcut.timeline`` reads those.
 
+With ``PRISM_STEPCLOCK_CALLS=1`` every communication call made through
+``torch.distributed``'s Python functions (``all_reduce``, ``broadcast``,
+``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``,
+``send``, ``recv``, ``isend``, ``irecv``, ...) writes ``call STEP OP GROUP_SIZE
+BYTES T0_NS T1_NS ASYNC``: how long the call held its caller (for an async call
+only its issue), bytes of its first tensor; calls C++ makes by itself (DDP's
+reducer) are not seen. No profiler: the times are the calls' own, give or take
+a microsecond (``prism.validation.stepclock.parse_calls`` reads them).
+
 With ``PRISM_STEPCLOCK_SCHED=1`` every step also writes
 ``sched STEP CPU RUN_NS RUNQUEUE_NS`` for the rank's main thread: the CPU it
 last ran on and its cumulative time on a CPU and waiting for one
@@ -112,6 +121,8 @@ def main() -> None:
             prof[0].start()
 
     register_optimizer_step_post_hook(hook)
+    if os.environ.get("PRISM_STEPCLOCK_CALLS") == "1":
+        _time_calls(log, count)
     if os.environ.get("PRISM_STEPCLOCK_MODE") == "1":
         # Measures the logical-device mode's cost inside a real (non-Prism)
         # run. The mode maps every index to in-process device 0, so each rank
@@ -130,6 +141,61 @@ def main() -> None:
         runpy.run_path(cmd[0], run_name="__main__")
 
 
+#: The torch.distributed functions ``PRISM_STEPCLOCK_CALLS=1`` times.
+TIMED_CALLS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend",
+               "irecv", "batch_isend_irecv")
+
+
+def _time_calls(log, count) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    def nbytes(args, kwargs) -> int:
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                return a.numel() * a.element_size()
+            if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+                return sum(t.numel() * t.element_size() for t in a)
+        return 0
+
+    def wrap(name, fn):
+        def timed(*args, **kwargs):
+            t0 = time.monotonic_ns()
+            out = fn(*args, **kwargs)
+            t1 = time.monotonic_ns()
+            group = kwargs.get("group")
+            try:
+                n = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            except Exception:  # noqa: BLE001 (a non-member's call)
+                n = -1
+            is_async = bool(kwargs.get("async_op")) or name in ("isend", "irecv", "batch_isend_irecv")
+            log.write(f"call {count[0]} {name} {n} {nbytes(args, kwargs)} {t0} {t1} {int(is_async)}\n")
+            return out
+        timed.__wrapped__ = fn
+        return timed
+
+    for name in TIMED_CALLS:
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+        w = wrap(name, fn)
+        setattr(c10d, name, w)
+        if getattr(dist, name, None) is fn:
+            setattr(dist, name, w)
+
+
+def parse_calls(text: str) -> list[tuple[int, str, int, int, int, int, bool]]:
+    """The ``call`` lines of one rank's file: (step, op, group size, bytes, t0, t1, async)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("call "):
+            _, step, op, n, b, t0, t1, a = line.split()
+            out.append((int(step), op, int(n), int(b), int(t0), int(t1), a == "1"))
+    return out
+
+
 def parse(text: str) -> tuple[list[int], dict[str, list[int]]]:
     """(step end times in ns, {"mem-step": [...], "mem-peak": [...]}) of one rank's file."""
     ends: list[int] = []
@@ -140,7 +206,7 @@ def parse(text: str) -> tuple[list[int], dict[str, list[int]]]:
             continue
         if parts[0].startswith("mem-"):
             mem[parts[0]] = [int(x) for x in parts[1:]]
-        elif parts[0] == "sched":
+        elif parts[0] in ("sched", "call"):
             continue
         else:
             ends.append(int(parts[1]))
