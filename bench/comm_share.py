@@ -12,7 +12,11 @@ caller; the replay: its collective, point-to-point and wait nodes) and
 *the rest* (iteration time less communication: compute and Python). Printed
 per configuration: the mean over ranks and steps of each, truth beside each
 profile's replay, so an iteration-time error shows whether the cost model
-(communication) or the captured durations (the rest) carry it.
+(communication) or the captured durations (the rest) carry it. Each run
+also captures with ``PRISM_FRONT_END_IN_COMM=1`` (torch's Python dispatch
+counted inside each call instead of in the compute around it:
+``prism/rank/bootstrap.py::_front_end``), replayed under two profiles
+(rows ``+fe``).
 
 Ground truth needs one core per rank, as in ``bench/accuracy.py``.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import shutil
@@ -41,6 +46,7 @@ from prism.app.netprofile import usable_cores  # noqa: E402
 from prism.core.graph import COLL, RECV, SEND, WAIT, ExecutionGraph  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.shell.launcher import launch_ranks  # noqa: E402
+from prism.rank.bootstrap import FRONT_END_ENV  # noqa: E402
 from prism.shell.runfolder import read_run  # noqa: E402
 from prism.validation import stepclock  # noqa: E402
 from prism.validation.truthrun import STEPCLOCK  # noqa: E402
@@ -72,9 +78,18 @@ def truth_split(world: int, cmd: list[str], tmp: pathlib.Path, warmup: int, time
     return {"iteration_ms": float(iters.mean()), "comm_ms": c, "rest_ms": float(iters.mean()) - c}
 
 
-def prism_split(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, warmup: int) -> dict:
+def prism_split(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, warmup: int,
+                front_end: bool = False) -> dict:
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
-    status = capture_run(d, world, cmd, slots=usable_cores(), show_ranks=(), progress="off").exit_code
+    old = os.environ.get(FRONT_END_ENV)
+    os.environ[FRONT_END_ENV] = "1" if front_end else "0"  # the ranks inherit it
+    try:
+        status = capture_run(d, world, cmd, slots=usable_cores(), show_ranks=(), progress="off").exit_code
+    finally:
+        if old is None:
+            os.environ.pop(FRONT_END_ENV, None)
+        else:
+            os.environ[FRONT_END_ENV] = old
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
     graph = ExecutionGraph.from_events(read_run(d).ranks)
@@ -123,6 +138,10 @@ def main() -> int:
             for i in range(a.runs):
                 t = truth_split(a.world, cmd, tmp, a.warmup, a.timeout)
                 p = prism_split(a.world, cmd, tmp, models, a.warmup)
+                # the same with torch's front end counted inside each call (PRISM_FRONT_END_IN_COMM=1)
+                f = prism_split(a.world, cmd, tmp, {k: models[k] for k in ("concurrent", "one-fit")}, a.warmup,
+                                front_end=True)
+                p.update({f"{k}+fe": v for k, v in f.items()})
                 runs.append({"truth": t, "prism": p})
                 print(f"{name} run {i}: truth {t['iteration_ms']:.1f} ms = comm {t['comm_ms']:.1f} + rest "
                       f"{t['rest_ms']:.1f}; " + "; ".join(f"{k} {v['iteration_ms']:.1f} = {v['comm_ms']:.1f} + "

@@ -173,7 +173,62 @@ def patch_torch_distributed() -> None:
             mod.new_group = new_group
     for device in ("cpu", "cuda"):
         dist.Backend.default_device_backend_map[device] = _backend.BACKEND_NAME
+    if os.environ.get(FRONT_END_ENV) == "1":
+        _wrap_front_end()
     _compat.install()
+
+
+#: ``PRISM_FRONT_END_IN_COMM=1``: count torch.distributed's Python front end
+#: as part of each call (``_front_end``), not of the compute around it. Off
+#: by default until measured on the device (``bench/comm_share.py`` compares).
+FRONT_END_ENV = "PRISM_FRONT_END_IN_COMM"
+
+#: torch.distributed's Python calls whose whole time counts as communication.
+FRONT_END_CALLS = ("all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+                   "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "send",
+                   "recv", "isend", "irecv", "batch_isend_irecv", "gather", "scatter")
+
+
+def _front_end(fn: Any) -> Any:
+    """``fn`` with its whole run inside a communication call of the recorder.
+
+    A call through torch.distributed's Python functions reaches Prism's
+    backend after torch's own dispatch (argument checks, the C++ trampoline
+    into a Python backend), and a blocking call returns through it and its
+    ``work.wait()``. Without this those stretches would be cut into the
+    compute segments around the call (about 0.3 ms per call on the 2-core VM,
+    measured with ``bench/comm_share.py``), while the cost model's measured
+    points already contain the real backend's own dispatch: the replay would
+    count it twice. Calls that C++ makes by itself (DDP's reducer, functional
+    collectives) do not pass here; their segments are cut where the backend
+    is entered, as before. On the 2-core VM the effect was within its noise
+    (2026-12-02); the device's CPUs will say."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        rt = _rt._current
+        if rt is None:
+            return fn(*args, **kwargs)
+        rt.recorder.comm_enter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rt.recorder.comm_exit(time.monotonic_ns())
+
+    call._prism_front_end = True
+    return call
+
+
+def _wrap_front_end() -> None:
+    for name in FRONT_END_CALLS:
+        fn = getattr(c10d, name, None)
+        if fn is None or getattr(fn, "_prism_front_end", False):
+            continue
+        wrapped = _front_end(fn)
+        for modname in ("torch.distributed", "torch.distributed.distributed_c10d"):
+            mod = importlib.import_module(modname)
+            if getattr(mod, name, None) is fn:
+                setattr(mod, name, wrapped)
 
 
 def install_lazy() -> None:
