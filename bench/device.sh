@@ -141,6 +141,20 @@ suite_emulate_accuracy_16() {  # the same at world 16 (GPT in two layouts, the M
     --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} --out "$R/accuracy-world16.json"
 }
 
+suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then GPT tp2 emulated with a GPU sandbox, both paths
+  export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
+  x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
+  x "$R/cuda_ext-tests.txt" 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_cuda_ext_gpu.py
+  x "$R/cuda_kernels.txt" 120 python3 bench/cuda_kernels.py --out "$R/cuda_kernels.json"
+  # shellcheck disable=SC2086 (the words split on purpose)
+  x "$R/capture-gpt-tp2.txt" 120 python3 -m prism capture -n 2 --gpus 0 --out "$R/cap-gpt" --progress off -- $GPT \
+    --tp 2 --pp 1 --dp 1
+  x "$R/emulate-device.txt" 120 env PRISM_STACK_DUMP_S=20 python3 -m prism emulate "$R/cap-gpt" --sandbox 0 \
+    --device-path --net "$NET" --warmup 3 --name device --quiet 25 --progress off
+  x "$R/emulate-host.txt" 200 python3 -m prism emulate "$R/cap-gpt" --sandbox 0 --net "$NET" --warmup 3 --name host \
+    --progress off
+}
+
 suite_comm_share() {  # CPU truth vs replay split into communication and the rest, world 8 and 16
   x "$R/comm_share-world8.txt" ${T8:-280} python3 bench/comm_share.py --world 8 --runs ${RUNS:-2} --steps 10 \
     --out "$R/comm_share-world8.json"
@@ -212,7 +226,7 @@ suite_cpu_scale() {  # CPU capture of the bundled GPT at 1,024 ranks, 16 slots
 }
 
 SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
-emulate-accuracy-16 comm-share truth-segments
+emulate-accuracy-16 comm-share gpu-sandbox truth-segments
 truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale"
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then
