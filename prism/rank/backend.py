@@ -201,7 +201,6 @@ class _Op:
         #: Emulation on a GPU (``prism.rank.devicepath``): the stream waits on
         #: ``release_flag`` (releaser, slot, value), flipped at the release;
         #: a wait from the host returns at once, as NCCL's does.
-        self.on_device = False
         self.release_flag: tuple[Any, int, int] | None = None
         self.step = step
         self.done = threading.Event()
@@ -218,7 +217,7 @@ class _Op:
         return self._error
 
     def wait(self) -> None:
-        if self.on_device:
+        if self.release_flag is not None:
             return  # the caller's stream already waits for the release (NCCL's semantics)
         if not self.done.is_set():
             rt = _rt.current()
@@ -509,18 +508,18 @@ class PrismProcessGroup(dist.ProcessGroup):
         forms the outputs in place; the CPU goes on at once."""
         rel = devicepath.releaser()
         slot, value = rel.reserve()
-        in_shapes = tuple(_shape(t) for t in (inputs if inputs or op != "broadcast" else outputs))
+        declared = inputs if inputs or op != "broadcast" else outputs  # as in _collective
         msg = protocol.CollectiveArrive(
-            rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype, in_shapes=in_shapes,
+            rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
+            in_shapes=tuple(_shape(t) for t in declared),
             out_shapes=tuple(_shape(t) for t in outputs), root=root, in_splits=tuple(int(x) for x in in_splits),
             out_splits=tuple(int(x) for x in out_splits), premul=premul, async_op=async_op,
             issue_ns=rt.emu_ns(t0), on_device=True)
         what = f"{op} on group {self.gid} (seq {seq})"
         pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
-        pending.on_device = True
         pending.release_flag = (rel, slot, value)
-        nbytes = sum(t.numel() * t.element_size() for t in (inputs if inputs or op != "broadcast" else outputs))
+        nbytes = sum(t.numel() * t.element_size() for t in declared)
 
         def finish(p: _Op) -> list[Any]:
             return [trace.Collective(
@@ -825,19 +824,22 @@ def _complete_from_future(pending: _Op, fut: Any) -> None:
     try:
         reply = fut.result()
     except BaseException as e:
-        if pending.release_flag is not None:  # never leave the GPU spinning on a call that failed
-            rel, slot, value = pending.release_flag
-            rel.release(slot, value)
+        _release_gpu(pending)  # never leave the GPU spinning on a call that failed
         pending.complete(None, PrismRankError(f"{pending.what} failed: {e}"))
         return
     if reply.release_ns:
         # On the rank's dilated clock (an emulation): back onto the monotonic one.
         pending.release_mono_ns = reply.release_ns + _rt.current().dilation_ns
         _hold_until(pending.release_mono_ns)
+    _release_gpu(pending)
+    pending.complete(tuple(reply.payloads), None)
+
+
+def _release_gpu(pending: _Op) -> None:
+    """Let a device-path call's stream go on (``prism.rank.devicepath``)."""
     if pending.release_flag is not None:
         rel, slot, value = pending.release_flag
-        rel.release(slot, value)  # the GPU goes on
-    pending.complete(tuple(reply.payloads), None)
+        rel.release(slot, value)
 
 
 def _hold_until(release_ns: int) -> None:
