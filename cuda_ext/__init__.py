@@ -340,7 +340,10 @@ class ReleaseFlags:
         cuda = self.device.type == "cuda"
         self.flags = torch.zeros(slots, dtype=torch.int32, pin_memory=cuda)
         self.stamps = torch.zeros(2 * slots, dtype=torch.int64, pin_memory=cuda)
+        #: Per slot (deadline, tail), in the wait's clock (``clock``): see ``release``.
+        self.deadlines = torch.zeros(2 * slots, dtype=torch.int64, pin_memory=cuda)
         self._cond = threading.Condition()
+        self._offset: int | None = None
 
     def default_mode(self) -> str:
         if self.device.type != "cuda":
@@ -354,15 +357,20 @@ class ReleaseFlags:
         if mode not in self.MODES:
             raise ValueError(f"ReleaseFlags.wait: mode {mode!r}; known: {', '.join(self.MODES)}")
         if mode == "host":
+            reached = time.monotonic_ns()
             with self._cond:
                 self._cond.wait_for(lambda: int(self.flags[slot]) >= value)
+            until = max(int(self.deadlines[2 * slot]), reached + int(self.deadlines[2 * slot + 1]))
+            while (left := until - time.monotonic_ns()) > 0:
+                time.sleep(left / 1e9 if left > 200_000 else 0)
+            self.stamps[2 * slot] = reached
             self.stamps[2 * slot + 1] = time.monotonic_ns()
             return
         mod = kernels()
         if mode == "kernel":
             if mod is None:
                 raise RuntimeError(f"ReleaseFlags: the wait kernel needs the compiled extension ({info().reason})")
-            mod.wait_flag_kernel(self.flags, slot, value, self.stamps)
+            mod.wait_flag_kernel(self.flags, slot, value, self.stamps, self.deadlines)
         elif mod is not None:
             none = torch.empty(0, dtype=torch.int32)
             mod.stamp(self.stamps, 2 * slot, none, 0, 0)
@@ -371,11 +379,55 @@ class ReleaseFlags:
         else:
             _memop_cuda_python(self.flags, slot, value)
 
-    def release(self, slot: int, value: int) -> None:
-        """Let waits on ``slot`` up to ``value`` go on (any host thread)."""
+    def release(self, slot: int, value: int, at_ns: int = 0, tail_ns: int = 0) -> None:
+        """Let waits on ``slot`` up to ``value`` go on (any host thread).
+
+        ``at_ns`` (this host's monotonic clock; 0: at once) and ``tail_ns``
+        time the release where the wait runs (``kernel`` on the GPU's
+        globaltimer, ``host`` in the waiting thread): a wait ends at
+        ``max(at_ns, the moment its stream reached it + tail_ns)``, so the
+        flag may be flipped ahead of time and the releasing thread need not
+        wake on time. ``memop`` waits cannot be timed: ``at_ns`` is held here."""
+        if at_ns or tail_ns:
+            if self.default_mode() == "memop":
+                while (left := at_ns - time.monotonic_ns()) > 0:
+                    time.sleep(left / 1e9 if left > 200_000 else 0)
+            else:
+                self.deadlines[2 * slot] = self.to_wait_clock(at_ns) if at_ns else 0
+                self.deadlines[2 * slot + 1] = max(0, int(tail_ns))
+        elif self.device.type == "cuda":
+            self.deadlines[2 * slot] = self.deadlines[2 * slot + 1] = 0
         with self._cond:
             self.flags[slot] = value  # a store to pinned memory: the GPU sees it over PCIe/NVLink-C2C
             self._cond.notify_all()
+
+    def clock_offset_ns(self) -> int:
+        """This host's monotonic clock minus the wait's clock (the GPU's
+        globaltimer in ``kernel`` mode; 0 in ``host`` mode), measured once:
+        the tightest of a few stamp-and-synchronise round trips, whose
+        midpoint is taken."""
+        if self._offset is None:
+            mod = kernels()
+            if self.device.type != "cuda" or mod is None or self.default_mode() != "kernel":
+                self._offset = 0
+            else:
+                probe = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+                none = torch.empty(0, dtype=torch.int32)
+                best = None
+                for _ in range(8):
+                    torch.cuda.synchronize(self.device)
+                    a = time.monotonic_ns()
+                    mod.stamp(probe, 0, none, 0, 0)
+                    torch.cuda.synchronize(self.device)
+                    b = time.monotonic_ns()
+                    if best is None or b - a < best[0]:
+                        best = (b - a, (a + b) // 2 - int(probe[0]))
+                self._offset = best[1]
+        return self._offset
+
+    def to_wait_clock(self, mono_ns: int) -> int:
+        """A moment of this host's monotonic clock on the wait's clock."""
+        return int(mono_ns) - self.clock_offset_ns()
 
     def reached_ns(self, slot: int) -> int:
         """The GPU's globaltimer when the stream reached the wait (kernel mode; 0 if not known)."""

@@ -119,7 +119,14 @@ torch::Tensor device_slab(int64_t nbytes, int64_t device) {
 // ---- stream-ordered release ------------------------------------------------------
 // flags: a pinned host int32 tensor (mapped: with unified addressing the host
 // pointer is the device pointer); stamps: pinned int64, two per slot.
-__global__ void wait_kernel(volatile int* flag, int value, unsigned long long* stamp) {
+// deadlines: pinned int64, two per slot, written by the host before the flag:
+// [0] the earliest globaltimer the wait may end at, [1] a tail: the wait
+// ends no sooner than tail ns after the stream reached it. So the release is
+// timed on the GPU (no host thread has to wake on time), and a stream that
+// gets to a call later than the host said it would still pays the call's
+// tail after it got there.
+__global__ void wait_kernel(volatile int* flag, int value, unsigned long long* stamp,
+                            volatile long long* deadline) {
   unsigned long long t0, t1;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
   while (*flag < value) {
@@ -127,17 +134,27 @@ __global__ void wait_kernel(volatile int* flag, int value, unsigned long long* s
     __nanosleep(64);
 #endif
   }
+  if (deadline) {
+    long long d = deadline[0], tail = deadline[1];
+    unsigned long long until = (unsigned long long)(d > 0 ? d : 0);
+    if (tail > 0 && t0 + (unsigned long long)tail > until) until = t0 + (unsigned long long)tail;
+    do {
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+    } while (t1 < until);
+  }
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
   if (stamp) { stamp[0] = t0; stamp[1] = t1; }
   __threadfence_system();
 }
 
-void wait_flag_kernel(torch::Tensor flags, int64_t slot, int64_t value, torch::Tensor stamps) {
+void wait_flag_kernel(torch::Tensor flags, int64_t slot, int64_t value, torch::Tensor stamps,
+                      torch::Tensor deadlines) {
   TORCH_CHECK(flags.is_pinned() && flags.scalar_type() == at::kInt, "wait: flags must be pinned int32");
   auto stream = c10::cuda::getCurrentCUDAStream();
   unsigned long long* st = stamps.numel() ? reinterpret_cast<unsigned long long*>(stamps.data_ptr<int64_t>()) + 2 * slot
                                           : nullptr;
-  wait_kernel<<<1, 1, 0, stream>>>(flags.data_ptr<int>() + slot, (int)value, st);
+  long long* dl = deadlines.numel() ? reinterpret_cast<long long*>(deadlines.data_ptr<int64_t>()) + 2 * slot : nullptr;
+  wait_kernel<<<1, 1, 0, stream>>>(flags.data_ptr<int>() + slot, (int)value, st, dl);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -176,7 +193,7 @@ void stamp(torch::Tensor stamps, int64_t index, torch::Tensor acks, int64_t ack_
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine", &combine, "out = own (op) folded, float32 math, rounded once");
   m.def("device_slab", &device_slab, "device memory from cudaMalloc, outside torch's caching allocator");
-  m.def("wait_flag_kernel", &wait_flag_kernel, "the stream waits (a spinning kernel) until flags[slot] >= value");
+  m.def("wait_flag_kernel", &wait_flag_kernel, "the stream waits (a spinning kernel) until flags[slot] >= value, then until its deadline");
   m.def("wait_flag_memop", &wait_flag_memop, "the stream waits (cuStreamWaitValue32) until flags[slot] >= value");
   m.def("stamp", &stamp, "write the GPU's globaltimer (and an ack) when the stream reaches this point");
 }

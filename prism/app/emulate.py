@@ -261,6 +261,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         done = end[marks]
         times = np.diff(done[done >= 0], prepend=0).tolist() if len(marks) else []
         mems = [e for e in events if type(e).__name__ == "Memory"]
+        peaks = _peaks(mems)
+        capture_peaks = _peaks(_memory_events(runfolder.rank_path(run, r)))
         losses = parse_losses(_read_text(runfolder.log_path(out, r)))
         captured = parse_losses(_read_text(runfolder.log_path(run, r)))
         per_rank[str(r)] = {
@@ -272,7 +274,12 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
             "capture_losses": captured,
             "losses_equal": (losses == {k: v for k, v in captured.items() if k in losses}) if losses else None,
             "max_loss_rel_diff": _max_rel(losses, captured),
-            "peak_allocated": max((m.peak_allocated for m in mems), default=None),
+            "peak_allocated": max(peaks.values(), default=None),
+            "capture_peak_allocated": max(capture_peaks.values(), default=None),
+            # per step: torch's peak allocated bytes, the emulation's beside the capture's
+            "peak_allocated_by_step": {str(k): v for k, v in peaks.items()},
+            "capture_peak_allocated_by_step": {str(k): v for k, v in capture_peaks.items()},
+            "peaks_equal": ({k: capture_peaks.get(k) for k in peaks} == peaks) if peaks else None,
             "peak_rss_bytes": getattr(emu._processes, "peak_rss", {}).get(r),
             "divergence": emu.stats.divergence.get(r, ""),
             "resized": emu.stats.resized.get(r, ""),
@@ -351,6 +358,27 @@ def _mean(times: Sequence[float], warmup: int) -> float | None:
     return float(np.mean(times[warmup:])) if len(times) > warmup else None
 
 
+def _memory_events(path: Path) -> list[Any]:
+    """A rank file's Memory records ([] where it is missing or unreadable)."""
+    from prism.shell import runfolder
+
+    if not path.is_file():
+        return []
+    try:
+        events = runfolder.read_rank_file(path, ignore_unknown=True).events
+    except Exception:  # noqa: BLE001 (a rank killed mid-write: nothing to compare)
+        return []
+    return [e for e in events if type(e).__name__ == "Memory"]
+
+
+def _peaks(mems: list[Any]) -> dict[int, int]:
+    """step -> the highest torch peak allocated of its Memory samples."""
+    out: dict[int, int] = {}
+    for m in mems:
+        out[m.step] = max(out.get(m.step, 0), m.peak_allocated)
+    return out
+
+
 def _max_rel(losses: dict[int, str], captured: dict[int, str]) -> float | None:
     diffs = []
     for k, v in losses.items():
@@ -390,6 +418,9 @@ def format_summary(s: dict, out_dir: Path) -> str:
                 f"losses moved by up to {info['max_loss_rel_diff']:.3g} (relative)" if info["max_loss_rel_diff"]
                 is not None else "no losses printed" if eq is None else "losses differ")
         peak = f", torch peak {info['peak_allocated']:,} B" if info["peak_allocated"] is not None else ""
+        if info["peak_allocated"] is not None and info.get("capture_peak_allocated") is not None:
+            peak += (" (equal to the capture's at every step)" if info.get("peaks_equal") else
+                     f" (capture's {info['capture_peak_allocated']:,} B)")
         if info.get("peak_rss_bytes"):
             peak += f", process peak RSS {info['peak_rss_bytes'] / 2**20:,.0f} MiB"
         lines.append(f"{'sandbox rank ' + r:<28}{_ms(info['mean_iteration_ns']):>16}  {loss}{peak}")

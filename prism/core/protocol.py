@@ -22,7 +22,7 @@ import orjson
 from prism.core import codec
 
 #: 2: results carry ``release_ns`` (emulation: when the call completes).
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: Largest message (all frames together) a peer may send. Tensors staged
 #: through the coordinator in phase 1 are gradient buckets and activations:
 #: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
@@ -236,6 +236,12 @@ class CollectiveResult:
     #: Emulation: the rank's monotonic time (ns) at which the call completes
     #: (the rank holds the result until then); 0: at once.
     release_ns: int = 0
+    #: Emulation: the modelled time of the call itself (ns), from its last
+    #: member's arrival to its completion. A GPU sandbox on the device path
+    #: (``CollectiveArrive.on_device``) announces a call when its CPU issues
+    #: it; its stream may get there later, and then completes it no sooner
+    #: than this long after it got there.
+    tail_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)

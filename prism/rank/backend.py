@@ -830,8 +830,14 @@ def _complete_from_future(pending: _Op, fut: Any) -> None:
     if reply.release_ns:
         # On the rank's dilated clock (an emulation): back onto the monotonic one.
         pending.release_mono_ns = reply.release_ns + _rt.current().dilation_ns
+    if pending.release_flag is not None:
+        # The device path: the wait on the GPU times itself (the release
+        # moment, and the call's tail after the stream got there), so the flag
+        # is flipped now and no Python thread has to wake on time.
+        rel, slot, value = pending.release_flag
+        rel.release(slot, value, pending.release_mono_ns, getattr(reply, "tail_ns", 0))
+    else:
         _hold_until(pending.release_mono_ns)
-    _release_gpu(pending)
     pending.complete(tuple(reply.payloads), None)
 
 

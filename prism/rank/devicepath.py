@@ -128,8 +128,10 @@ class Releaser:
         """Make the current stream wait until ``slot`` reaches ``value``."""
         self.flags.wait(slot, value, mode=self.mode)
 
-    def release(self, slot: int, value: int) -> None:
-        self.flags.release(slot, value)
+    def release(self, slot: int, value: int, at_ns: int = 0, tail_ns: int = 0) -> None:
+        """Flip the flag now; the wait itself ends at ``max(at_ns, reached + tail_ns)``
+        (``cuda_ext.ReleaseFlags.release``)."""
+        self.flags.release(slot, value, at_ns, tail_ns)
 
 
 class _NullReleaser:
@@ -143,7 +145,7 @@ class _NullReleaser:
     def enqueue_wait(self, slot: int, value: int) -> None:
         pass
 
-    def release(self, slot: int, value: int) -> None:
+    def release(self, slot: int, value: int, at_ns: int = 0, tail_ns: int = 0) -> None:
         pass
 
 

@@ -34,6 +34,7 @@ shows it went on (at the op's delivery, or the call's time if later).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import logging
 import math
@@ -479,6 +480,8 @@ class Emulator(Coordinator):
             if self.graph.is_async[node]:  # only an async op's wait asks when its data came
                 self._delivered_at[node] = t_end
             msg = self._message(rank, what)
+            if isinstance(msg, P.CollectiveResult):
+                msg = dataclasses.replace(msg, tail_ns=int(self.engine.costs.inst[self.graph.ref[node]]))
             if msg is not None:
                 self._tie += 1
                 heapq.heappush(self._heap, (t_end + self.offset_ns, self._tie, rank, msg, node))
@@ -493,7 +496,8 @@ class Emulator(Coordinator):
                 self.stats.turnaround_ns.append(now - taken)
             self.stats.deliveries += 1
             if isinstance(msg, P.CollectiveResult):
-                msg = P.CollectiveResult(msg.gid, msg.seq, payloads=msg.payloads, release_ns=release)
+                msg = P.CollectiveResult(msg.gid, msg.seq, payloads=msg.payloads, release_ns=release,
+                                         tail_ns=msg.tail_ns)
             else:
                 msg = P.P2PData(msg.src, msg.dst, msg.tag, msg.pseq, payloads=msg.payloads, release_ns=release)
             await self._send(rank, msg)

@@ -111,6 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='"cpu" (default), "cuda" (cuda:LOCAL_RANK) or an explicit one such as "cuda:0"')
     p.add_argument("--print-splits", action="store_true",
                    help="print the MoE dispatch split sizes on every rank")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels (torch.use_deterministic_algorithms, warn_only; the math "
+                        "attention kernel, whose backward has no atomics; CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+                        "unless set): two runs of one layout give bit-equal losses on a GPU")
     args = p.parse_args(argv)
     for name in ("tp", "pp", "dp", "ep", "layers", "hidden", "heads", "micro_batches",
                  "seq_len", "batch", "vocab"):
@@ -305,7 +309,13 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         qkv = F.linear(copy_to_tp(x, self.tp_group), self.qkv)
         q, k, v = qkv.view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if torch.are_deterministic_algorithms_enabled():
+            # The fused kernels' backward accumulates dq with atomics; the math one does not.
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel(SDPBackend.MATH):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return reduce_from_tp(F.linear(y, self.out), self.tp_group)
 
@@ -575,6 +585,9 @@ def _init_distributed(a: argparse.Namespace) -> tuple[Layout, torch.device]:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
+    if a.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+        torch.use_deterministic_algorithms(True, warn_only=True)
     lay, device = _init_distributed(a)
     groups = build_groups(lay, moe=a.experts > 0)
     stage = Stage(a, lay, groups).to(device)

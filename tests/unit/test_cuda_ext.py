@@ -181,3 +181,33 @@ def test_release_flags_host_mode_orders_the_wait_after_the_release():
     assert seen and seen[0] >= t and flags.released_ns(2) >= t
     with pytest.raises(ValueError, match="mode 'spin'"):
         flags.wait(0, 0, mode="spin")
+
+
+def test_a_release_flipped_ahead_of_time_ends_the_wait_at_its_moment_and_tail():
+    """``release(at_ns, tail_ns)``: the wait (here the host mode's thread)
+    ends at max(at_ns, the moment it was reached + tail_ns), never sooner,
+    though the flag was flipped at once."""
+    import threading
+    import time
+
+    flags = cuda_ext.ReleaseFlags(4, "cpu")
+    assert flags.clock_offset_ns() == 0 and flags.to_wait_clock(123) == 123
+    ended = {}
+
+    def waiter(slot):
+        flags.wait(slot, 1, mode="host")
+        ended[slot] = time.monotonic_ns()
+
+    t = threading.Thread(target=waiter, args=(0,))
+    t.start()
+    at = time.monotonic_ns() + 40_000_000
+    flags.release(0, 1, at_ns=at)
+    t.join(5)
+    assert ended[0] >= at
+    # a tail: the stream got there late, the call still takes its time after it got there
+    flags.release(1, 1, tail_ns=30_000_000)
+    t = threading.Thread(target=waiter, args=(1,))
+    t.start()
+    t.join(5)
+    assert ended[1] - flags.stamps[2].item() >= 30_000_000
+    assert flags.released_ns(1) >= flags.reached_ns(1) + 30_000_000

@@ -79,3 +79,26 @@ def test_release_holds_the_stream_not_the_cpu(mode):
     ev.synchronize()
     assert out.sum().item() == 20
     assert flags.released_ns(3) >= flags.reached_ns(3) > 0
+
+
+def test_the_wait_kernel_times_a_release_flipped_ahead_of_time():
+    """The flag flips at once; the GPU holds the stream until the release's
+    moment (on its globaltimer) and, for a stream that got there late, until
+    the call's tail after it got there."""
+    flags = cuda_ext.ReleaseFlags(8, "cuda")
+    off = flags.clock_offset_ns()
+    flags.wait(1, 1, mode="kernel")
+    ev = torch.cuda.Event()
+    ev.record()
+    at = time.monotonic_ns() + 30_000_000
+    flags.release(1, 1, at_ns=at)
+    ev.synchronize()
+    done = time.monotonic_ns()
+    assert done >= at - 100_000  # the GPU's clock against ours: within 0.1 ms
+    assert flags.released_ns(1) + off >= at - 100_000
+    # a tail 20 ms long: released "in the past", the stream still pays it after it got there
+    flags.release(2, 1, at_ns=time.monotonic_ns() - 5_000_000, tail_ns=20_000_000)
+    torch.cuda._sleep(50_000_000)  # the stream gets to the wait late
+    flags.wait(2, 1, mode="kernel")
+    torch.cuda.synchronize()
+    assert flags.released_ns(2) - flags.reached_ns(2) >= 20_000_000
