@@ -344,6 +344,10 @@ class ReleaseFlags:
         self.deadlines = torch.zeros(2 * slots, dtype=torch.int64, pin_memory=cuda)
         self._cond = threading.Condition()
         self._offset: int | None = None
+        if cuda and self.default_mode() == "kernel":
+            # Now, while no wait holds the GPU: measuring synchronises it, so
+            # a release (which converts its moment) must never have to.
+            self.clock_offset_ns()
 
     def default_mode(self) -> str:
         if self.device.type != "cuda":

@@ -64,7 +64,7 @@ def test_prefetch_fill_is_ordered_on_the_gpu():
 
 @pytest.mark.parametrize("mode", ["kernel", "memop"])
 def test_release_holds_the_stream_not_the_cpu(mode):
-    flags = cuda_ext.ReleaseFlags(8, "cuda")
+    flags = cuda_ext.ReleaseFlags(8, "cuda")  # loads the kernels (a JIT build or the cache) before the timing
     out = torch.zeros(4, device="cuda")
     t0 = time.monotonic()
     flags.wait(3, 1, mode=mode)
