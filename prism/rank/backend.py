@@ -50,6 +50,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -192,7 +193,8 @@ class _Op:
         #: (``matcher.wait_key_coll`` / ``wait_key_p2p``); set by the caller.
         self.wait_key = what
         self.outputs = outputs
-        self.result = result
+        self._result: list[torch.Tensor] = result
+        self._weak: list[Any] | None = None
         self.issue_ns = issue_ns
         self.wait_ns: int | None = issue_ns if blocking else None
         self.end_ns = 0
@@ -211,6 +213,20 @@ class _Op:
         #: Builds the trace events once the op completed: f(op) -> events.
         self.finish_events: Callable[[_Op], list[Any]] = lambda op: []
         _rt.current().track(self)
+
+    @property
+    def result(self) -> list[torch.Tensor]:
+        if self._weak is None:
+            return self._result
+        return [t for t in (r() for r in self._weak) if t is not None]
+
+    def hold_weakly(self) -> None:
+        """Keep the result tensors by weak reference only (the device path,
+        whose outputs are formed on the stream at the call): the program
+        alone decides when they are freed, as in the capture, and the call in
+        flight does not raise its peak memory."""
+        self._weak = [weakref.ref(t) for t in self._result]
+        self._result = []
 
     @property
     def error(self) -> BaseException | None:
@@ -519,6 +535,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
         pending.release_flag = (rel, slot, value)
+        pending.hold_weakly()
         nbytes = sum(t.numel() * t.element_size() for t in declared)
 
         def finish(p: _Op) -> list[Any]:
@@ -538,7 +555,9 @@ class PrismProcessGroup(dist.ProcessGroup):
         rt.on_done(fut, lambda f: _complete_from_future(pending, f))
         rel.enqueue_wait(slot, value)
         devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs)
-        return self._issued(PrismWork(pending))
+        work = self._issued(PrismWork(pending))
+        devicepath.count_issue(time.monotonic_ns() - t0)
+        return work
 
     def _check_len(self, call: str, what: str, items: Sequence[Any], n: int) -> None:
         if len(items) != n:

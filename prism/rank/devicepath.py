@@ -72,6 +72,34 @@ _releaser: "Releaser | None" = None
 _sandbox: frozenset[int] | None = None
 
 
+_issued = [0, 0, 0]  # calls, total ns, max ns: the CPU time Prism's backend spends issuing a call
+
+
+def count_issue(ns: int) -> None:
+    """Account one device-path call's issue time on the CPU (the backend's part)."""
+    if _issued[0] == 0:
+        import atexit
+
+        atexit.register(_report_issue)
+    _issued[0] += 1
+    _issued[1] += ns
+    _issued[2] = max(_issued[2], ns)
+
+
+def issue_stats() -> tuple[int, float, int]:
+    """(calls, mean ns, max ns) of the device-path calls issued so far."""
+    n, total, top = _issued
+    return n, (total / n if n else 0.0), top
+
+
+def _report_issue() -> None:
+    import sys
+
+    n, mean, top = issue_stats()
+    print(f"prism: device path: {n} calls issued, {mean / 1e3:.1f} us of CPU each in Prism's backend "
+          f"(max {top / 1e3:.1f} us)", file=sys.stderr, flush=True)
+
+
 def enabled() -> bool:
     return os.environ.get(GPU_SANDBOX_ENV) in ("1", "cpu-test")
 
