@@ -6,6 +6,9 @@ tests/integration/ carries the ``integration`` marker.
 the skip message. Where torch sees fewer devices the test is skipped with
 "needs a CUDA device" / "needs N GPUs" and that reason. Torch is asked once,
 and only when a collected test carries the marker.
+
+``shared_captures``: the captures several modules read, one a session
+(tests/support/captures.py).
 """
 
 from __future__ import annotations
@@ -14,9 +17,15 @@ import pathlib
 
 import pytest
 
+from tests.support.captures import SharedCaptures
 from tests.support.gpus import cuda_device_count
 
 _INTEGRATION = pathlib.Path(__file__).parent / "integration"
+
+
+@pytest.fixture(scope="session")
+def shared_captures(tmp_path_factory: pytest.TempPathFactory) -> SharedCaptures:
+    return SharedCaptures(tmp_path_factory.mktemp("shared-captures"))
 
 
 def _gpu_skip(mark: pytest.Mark) -> str | None:

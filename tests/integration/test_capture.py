@@ -17,7 +17,8 @@ import pytest
 from prism.core import trace as T
 from prism.shell import runfolder
 from prism.workloads import harness
-from tests.support.truth import gloo_world
+from tests.support.captures import gpt_tiny
+from tests.support.truth import gloo_world, shared_gloo_world
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,11 +51,10 @@ def layout_groups(tp: int, pp: int, dp: int) -> dict[str, list[tuple[int, ...]]]
 
 
 @pytest.mark.slow
-def test_gpt_world16_groups_and_collective_counts_follow_the_layout(tmp_path):
-    tp, pp, dp, layers, micro, steps = 2, 2, 4, 4, 2, 2
-    proc, run_dir = capture(tmp_path, 16, ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--dp", "4",
-                                           "--layers", str(layers), "--micro-batches", str(micro),
-                                           "--steps", str(steps)], "--slots", "2")
+def test_gpt_world16_groups_and_collective_counts_follow_the_layout(shared_captures):
+    # test_real_captures' dp-4 capture (tests/support/captures.py): 2 layers, 2 micro-batches (gpt.py's default), 2 steps.
+    tp, pp, dp, layers, micro, steps = 2, 2, 4, 2, 2, 2
+    proc, run_dir = shared_captures.get(16, gpt_tiny(dp), "--slots", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = runfolder.read_run(run_dir)
     assert sorted(run.ranks) == list(range(16))
@@ -124,7 +124,8 @@ def _lines(text: str, prefix: str) -> list[str]:
 ])
 def test_zero_modification_same_values_as_gloo(tmp_path, script, ranks_that_print):
     path = str(ROOT / "prism" / "workloads" / script)
-    truth = gloo_world([path], 4, timeout=240)  # retried on gloo's own teardown abort only
+    # retried on gloo's own teardown abort only; the same world is test_workloads' (one run a session)
+    truth = shared_gloo_world([path], 4, cwd=str(ROOT))
     proc, run_dir = capture(tmp_path, 4, [path], "--slots", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in ranks_that_print:

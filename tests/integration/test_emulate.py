@@ -1,7 +1,8 @@
 """``prism emulate``: sandbox ranks run for real against the captured run's virtual ranks (CPU).
 
 The bundled GPT (tp2 pp2 dp2, world 8) is captured once with ranks 0, 4 and
-5 recorded (rank 4 prints the losses). What must hold: only the sandbox
+5 recorded (rank 4 prints the losses; the capture test_record and
+test_hybrid_capture read too, tests/support/captures.py). What must hold: only the sandbox
 ranks are launched, with their full-world environment; with the recording
 each sandbox's losses equal the capture's, printed digit for digit; without
 it the run completes with compensated values and says how far its losses
@@ -22,12 +23,12 @@ from pathlib import Path
 import pytest
 
 from prism.shell import runfolder
+from tests.support.captures import GPT_W8_SMALL, RECORD_045
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--steps", "3"]
-GPT = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--dp", "2", *SMALL]
+GPT = GPT_W8_SMALL
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 SCRIPTS = ROOT / "tests" / "support" / "scripts"
 
@@ -38,13 +39,9 @@ def prism(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) 
 
 
 @pytest.fixture(scope="module")
-def gpt_run(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("emulate")
-    run = tmp / "gpt"
-    proc = prism("capture", "-n", "8", "--record", "0,4,5", "--out", str(run), "--progress", "off",
-                 "--show-ranks", "none", "--", *GPT, cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+def gpt_run(tmp_path_factory, shared_captures) -> Path:
+    # A copy of the session's capture: the emulations write into RUN/emulation/.
+    return shared_captures.copy(tmp_path_factory.mktemp("emulate") / "gpt", 8, GPT, *RECORD_045)
 
 
 def summary(out: str) -> dict:
@@ -124,14 +121,25 @@ def test_a_changed_width_stops_within_seconds_naming_rank_op_group_and_sequence(
     assert forkservers() <= before
 
 
-def test_a_crashing_sandbox_ends_it_with_its_traceback(tmp_path):
-    run = tmp_path / "dp"
-    proc = prism("capture", "-n", "4", "--out", str(run), "--progress", "off", "--show-ranks", "none", "--",
-                 str(SCRIPTS / "fail_at_step.py"), "99", "0", "4", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+@pytest.fixture(scope="module")
+def chained(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, list[str]]:
+    """``prism run`` of a world-4 script no rank fails in, rank 1 the sandbox: its process, its
+    run folder (also the crash test's capture) and the emulations in it when it ended."""
+    tmp = tmp_path_factory.mktemp("run")
+    run = tmp / "r"
+    proc = prism("run", "-n", "4", "--sandbox", "1", "--out", str(run), "--progress", "off", "--",
+                 str(SCRIPTS / "fail_at_step.py"), "99", "0", "4", cwd=tmp)
+    emulations = sorted(p.name for p in (run / "emulation").iterdir()) if (run / "emulation").is_dir() else []
+    return proc, run, emulations
+
+
+def test_a_crashing_sandbox_ends_it_with_its_traceback(chained, tmp_path):
+    # On the chained run's capture, without its recording (compensated values, as on a plain capture).
+    cap, run, _ = chained
+    assert cap.returncode == 0, cap.stderr[-2000:]
     before = forkservers()
-    proc = prism("emulate", str(run), "--sandbox", "1", "--name", "crash", "--progress", "off", "--",
-                 str(SCRIPTS / "fail_at_step.py"), "1", "2", "4", cwd=tmp_path, timeout=120)
+    proc = prism("emulate", str(run), "--sandbox", "1", "--no-recording", "--name", "crash", "--progress", "off",
+                 "--", str(SCRIPTS / "fail_at_step.py"), "1", "2", "4", cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "sandbox rank 1 failed" in text and "RuntimeError: rank 1 fails at step 2" in text, text[-3000:]
@@ -145,15 +153,14 @@ def test_bad_options_are_named(gpt_run, tmp_path):
     assert proc.returncode == 2 and "--sandbox" in proc.stderr and "9" in proc.stderr
 
 
-def test_run_chains_capture_predict_and_emulate_into_one_report(tmp_path):
-    proc = prism("run", "-n", "4", "--sandbox", "1", "--out", str(tmp_path / "r"), "--progress", "off", "--",
-                 str(SCRIPTS / "fail_at_step.py"), "99", "0", "4", cwd=tmp_path)
+def test_run_chains_capture_predict_and_emulate_into_one_report(chained):
+    proc, run, emulations = chained
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "-- prediction --" in out and "predicted iteration time" in out
     assert "-- emulation --" in out and "sandbox rank 1" in out and "losses equal to the capture's" in out
-    assert (tmp_path / "r" / "payloads").is_dir()  # the sandbox was recorded
-    assert len(list((tmp_path / "r" / "emulation").iterdir())) == 1
+    assert (run / "payloads").is_dir()  # the sandbox was recorded
+    assert len(emulations) == 1
 
 
 def test_ddp_async_buckets_pass_their_waits_and_reproduce_the_losses(tmp_path):

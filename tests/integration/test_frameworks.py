@@ -15,7 +15,10 @@ world of 4 on a one-GPU machine cannot run NCCL.
 
 Every run costs ~10-60 s on the shared 2-core box: those tests are
 ``slow``, and each run is made once per session and shared by the tests that
-need it.
+need it: FSDP2's nested AVG path is checked on ``dcp_save.py``'s training
+(``fsdp2.py``'s model, wrapped the same way), mixed precision on the HSDP run.
+The variants that cover little beyond a sibling (each named where it is
+declared) run only with ``PRISM_FULL_TESTS=1`` (``tests/support/full.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import pytest
 from prism.core import trace as T
 from prism.shell import runfolder
 from prism.workloads.harness import parse_losses
+from tests.support.full import FULL
 from tests.support.truth import gloo_world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,10 +136,33 @@ def ops(run_dir: Path) -> Counter:
 # --- FSDP2 -------------------------------------------------------------------------------
 
 
+def dcp_save(runs: Runs, *how: str) -> tuple[Path, dict[int, str], dict[int, str], Path, Path]:
+    """``dcp_save.py``'s run under Prism and under gloo, checkpoints in the session's folder
+    (one run a session: the DCP test and the FSDP2 nested test share it)."""
+    tag = "-".join(a.strip("-") for a in how) or "save"
+    prism_dir, gloo_dir = runs.base / f"prism-ckpt-{tag}", runs.base / f"gloo-ckpt-{tag}"
+    _, run_dir, logs, _ = runs.prism("dcp_save.py", "--checkpoint-dir", str(prism_dir), *how)
+    gloo = runs.gloo("dcp_save.py", "--checkpoint-dir", str(gloo_dir), *how)
+    return run_dir, logs, gloo, prism_dir, gloo_dir
+
+
+#: HSDP without resharding, in mixed precision: the HSDP test and the mixed-precision test share this run.
+HSDP_MIXED = ("--mixed", "--replicate", "2", "--no-reshard")
+
+
+# dcp_save.py trains fsdp2.py's model wrapped as fsdp2.py wraps it (fully_shard
+# on every block, then the root, defaults: AVG reduce-scatters, reshard after
+# forward) before it checkpoints: the nested test shares the DCP test's run;
+# fsdp2.py alone is its variant.
 @pytest.mark.slow
-def test_fsdp2_nested_avg_matches_gloo(runs):
-    _, run_dir, logs, _ = runs.prism("fsdp2.py")
-    assert_same_outputs(logs, runs.gloo("fsdp2.py"))
+@pytest.mark.parametrize("script", ["dcp_save.py", pytest.param("fsdp2.py", marks=FULL)])
+def test_fsdp2_nested_avg_matches_gloo(runs, script):
+    if script == "dcp_save.py":
+        run_dir, logs, gloo, _, _ = dcp_save(runs)
+    else:
+        _, run_dir, logs, _ = runs.prism("fsdp2.py")
+        gloo = runs.gloo("fsdp2.py")
+    assert_same_outputs(logs, gloo)
     seen = ops(run_dir)
     # 2 blocks + the root: 3 all-gathers forward (reshard after forward: again in
     # backward, except the root's) and 3 AVG reduce-scatters per step, per rank.
@@ -143,10 +170,12 @@ def test_fsdp2_nested_avg_matches_gloo(runs):
     assert seen[("all_gather_into_tensor", "", "float32")] >= 3 * 3 * WORLD
 
 
+# On the HSDP run (its own test checks the groups); --mixed alone is the variant.
 @pytest.mark.slow
-def test_fsdp2_mixed_precision_matches_gloo(runs):
-    _, run_dir, logs, _ = runs.prism("fsdp2.py", "--mixed")
-    assert_same_outputs(logs, runs.gloo("fsdp2.py", "--mixed"))
+@pytest.mark.parametrize("args", [HSDP_MIXED, pytest.param(("--mixed",), marks=FULL)], ids=["hsdp", "alone"])
+def test_fsdp2_mixed_precision_matches_gloo(runs, args):
+    _, run_dir, logs, _ = runs.prism("fsdp2.py", *args)
+    assert_same_outputs(logs, runs.gloo("fsdp2.py", *args))
     seen = ops(run_dir)
     # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)
     assert seen[("all_gather_into_tensor", "", "bfloat16")] >= 3 * 3 * WORLD
@@ -175,10 +204,13 @@ def test_fsdp2_premul_sum_matches_the_gloo_sum_equivalent(runs):
     assert {(c.reduce_op, c.premul) for c in premul} == {("PREMUL_SUM", 0.5)}
 
 
+# In mixed precision (the mixed-precision test shares the run); in float32 the variant.
 @pytest.mark.slow
-def test_fsdp2_hybrid_sharding_without_reshard_matches_gloo(runs):
-    _, run_dir, logs, _ = runs.prism("fsdp2.py", "--replicate", "2", "--no-reshard")
-    assert_same_outputs(logs, runs.gloo("fsdp2.py", "--replicate", "2", "--no-reshard"))
+@pytest.mark.parametrize("args", [HSDP_MIXED, pytest.param(("--replicate", "2", "--no-reshard"), marks=FULL)],
+                         ids=["mixed", "float32"])
+def test_fsdp2_hybrid_sharding_without_reshard_matches_gloo(runs, args):
+    _, run_dir, logs, _ = runs.prism("fsdp2.py", *args)
+    assert_same_outputs(logs, runs.gloo("fsdp2.py", *args))
     run = runfolder.read_run(run_dir)
     sizes = {ev.gid: ev.ranks for evs in run.ranks.values() for ev in evs if isinstance(ev, T.GroupCreated)}
     seen = Counter((c.op, c.reduce_op, sizes[c.gid]) for c in collectives(run_dir))
@@ -191,7 +223,10 @@ def test_fsdp2_hybrid_sharding_without_reshard_matches_gloo(runs):
 # --- DTensor tensor parallelism, 2-D ---------------------------------------------------
 
 
+# A variant of the 2-D test below, which runs the same model and sequence-parallel
+# plan (dtensor_tp.tp_plan) on mesh["tp"] and checks the same collectives there.
 @pytest.mark.slow
+@FULL
 def test_dtensor_tp_with_sequence_parallel_matches_gloo(runs):
     _, run_dir, logs, _ = runs.prism("dtensor_tp.py")
     assert_same_outputs(logs, runs.gloo("dtensor_tp.py"))
@@ -209,22 +244,22 @@ def test_fsdp2_over_tp_on_a_2d_mesh_matches_gloo(runs):
     groups = {ev.ranks for evs in run.ranks.values() for ev in evs if isinstance(ev, T.GroupCreated)}
     # mesh (dp=2, tp=2) over ranks 0..3: tp groups of consecutive ranks, dp groups strided.
     assert {(0, 1), (2, 3), (0, 2), (1, 3)} <= groups
-    by_group = Counter((c.gid, c.op) for c in collectives(run_dir))
-    sizes = {ev.gid: len(ev.ranks) for evs in run.ranks.values() for ev in evs if isinstance(ev, T.GroupCreated)}
-    assert any(sizes.get(g) == 2 and op == "reduce_scatter_tensor" for g, op in by_group)
+    members = {ev.gid: ev.ranks for evs in run.ranks.values() for ev in evs if isinstance(ev, T.GroupCreated)}
+    seen = Counter((members[c.gid], c.op) for c in collectives(run_dir))
+    for tp in ((0, 1), (2, 3)):
+        # Sequence parallelism (dtensor_tp.py's plan, through _c10d_functional):
+        # all-gathers into each column-parallel layer, reduce-scatters out of each row-parallel one.
+        assert seen[(tp, "all_gather_into_tensor")] > 0 and seen[(tp, "reduce_scatter_tensor")] > 0, seen
+    for dp in ((0, 2), (1, 3)):
+        # FSDP2 over mesh["dp"]: 3 modules' reduce-scatters per step, on each of the group's 2 ranks.
+        assert seen[(dp, "reduce_scatter_tensor")] == 3 * 3 * 2, seen
 
 
 # --- pipelining ------------------------------------------------------------------------
 
 
-#: Variants that cover little beyond their sibling, run only with PRISM_FULL_TESTS=1
-#: (the full suite must stay under 10 minutes on 2 cores).
-_FULL = pytest.mark.skipif(not os.environ.get("PRISM_FULL_TESTS"),
-                           reason="a variant of its sibling test; set PRISM_FULL_TESTS=1 to run it")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=_FULL)])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=FULL)])
 def test_pipeline_schedules_match_gloo(runs, schedule):
     _, run_dir, logs, _ = runs.prism("pipeline_1f1b.py", "--schedule", schedule)
     assert_same_outputs(logs, runs.gloo("pipeline_1f1b.py", "--schedule", schedule))
@@ -243,11 +278,10 @@ def test_pipeline_schedules_match_gloo(runs, schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", [[], pytest.param(["--async-save"], marks=_FULL)], ids=["save", "async_save"])
-def test_dcp_save_and_load_match_gloo(runs, tmp_path, how):
-    prism_dir, gloo_dir = tmp_path / "prism-ckpt", tmp_path / "gloo-ckpt"
-    _, run_dir, logs, _ = runs.prism("dcp_save.py", "--checkpoint-dir", str(prism_dir), *how)
-    got = assert_same_outputs(logs, runs.gloo("dcp_save.py", "--checkpoint-dir", str(gloo_dir), *how))
+@pytest.mark.parametrize("how", [[], pytest.param(["--async-save"], marks=FULL)], ids=["save", "async_save"])
+def test_dcp_save_and_load_match_gloo(runs, how):
+    run_dir, logs, gloo, prism_dir, gloo_dir = dcp_save(runs, *how)
+    got = assert_same_outputs(logs, gloo)
     assert got["checkpoint files"] == str(WORLD)
     assert sorted(p.name for p in prism_dir.iterdir()) == sorted(p.name for p in gloo_dir.iterdir())
     names = {op for op, _, _ in ops(run_dir)}

@@ -1,7 +1,8 @@
 """Real captures through ``python -m prism capture`` (GPT on CPU ranks): the
 scale-out of a dp-2 capture to dp 4 has the structure and groups of a real
-dp-4 capture, and ``prism report`` of a real world-4 capture writes a
-well-formed Perfetto trace, Chakra files and a plot (synthetic runs:
+dp-4 capture (the one test_capture checks the groups and counts of,
+tests/support/captures.py), and ``prism report`` of a real world-4 capture
+writes a well-formed Perfetto trace, Chakra files and a plot (synthetic runs:
 tests/unit/test_scaleout.py, tests/unit/test_report.py)."""
 
 import dataclasses
@@ -15,25 +16,23 @@ import pytest
 from prism.core.graph import ExecutionGraph
 from prism.core.scaleout import Layout, compare_structure, scale_events, structure
 from prism.core.trace import Memory
+from tests.support.captures import gpt_tiny
 from tests.unit.test_report import check_trace, load, needs_matplotlib, needs_protobuf, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _capture(tmp_path, dp):
-    out = tmp_path / f"dp{dp}"
-    cmd = [sys.executable, "-m", "prism", "capture", "-n", str(4 * dp), "--slots", "2", "--out", str(out),
-           "--progress", "off", "--show-ranks", "none", "--", "-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2",
-           "--dp", str(dp), "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--steps", "2"]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
+def _capture(shared_captures, dp):
+    proc, out = shared_captures.get(4 * dp, gpt_tiny(dp), "--slots", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
 @pytest.mark.slow
-def test_scaled_capture_matches_a_real_capture_at_that_size(tmp_path):
+def test_scaled_capture_matches_a_real_capture_at_that_size(shared_captures):
     from prism.shell.runfolder import read_run
 
-    small, real = read_run(_capture(tmp_path, 2)), read_run(_capture(tmp_path, 4))
+    small, real = read_run(_capture(shared_captures, 2)), read_run(_capture(shared_captures, 4))
     lay = Layout.from_manifest(small.manifest)
     big = ExecutionGraph.from_events(scale_events(small.ranks, lay, 4))
     ref = ExecutionGraph.from_events(real.ranks)

@@ -1,7 +1,7 @@
 """``prism capture --record``: recorded payloads (PrismTrace 1.3) on real captures.
 
-The bundled GPT at world 8 (tp2 pp2 dp2) is captured twice with ranks 0 and 5
-recorded. What must hold: every tensor those ranks received (each collective
+The bundled GPT at world 8 (tp2 pp2 dp2) is captured twice with ranks 0, 4
+and 5 recorded (the first capture is test_emulate's, tests/support/captures.py). What must hold: every tensor those ranks received (each collective
 output, each receive) is stored, with a digest of every tensor they sent;
 the stored bytes match their digests and, where the trace's small-tensor
 store kept the same tensor (the rank's own record, made in the rank), equal
@@ -20,10 +20,11 @@ import pytest
 from prism.core import payloads as PL
 from prism.core import trace as T
 from prism.shell import runfolder
+from tests.support.captures import GPT_W8_SMALL, RECORD_045
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--dp", "2", "--steps", "2"]
-RECORDED = (0, 5)
+RECORDED = (0, 4, 5)
 
 
 def capture(tmp: Path, name: str, world: int, command: list[str], *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -37,11 +38,12 @@ def capture(tmp: Path, name: str, world: int, command: list[str], *extra: str) -
 
 
 @pytest.fixture(scope="module")
-def two_captures(tmp_path_factory):
+def two_captures(tmp_path_factory, shared_captures):
     tmp = tmp_path_factory.mktemp("record")
     runs = []
-    for name in ("a", "b"):
-        proc, run_dir = capture(tmp, name, 8, GPT, "--record", "0,5")
+    # The session's capture (test_emulate's), then the same command and flags again.
+    for proc, run_dir in (shared_captures.get(8, GPT_W8_SMALL, *RECORD_045),
+                          capture(tmp, "b", 8, GPT_W8_SMALL, *RECORD_045)):
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "payload records" in proc.stderr, proc.stderr[-2000:]
         runs.append(runfolder.read_run(run_dir))
@@ -52,7 +54,7 @@ def test_every_received_tensor_is_recorded_with_sent_digests(two_captures):
     run = two_captures[0]
     assert T.validate_run(run) == [] and run.warnings == []
     assert sorted(run.payloads) == list(RECORDED)
-    assert dict(run.manifest.notes)["record_ranks"] == "0,5"
+    assert dict(run.manifest.notes)["record_ranks"] == "0,4-5"  # as a range
     for rank in RECORDED:
         book = PL.index(run.payloads[rank])
         expected_recv, expected_sent = set(), set()

@@ -17,7 +17,8 @@ import pytest
 
 from prism.workloads import gpt
 from prism.workloads.harness import WorldError, parse_losses, parse_splits, run_world
-from tests.support.truth import gloo_world
+from tests.support.full import FULL
+from tests.support.truth import gloo_world, shared_gloo_world
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = ROOT / "prism" / "workloads"
@@ -25,9 +26,10 @@ GPT = ["-m", "prism.workloads.gpt"]
 GPT_SCRIPT = [str(WORKLOADS / "gpt.py")]
 
 
-def losses(argv, nproc):
-    # Plain gloo worlds: retried on gloo's own teardown abort only (tests/truth.py).
-    results = gloo_world(argv, nproc, cwd=str(ROOT))
+def losses(argv, nproc, shared=False):
+    # Plain gloo worlds: retried on gloo's own teardown abort only (tests/truth.py);
+    # shared: the same world is test_capture's ground truth (one run a session).
+    results = (shared_gloo_world if shared else gloo_world)(argv, nproc, cwd=str(ROOT))
     found = [(r.rank, parse_losses(r.stdout)) for r in results if parse_losses(r.stdout)]
     assert len(found) == 1, f"expected exactly one rank to print losses, got {found}"
     return found[0][1], results
@@ -52,13 +54,18 @@ def moe_one_rank():
     return {k: losses(GPT + ["--layers", "2", "--experts", "4", "--top-k", str(k)], 1)[0] for k in (1, 2)}
 
 
+# tp2, pp2 and dp2 alone are variants of the world-8 test (tp2 x pp2 x dp2,
+# also run as a script path) and of pp3 (the suite's time: run them with
+# PRISM_FULL_TESTS=1).
 @pytest.mark.slow
+@FULL
 def test_tp2_matches_one_rank_and_runs_as_a_script_path(dense_one_rank):
     got, _ = losses(GPT_SCRIPT + ["--tp", "2"], 2)
     assert_close(got, dense_one_rank)
 
 
 @pytest.mark.slow
+@FULL
 def test_pp2_matches_one_rank(dense_one_rank):
     # 4 micro-batches of 1 sequence: the same 4 sequences per step as the baseline's 2 x 2.
     got, results = losses(GPT + ["--pp", "2", "--micro-batches", "4", "--batch", "1"], 2)
@@ -75,6 +82,7 @@ def test_pp3_with_uneven_stages_matches_one_rank(dense_one_rank):
 
 
 @pytest.mark.slow
+@FULL
 def test_dp2_with_the_global_batch_split_matches_one_rank(dense_one_rank):
     got, _ = losses(GPT + ["--dp", "2", "--batch", "1"], 2)
     assert_close(got, dense_one_rank)
@@ -82,7 +90,8 @@ def test_dp2_with_the_global_batch_split_matches_one_rank(dense_one_rank):
 
 @pytest.mark.slow
 def test_world8_tp2_pp2_dp2_matches_one_rank(dense_one_rank):
-    got, results = losses(GPT + ["--tp", "2", "--pp", "2", "--dp", "2", "--batch", "1"], 8)
+    # As a script path (gpt.py's own directory first on sys.path), as tp2's test.
+    got, results = losses(GPT_SCRIPT + ["--tp", "2", "--pp", "2", "--dp", "2", "--batch", "1"], 8)
     assert_close(got, dense_one_rank)
     # rank = tp + 2 * (dp + 2 * pp): the reporter is pp 1, dp 0, tp 0, i.e. rank 4.
     assert parse_losses(results[4].stdout) == got
@@ -195,15 +204,16 @@ def test_workloads_never_import_prism(name):
 @pytest.mark.slow
 def test_ddp_world4_matches_one_rank_with_the_same_global_batch():
     script = [str(WORKLOADS / "ddp_example.py")]
-    four, _ = losses(script + ["--batch", "2"], 4)
-    one, _ = losses(script + ["--batch", "8"], 1)
+    four, _ = losses(script, 4, shared=True)  # its default 8 samples per rank: test_capture's truth
+    one, _ = losses(script + ["--batch", "32"], 1)
     assert_close(four, one)
 
 
 @pytest.mark.slow
 def test_collectives_example_world4_values():
     world = 4
-    results = gloo_world([str(WORKLOADS / "collectives_example.py")], world, cwd=str(ROOT))
+    # test_capture's ground truth too (one run a session)
+    results = shared_gloo_world([str(WORKLOADS / "collectives_example.py")], world, cwd=str(ROOT))
     names = ["broadcast", "ring", "all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor",
              "all_gather", "all_reduce_avg", "all_reduce_max", "loss", "w"]
     values = {}
