@@ -342,6 +342,9 @@ class ReleaseFlags:
         self.stamps = torch.zeros(2 * slots, dtype=torch.int64, pin_memory=cuda)
         #: Per slot (deadline, tail), in the wait's clock (``clock``): see ``release``.
         self.deadlines = torch.zeros(2 * slots, dtype=torch.int64, pin_memory=cuda)
+        # Cheap host-side views of the same memory (a watcher polls them).
+        self._st = self.stamps.numpy()
+        self._dl = self.deadlines.numpy()
         self._cond = threading.Condition()
         self._offset: int | None = None
         if cuda and self.default_mode() == "kernel":
@@ -362,6 +365,7 @@ class ReleaseFlags:
             raise ValueError(f"ReleaseFlags.wait: mode {mode!r}; known: {', '.join(self.MODES)}")
         if mode == "host":
             reached = time.monotonic_ns()
+            self.stamps[2 * slot] = reached
             with self._cond:
                 self._cond.wait_for(lambda: int(self.flags[slot]) >= value)
             until = max(int(self.deadlines[2 * slot]), reached + int(self.deadlines[2 * slot + 1]))
@@ -432,6 +436,31 @@ class ReleaseFlags:
     def to_wait_clock(self, mono_ns: int) -> int:
         """A moment of this host's monotonic clock on the wait's clock."""
         return int(mono_ns) - self.clock_offset_ns()
+
+    def clear_stamps(self, slot: int) -> None:
+        """Zero ``slot``'s stamps before a wait on it is queued, so that its
+        reach (``reached_mono_ns``) is seen as new."""
+        self._st[2 * slot] = 0
+        self._st[2 * slot + 1] = 0
+
+    def reached_mono_ns(self, slot: int) -> int:
+        """When the stream reached the wait on ``slot``, on this host's
+        monotonic clock; 0 while it has not (``kernel`` and ``host`` modes
+        stamp the reach as it happens; ``memop`` only behind the wait)."""
+        t = int(self._st[2 * slot])
+        return t + self.clock_offset_ns() if t else 0
+
+    def late_ns(self, slot: int) -> int | None:
+        """How long the wait on ``slot`` held its stream past the moment the
+        release asked for (``max(at_ns, reached + tail_ns)``): the release
+        came late, which the emulated job would not have waited; None while
+        the wait has not ended (``kernel`` and ``host`` modes)."""
+        t1 = int(self._st[2 * slot + 1])
+        if not t1:
+            return None
+        t0 = int(self._st[2 * slot])
+        due = max(int(self._dl[2 * slot]), t0 + int(self._dl[2 * slot + 1]))
+        return max(0, t1 - due)
 
     def reached_ns(self, slot: int) -> int:
         """The GPU's globaltimer when the stream reached the wait (kernel mode; 0 if not known)."""

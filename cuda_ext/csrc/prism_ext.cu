@@ -129,6 +129,12 @@ __global__ void wait_kernel(volatile int* flag, int value, unsigned long long* s
                             volatile long long* deadline) {
   unsigned long long t0, t1;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  if (stamp) {
+    // The reach, seen by the host while the wait still spins (the rank's
+    // watcher reports it to the engine as the call's arrival).
+    *(volatile unsigned long long*)stamp = t0;
+    __threadfence_system();
+  }
   while (*flag < value) {
 #if __CUDA_ARCH__ >= 700
     __nanosleep(64);
@@ -143,7 +149,7 @@ __global__ void wait_kernel(volatile int* flag, int value, unsigned long long* s
     } while (t1 < until);
   }
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
-  if (stamp) { stamp[0] = t0; stamp[1] = t1; }
+  if (stamp) *(volatile unsigned long long*)(stamp + 1) = t1;
   __threadfence_system();
 }
 

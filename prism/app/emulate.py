@@ -302,11 +302,14 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         "groups": {"in_graph": len(graph.groups), "with_sandbox": groups_with_sandbox,
                    "instantiated": len(emu.stats.groups_created)},
         "calls": {"recorded": emu.stats.recorded_calls, "compensated": emu.stats.compensated_calls,
-                  "on_device": emu.stats.device_calls,
+                  "on_device": emu.stats.device_calls, "reached_on_gpu": emu.stats.reached_calls,
                   "implicit_waits": emu.stats.implicit_waits, "deliveries": emu.stats.deliveries},
         "pacing": {"lead_ns": LEAD_NS,
                    "turnaround_p50_ns": int(np.percentile(turn, 50)), "turnaround_p99_ns": int(np.percentile(turn, 99)),
-                   "prism_overhead_ns": max(overhead) if overhead else None},
+                   "prism_overhead_ns": max(overhead) if overhead else None,
+                   # device path: how long after the CPU issued a call its stream reached it
+                   "reach_lag_p50_ns": int(np.percentile(emu.stats.reach_lag_ns, 50)) if emu.stats.reach_lag_ns else None,
+                   "reach_lag_p99_ns": int(np.percentile(emu.stats.reach_lag_ns, 99)) if emu.stats.reach_lag_ns else None},
         "coordinator": {"cpu_s": coord_cpu, "wall_s": wall, "setup_s": setup_s, "engine_events": engine.events,
                         "cpu_s_per_iteration": coord_cpu / max(len(job_times), 1)},
         "incomplete_capture": list(missing),
@@ -440,6 +443,10 @@ def format_summary(s: dict, out_dir: Path) -> str:
     p, co = s["pacing"], s["coordinator"]
     lines.append(f"pacing: results left {p['turnaround_p50_ns'] / 1e6:.3f} ms after the coordinator took the call "
                  f"(p50; p99 {p['turnaround_p99_ns'] / 1e6:.3f}), each held by its rank until the emulated release")
+    if p.get("reach_lag_p50_ns") is not None:
+        lines.append(f"device path: {s['calls']['reached_on_gpu']:,} calls arrived when the GPU reached them, "
+                     f"{p['reach_lag_p50_ns'] / 1e6:.3f} ms after the CPU issued them (p50; p99 "
+                     f"{p['reach_lag_p99_ns'] / 1e6:.3f})")
     lines.append(f"coordinator: {co['cpu_s']:.2f} s CPU ({co['cpu_s_per_iteration']:.3f} s per emulated iteration), "
                  f"{co['wall_s']:.1f} s wall, setup {co['setup_s']:.2f} s, {co['engine_events']:,} engine events")
     lines.append(f"results: {out_dir}/summary.json" + (f", timeline {s['timeline']}" if s.get("timeline") else ""))

@@ -22,7 +22,7 @@ import orjson
 from prism.core import codec
 
 #: 2: results carry ``release_ns`` (emulation: when the call completes).
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 #: Largest message (all frames together) a peer may send. Tensors staged
 #: through the coordinator in phase 1 are gradient buckets and activations:
 #: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
@@ -102,7 +102,24 @@ class CollectiveArrive:
     #: data stays on the rank's GPU (no payloads) and the rank forms its
     #: outputs there; the reply carries only the release.
     on_device: bool = False
+    #: With ``on_device``: ``issue_ns`` is only when the CPU issued the call;
+    #: a ``Reached`` follows with the moment the rank's stream got there,
+    #: the call's arrival in the emulated job.
+    reach_follows: bool = False
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Reached:
+    """Emulation, a GPU sandbox's device-path collective ``(gid, seq)``
+    (``CollectiveArrive.reach_follows``): its stream reached the call at
+    ``reach_ns`` (the GPU's clock, converted to the rank's dilated clock)."""
+
+    TYPE: ClassVar[str] = "reached"
+    rank: int
+    gid: str
+    seq: int
+    reach_ns: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +310,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Hello,
     GroupCreate,
     CollectiveArrive,
+    Reached,
     Send,
     RecvPost,
     Wait,
@@ -312,7 +330,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
 _BY_TYPE: dict[str, type] = {m.TYPE: m for m in MESSAGE_TYPES}
 
 Message = (
-    Hello | GroupCreate | CollectiveArrive | Send | RecvPost | Wait | TraceRecords
+    Hello | GroupCreate | CollectiveArrive | Reached | Send | RecvPost | Wait | TraceRecords
     | SlotRequest | SlotRelease | Taken | Heartbeat | Goodbye | Welcome | CollectiveResult
     | P2PData | SlotGrant | Error | Shutdown
 )

@@ -524,13 +524,14 @@ class PrismProcessGroup(dist.ProcessGroup):
         forms the outputs in place; the CPU goes on at once."""
         rel = devicepath.releaser()
         slot, value = rel.reserve()
+        reach = rel.reports_reach and devicepath.reach_from_gpu()
         declared = inputs if inputs or op != "broadcast" else outputs  # as in _collective
         msg = protocol.CollectiveArrive(
             rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
             in_shapes=tuple(_shape(t) for t in declared),
             out_shapes=tuple(_shape(t) for t in outputs), root=root, in_splits=tuple(int(x) for x in in_splits),
             out_splits=tuple(int(x) for x in out_splits), premul=premul, async_op=async_op,
-            issue_ns=rt.emu_ns(t0), on_device=True)
+            issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach)
         what = f"{op} on group {self.gid} (seq {seq})"
         pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
@@ -553,7 +554,13 @@ class PrismProcessGroup(dist.ProcessGroup):
         # is queued lets it pass at once).
         rt.send_call(msg)
         rt.on_done(fut, lambda f: _complete_from_future(pending, f))
+        if reach:
+            rel.prepare(slot)
         rel.enqueue_wait(slot, value)
+        if reach:
+            gid = self.gid
+            rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, seq, rt.emu_ns(at))),
+                      rt.add_dilation)
         devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs)
         work = self._issued(PrismWork(pending))
         devicepath.count_issue(time.monotonic_ns() - t0)

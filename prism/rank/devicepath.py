@@ -100,6 +100,16 @@ def _report_issue() -> None:
           f"(max {top / 1e3:.1f} us)", file=sys.stderr, flush=True)
 
 
+REACH_ENV = "PRISM_DEVICE_REACH"
+
+
+def reach_from_gpu() -> bool:
+    """Whether a device-path call's arrival is the GPU's reach (the default)
+    or, with ``PRISM_DEVICE_REACH=issue``, the CPU's issue (for comparison:
+    the engine then sees the CPU's lead over its stream as early arrivals)."""
+    return os.environ.get(REACH_ENV, "gpu") != "issue"
+
+
 def enabled() -> bool:
     return os.environ.get(GPU_SANDBOX_ENV) in ("1", "cpu-test")
 
@@ -136,7 +146,20 @@ def eligible(op: str, members: Sequence[int], rank: int, tensors: Sequence[torch
 
 
 class Releaser:
-    """The process's ring of release flags (``cuda_ext.ReleaseFlags``)."""
+    """The process's ring of release flags (``cuda_ext.ReleaseFlags``).
+
+    In ``kernel`` mode the wait kernel stamps the GPU's globaltimer as its
+    stream reaches it; ``watch`` hands the call to a watcher thread that
+    polls those stamps (pinned host memory) and reports each reach, on this
+    host's monotonic clock, to the backend's callback: the emulated job's
+    arrival at the call is when the GPU got there, not when the CPU issued it.
+    The same thread reads how late each wait ended past the moment its
+    release asked for (``ReleaseFlags.late_ns``: the release reached the GPU
+    after it was due, Prism's delay) and hands the part that delayed the
+    stream's next call to ``on_late`` (see ``_Watcher``)."""
+
+    #: The watcher's poll period while calls are in flight (s).
+    POLL_S = 20e-6
 
     def __init__(self) -> None:
         import cuda_ext
@@ -145,6 +168,22 @@ class Releaser:
         self.mode = self.flags.default_mode()
         self._n = 0
         self._lock = threading.Lock()
+        #: Whether the stream's reach is stamped as it happens (and on this host's clock).
+        self.reports_reach = self.mode == "kernel"
+        self._watcher: _Watcher | None = None
+
+    def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any) -> None:
+        """Report the reach of the wait just queued on ``slot`` (issued by the
+        CPU at ``issue_mono_ns``): ``on_reach(reach_mono_ns)`` from the
+        watcher thread; ``on_late(ns)`` for Prism's delay it carried."""
+        if self._watcher is None:
+            self._watcher = _Watcher(self.flags, self.POLL_S)
+        self._watcher.add(slot, issue_mono_ns, on_reach, on_late)
+
+    def prepare(self, slot: int) -> None:
+        """Before a wait on ``slot`` is queued: clear its stamps (a reach seen later is this call's)."""
+        if self.reports_reach:
+            self.flags.clear_stamps(slot)
 
     def reserve(self) -> tuple[int, int]:
         """The next (slot, value) to wait on."""
@@ -162,10 +201,81 @@ class Releaser:
         self.flags.release(slot, value, at_ns, tail_ns)
 
 
+class _Watcher:
+    """The thread behind ``Releaser.watch``.
+
+    Lateness: a wait that ended ``late`` ns after it was due delayed its
+    stream, but what follows it was only delayed where the stream would
+    otherwise have been busy: the next call's reach, had the release been on
+    time, is ``max(reach - late, its CPU issue)`` (a stream cannot get to a
+    call its CPU has not issued). So the next reach carries
+    ``min(late, reach - issue)`` of it into ``on_late`` (the rank's dilated
+    clock), and the rest, absorbed while the stream waited for its CPU
+    anyway, is dropped."""
+
+    def __init__(self, flags: Any, poll_s: float) -> None:
+        import collections
+
+        self.flags = flags
+        self.poll_s = poll_s
+        self._calls: collections.deque = collections.deque()  # (slot, issue, on_reach, on_late)
+        self._reached: collections.deque = collections.deque()  # slots reached, their lateness not yet read
+        self._late = 0
+        self._cond = threading.Condition()
+        threading.Thread(target=self._loop, name="prism-reach", daemon=True).start()
+
+    def add(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any) -> None:
+        with self._cond:
+            self._calls.append((slot, issue_mono_ns, on_reach, on_late))
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        import time
+
+        flags = self.flags
+        while True:
+            with self._cond:
+                while not self._calls and not self._reached:
+                    self._cond.wait()
+            moved = False
+            while True:
+                # the waits before (their ends precede the next reach on a stream) ...
+                while self._reached and (late := flags.late_ns(self._reached[0])) is not None:
+                    self._reached.popleft()
+                    self._late += late
+                if not self._calls:
+                    break
+                slot, issue, on_reach, on_late = self._calls[0]
+                reach = flags.reached_mono_ns(slot)  # ... then the next call's reach
+                if not reach:
+                    break
+                with self._cond:
+                    self._calls.popleft()
+                carried = min(self._late, max(0, reach - issue))
+                self._late = 0
+                if carried:
+                    on_late(carried)
+                on_reach(reach)
+                self._reached.append(slot)
+                moved = True
+            if not moved:
+                time.sleep(self.poll_s)
+
+
 class _NullReleaser:
-    """``cpu-test``: nothing to wait on."""
+    """``cpu-test``: nothing to wait on; the "stream" reaches a call as it is
+    issued (the protocol of a reported reach is exercised all the same)."""
 
     mode = "cpu-test"
+    reports_reach = True
+
+    def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any) -> None:
+        import time
+
+        on_reach(time.monotonic_ns())
+
+    def prepare(self, slot: int) -> None:
+        pass
 
     def reserve(self) -> tuple[int, int]:
         return 0, 0

@@ -122,8 +122,10 @@ class RankRuntime:
         #: the coordinator's turn). The times the rank sends are its monotonic
         #: clock less this (``emu_ns``), so the emulated timeline is what the
         #: real job's would be, without Prism's overhead; the rank's own trace
-        #: keeps the wall clock. Only the main thread changes it.
+        #: keeps the wall clock. The main thread adds its waits' excess, a GPU
+        #: sandbox's reach watcher its stream's (``add_dilation``).
         self.dilation_ns = 0
+        self._dilation_lock = threading.Lock()
         self.hybrid = bool(getattr(welcome, "hybrid", False))
         self._slot_lock = threading.Lock()
         self._holds_slot = False
@@ -202,6 +204,11 @@ class RankRuntime:
         """``t_ns`` (monotonic) on the dilated clock the emulation's coordinator keeps for this rank."""
         return t_ns - self.dilation_ns
 
+    def add_dilation(self, ns: int) -> None:
+        """Prism delayed this rank by ``ns`` more (any thread)."""
+        with self._dilation_lock:
+            self.dilation_ns += ns
+
     def waited(self, release_mono_ns: int, wait_start_ns: int, resumed_ns: int) -> None:
         """The main thread waited from ``wait_start_ns`` to ``resumed_ns`` for a
         result the emulated job releases at ``release_mono_ns`` (monotonic):
@@ -210,7 +217,7 @@ class RankRuntime:
             return
         late = resumed_ns - max(release_mono_ns, wait_start_ns)
         if late > 0:
-            self.dilation_ns += late
+            self.add_dilation(late)
 
     # --- slots -------------------------------------------------------------
 

@@ -99,6 +99,10 @@ class EmulationStats:
     dilation_ns: dict[int, int] = field(default_factory=dict)
     #: ns from taking a sandbox's call to its result going out
     turnaround_ns: list[int] = field(default_factory=list)
+    #: device-path calls whose arrival is the GPU's reach (``P.Reached``), and
+    #: per such call how far the stream reached it after the CPU issued it (ns)
+    reached_calls: int = 0
+    reach_lag_ns: list[int] = field(default_factory=list)
 
 
 class Emulator(Coordinator):
@@ -149,9 +153,12 @@ class Emulator(Coordinator):
         self._finished_ranks: set[int] = set()
         #: engine node -> when the coordinator took the sandbox's call (for the turnaround figure)
         self._taken_at: dict[int, int] = {}
+        #: (rank, gid, seq) -> the reach (rank's dilated ns) of a device-path call not yet fed to the engine
+        self._reach: dict[tuple[int, str, int], int] = {}
         self._last_activity = 0
         self._message_handlers.update({
             P.CollectiveArrive: self._on_coll,
+            P.Reached: self._on_reached,
             P.Send: self._on_send,
             P.RecvPost: self._on_recv,
             P.Wait: self._on_wait,
@@ -306,7 +313,14 @@ class Emulator(Coordinator):
             ok = rank in self.recordings and same is not False
         self._on_record[key] = self._on_record.get(key, True) and ok
         self._calls.setdefault(key, {})[g] = msg
-        self._queue[rank].append(("coll", msg, Call("coll", msg.op, msg.gid, msg.seq), msg.issue_ns or now))
+        # A device-path call whose reach follows waits in the queue (and holds
+        # the rank's later calls behind it) until ``Reached`` gives its arrival.
+        t = None if msg.reach_follows else (msg.issue_ns or now)
+        self._queue[rank].append(("coll", msg, Call("coll", msg.op, msg.gid, msg.seq), t))
+        await self._pump()
+
+    async def _on_reached(self, session: RankSession, msg: P.Reached, now: int) -> None:
+        self._reach[(session.rank, msg.gid, msg.seq)] = msg.reach_ns
         await self._pump()
 
     async def _on_send(self, session: RankSession, msg: P.Send, now: int) -> None:
@@ -348,8 +362,17 @@ class Emulator(Coordinator):
         while self._result is None:
             fed = sum([self._drain(r) for r in sorted(self.sandbox) if self._queue[r]])
             await self._progress()
-            if not fed and not any(self._queue[r] and r in self.engine.computing for r in self.sandbox):
+            if not fed and not any(self._ready(r) and r in self.engine.computing for r in self.sandbox):
                 break
+
+    def _ready(self, rank: int) -> bool:
+        """Whether ``rank`` has a call queued that the engine can take (a
+        device-path call's only once its reach came)."""
+        q = self._queue[rank]
+        if not q:
+            return False
+        kind, msg, _, t = q[0]
+        return t is not None or (rank, msg.gid, msg.seq) in self._reach
 
     def _drain(self, rank: int) -> int:
         """Feed ``rank``'s queued calls to the engine while it can take them; how many it took."""
@@ -359,6 +382,13 @@ class Emulator(Coordinator):
         end = int(self.graph.rank_ptr[rank + 1])
         while q and self._result is None:
             kind, msg, call, t = q[0]
+            if t is None:  # a device-path call: its arrival is the stream's reach
+                t = self._reach.pop((rank, msg.gid, msg.seq), None)
+                if t is None:
+                    break
+                self.stats.reached_calls += 1
+                self.stats.reach_lag_ns.append(t - msg.issue_ns)
+                q[0] = (kind, msg, call, t)
             if kind != "wait":
                 self._anchor(rank, t)
             if not self._settle(rank):
@@ -467,7 +497,7 @@ class Emulator(Coordinator):
             if self._await_end:
                 self._collect_ends()
             await self._send_due()
-            if not more or any(self._queue[r] and r in eng.computing for r in self.sandbox):
+            if not more or any(self._ready(r) and r in eng.computing for r in self.sandbox):
                 break
         if more:
             self._wake_at(trio.current_time())

@@ -102,6 +102,9 @@ def test_the_device_path_protocol_compensates_as_the_coordinator_does(gpt_run):
     d = summary(dev.stdout)
     host = json.loads((gpt_run / "emulation" / "comp" / "summary.json").read_text())
     assert d["calls"]["on_device"] > 0 and host["calls"]["on_device"] == 0
+    # every device-path call's arrival came as a reach (protocol 5's Reached), none left waiting
+    assert d["calls"]["reached_on_gpu"] == d["calls"]["on_device"]
+    assert d["pacing"]["reach_lag_p50_ns"] is not None and host["pacing"]["reach_lag_p50_ns"] is None
     assert d["ranks"]["4"]["losses"] == host["ranks"]["4"]["losses"]
 
 

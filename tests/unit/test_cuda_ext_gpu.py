@@ -81,6 +81,35 @@ def test_release_holds_the_stream_not_the_cpu(mode):
     assert flags.released_ns(3) >= flags.reached_ns(3) > 0
 
 
+def test_the_reach_is_seen_by_the_host_while_the_wait_still_spins():
+    """The wait kernel stamps its reach before it spins (the rank's watcher
+    reports it as the call's arrival); a release flipped late is measured as
+    such (late_ns), one flipped ahead of time is not."""
+    flags = cuda_ext.ReleaseFlags(8, "cuda")
+    flags.clear_stamps(4)
+    t0 = time.monotonic_ns()
+    torch.cuda._sleep(20_000_000)  # the stream gets there some ms after the CPU queued it
+    flags.wait(4, 1, mode="kernel")
+    deadline = time.monotonic() + 5
+    while not flags.reached_mono_ns(4) and time.monotonic() < deadline:
+        time.sleep(1e-4)
+    reach = flags.reached_mono_ns(4)
+    assert reach > t0 + 1_000_000  # the GPU's reach, later than the CPU's issue
+    assert flags.late_ns(4) is None  # still spinning
+    flags.release(4, 1, at_ns=reach + 1_000_000)  # due 1 ms after the reach, flipped before that
+    torch.cuda.synchronize()
+    late = flags.late_ns(4)
+    assert late is not None and late < 200_000, late  # on time: the GPU timed it
+    flags.clear_stamps(5)
+    flags.wait(5, 1, mode="kernel")
+    while not flags.reached_mono_ns(5):
+        time.sleep(1e-4)
+    time.sleep(0.01)
+    flags.release(5, 1, at_ns=flags.reached_mono_ns(5) + 1_000_000)  # flipped ~9 ms after it was due
+    torch.cuda.synchronize()
+    assert 5_000_000 < flags.late_ns(5) < 50_000_000
+
+
 def test_the_wait_kernel_times_a_release_flipped_ahead_of_time():
     """The flag flips at once; the GPU holds the stream until the release's
     moment (on its globaltimer) and, for a stream that got there late, until

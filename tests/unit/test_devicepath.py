@@ -58,3 +58,51 @@ def test_eligibility_keeps_the_host_path_where_it_must(monkeypatch):
     assert not devicepath.eligible("all_reduce", (0, 2), 0, [t], (), (), "PRODUCT")
     monkeypatch.delenv(devicepath.GPU_SANDBOX_ENV)
     assert not devicepath.eligible("all_reduce", (0, 2), 0, [t], (), (), "SUM")
+
+
+def test_the_reach_watcher_reports_reaches_in_order_and_carries_only_the_lateness_that_delayed_them():
+    # The GPU's stamps are written by hand into host-mode flags (the same
+    # pinned layout): call 0 reached at 1,000 and, due at 5,000, ended at 7,000
+    # (its release came 2,000 late); call 1, issued at 1,500 (the CPU was ahead),
+    # reached at 8,000: delayed by all 2,000 (a lateness seen only after the next
+    # reach carries into the one after). Call 1 then ends 500 late, but
+    # call 2 was issued at 9,000 and reached at 9,100: the stream waited for
+    # its CPU anyway, so only 100 of the 500 delayed it.
+    import threading
+    import time
+
+    import cuda_ext
+
+    flags = cuda_ext.ReleaseFlags(4, "cpu")
+    w = devicepath._Watcher(flags, 1e-4)
+    got: list = []
+    done = threading.Event()
+
+    def reach(i):
+        def f(at):
+            got.append(("reach", i, at))
+            if i == 2:
+                done.set()
+        return f
+
+    def late(ns):
+        got.append(("late", ns))
+
+    for slot in range(3):
+        flags.clear_stamps(slot)
+    w.add(0, 900, reach(0), late)
+    w.add(1, 1500, reach(1), late)
+    w.add(2, 9000, reach(2), late)
+    time.sleep(0.01)
+    assert got == []  # nothing reached yet
+    flags._dl[0], flags._dl[1] = 5000, 0  # call 0: due at max(5,000, 1,000 + 0)
+    flags._st[0] = 1000
+    time.sleep(0.01)
+    assert got == [("reach", 0, 1000)]
+    flags._st[1] = 7000  # in stream order: call 0 ends, then call 1 is reached
+    flags._st[2] = 8000
+    flags._dl[2], flags._dl[3] = 0, 300  # call 1: due at 8,000 + its tail 300 = 8,300
+    flags._st[3] = 8800
+    flags._st[4] = 9100
+    assert done.wait(5), got
+    assert got == [("reach", 0, 1000), ("late", 2000), ("reach", 1, 8000), ("late", 100), ("reach", 2, 9100)]

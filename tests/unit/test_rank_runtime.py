@@ -240,7 +240,10 @@ def test_the_dilated_clock_takes_out_only_what_a_wait_spent_past_its_release():
 
     from prism.rank.runtime import RankRuntime
 
-    rt = SimpleNamespace(hybrid=True, dilation_ns=0)
+    import threading
+
+    rt = SimpleNamespace(hybrid=True, dilation_ns=0, _dilation_lock=threading.Lock())
+    rt.add_dilation = RankRuntime.add_dilation.__get__(rt)
     waited = RankRuntime.waited.__get__(rt)
     waited(1_000, 500, 1_300)  # released at 1000, resumed at 1300: Prism's 300
     assert rt.dilation_ns == 300
