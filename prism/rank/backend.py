@@ -561,7 +561,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             gid = self.gid
             rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, seq, rt.emu_ns(at))),
                       rt.add_dilation)
-        devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs)
+        devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs,
+                                in_splits, out_splits)
         work = self._issued(PrismWork(pending))
         devicepath.count_issue(time.monotonic_ns() - t0)
         return work

@@ -30,12 +30,13 @@ all_reduce PREMUL_SUM    N x factor x own
 all_reduce AVG/MIN/MAX   own (unchanged)
 reduce_scatter_tensor    its chunk of own, x N (SUM) or x N x factor
 all_gather_into_tensor   own in every slot
-all_to_all_single        its input (equal splits: the chunk from a virtual
-                         member j is its own chunk for j)
+all_to_all_single        the chunk from a virtual member j is its own chunk
+                         for j, cut or tiled to the rows j sends (uneven
+                         splits too); its own chunk comes back as it is
 broadcast / barrier      nothing changes
 =======================  ==============================================
 
-Other ops (uneven all_to_all, gather, scatter, point-to-point, groups with
+Other ops (gather, scatter, point-to-point, groups with
 two sandbox members) keep the host path.
 
 The hazard: while the GPU waits on a flag, anything that needs the whole
@@ -137,8 +138,6 @@ def eligible(op: str, members: Sequence[int], rank: int, tensors: Sequence[torch
     if any(m in sandbox_ranks() for m in members if m != rank):
         return False  # another sandbox's real data is needed: the host path exchanges it
     if tensors and not all((t.is_cuda or _cpu_test()) and t.is_contiguous() for t in tensors):
-        return False
-    if op == "all_to_all_single" and (len(set(in_splits)) > 1 or list(in_splits) != list(out_splits)):
         return False
     if reduce_name and reduce_name not in ("SUM", "AVG", "PREMUL_SUM", "MIN", "MAX"):
         return False
@@ -307,7 +306,8 @@ def releaser() -> Releaser | None:
 
 @torch.no_grad()
 def form_outputs(op: str, reduce_name: str, premul: float | None, n: int, g: int,
-                 inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+                 inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                 in_splits: Sequence[int] = (), out_splits: Sequence[int] = ()) -> None:
     """Enqueue on the current stream the compensated outputs of a call of a
     sandbox (group rank ``g`` of ``n``) whose other members are all virtual,
     in place (the module docstring's table)."""
@@ -333,10 +333,42 @@ def form_outputs(op: str, reduce_name: str, premul: float | None, n: int, g: int
         return
     if op == "all_to_all_single":
         (x,), (out,) = inputs, outputs
-        out.copy_(x)
+        if not in_splits and not out_splits:
+            out.copy_(x)
+            return
+        _all_to_all_uneven(x, out, n, g, list(in_splits), list(out_splits))
         return
     # broadcast (the root keeps its tensor; from a virtual root the tensor is
     # left as it is, as compensation does), barrier: nothing to form
+
+
+def _all_to_all_uneven(x: torch.Tensor, out: torch.Tensor, n: int, g: int, ins: list[int], outs: list[int]) -> None:
+    """``compensation.hybrid_outputs`` for ``all_to_all_single`` with splits,
+    one sandbox: the rows from a virtual member j are the sandbox's own chunk
+    for j (its whole input where that chunk is empty), cut or tiled to the
+    rows j sends; its own chunk comes back as it is. Copies only, into the
+    program's output tensor (no memory of Prism's own)."""
+    rows = x.shape[0] if x.dim() else 0
+    ins = ins or [rows // n] * n
+    outs = outs or [rows // n] * n
+    row = int(x[0].numel()) if rows else int(out[0].numel()) if out.dim() and out.shape[0] else 1
+    src_flat, dst_flat = x.reshape(-1), out.reshape(-1)
+    a = b = 0
+    for j in range(n):
+        mine = src_flat[a * row:(a + ins[j]) * row]
+        dst = dst_flat[b * row:(b + outs[j]) * row]
+        a += ins[j]
+        b += outs[j]
+        if j == g:
+            dst.copy_(mine)
+            continue
+        src = mine if mine.numel() else src_flat
+        m, k = src.numel(), dst.numel()
+        if m == 0:
+            dst.zero_()
+            continue
+        for at in range(0, k, m):  # tiled; splits are near-balanced, so once or twice
+            dst[at:at + m].copy_(src[:min(m, k - at)])
 
 
 def describe() -> dict[str, Any]:

@@ -179,3 +179,23 @@ def test_ddp_async_buckets_pass_their_waits_and_reproduce_the_losses(tmp_path):
     r0 = s["ranks"]["0"]
     assert r0["losses"] and r0["losses_equal"] is True
     assert s["calls"]["compensated"] == 0 and s["calls"]["implicit_waits"] > 0
+
+
+def test_the_device_path_forms_moe_token_exchanges_as_the_coordinator_does(tmp_path):
+    # MoE with expert parallelism: the token all_to_alls have uneven splits,
+    # formed in place by the device path (PRISM_GPU_SANDBOX=cpu-test) with the
+    # coordinator's compensation rule: the losses equal the host path's.
+    run = tmp_path / "moe"
+    cap = prism("capture", "-n", "2", "--out", str(run), "--progress", "off", "--", "-m", "prism.workloads.gpt",
+                "--tp", "1", "--pp", "1", "--dp", "2", "--ep", "2", "--experts", "4", "--layers", "2", "--hidden",
+                "32", "--heads", "2", "--seq-len", "16", "--steps", "3", cwd=tmp_path)
+    assert cap.returncode == 0, cap.stderr[-3000:]
+    got = {}
+    for name, mode in (("host", "0"), ("dev", "cpu-test")):
+        p = prism("emulate", str(run), "--sandbox", "0", "--no-recording", "--name", name, "--progress", "off",
+                  "--json", cwd=tmp_path, env=dict(ENV, PRISM_GPU_SANDBOX=mode))
+        assert p.returncode == 0, p.stderr[-3000:]
+        got[name] = summary(p.stdout)
+    dev, host = got["dev"], got["host"]
+    assert dev["calls"]["on_device"] == dev["calls"]["compensated"] > 0 and host["calls"]["on_device"] == 0
+    assert dev["ranks"]["0"]["losses"] == host["ranks"]["0"]["losses"] and len(host["ranks"]["0"]["losses"]) == 3

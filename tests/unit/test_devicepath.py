@@ -3,6 +3,8 @@ what the coordinator computes for it (prism.core.compensation.hybrid_outputs)
 for one sandbox among virtual members. The formulas are pure torch, so they
 run on CPU tensors here; on a GPU they run on the caller's stream."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -44,6 +46,25 @@ def test_device_outputs_equal_the_coordinators_compensation(op, reduce_op, premu
         assert np.array_equal(got, np.asarray(want).reshape(got.shape))
 
 
+@pytest.mark.parametrize("ins,outs", [
+    ((3, 1, 2, 2), (2, 5, 1, 2)),  # uneven both ways; a virtual member sends more rows than it got: tiled
+    ((0, 4, 2, 2), (3, 4, 0, 1)),  # an empty chunk to a virtual member: its rows come from the whole input
+    ((2, 2, 2, 2), (2, 2, 2, 2)),  # equal splits, given
+])
+@pytest.mark.parametrize("g", [1, 3])
+def test_uneven_all_to_all_on_the_device_equals_the_coordinators_compensation(ins, outs, g):
+    n, tail = 4, (3,)
+    outs = list(outs)
+    outs[g] = ins[g]  # what a rank sends itself it gets back
+    x = torch.randn(sum(ins), *tail, generator=torch.Generator().manual_seed(g))
+    out = torch.full((sum(outs), *tail), float("nan"))
+    msg = dataclasses.replace(_arrive("all_to_all_single", "float32", tuple(x.shape), tuple(out.shape)),
+                              in_splits=tuple(ins), out_splits=tuple(outs))
+    want = hybrid_outputs({g: msg}, {g: [x.numpy().copy()]}, n)[g][0]
+    devicepath.form_outputs("all_to_all_single", "", None, n, g, [x], [out], ins, outs)
+    assert np.array_equal(out.numpy(), np.asarray(want).reshape(out.shape))
+
+
 def test_eligibility_keeps_the_host_path_where_it_must(monkeypatch):
     monkeypatch.setenv(devicepath.GPU_SANDBOX_ENV, "1")
     monkeypatch.setattr(devicepath, "_sandbox", frozenset({0, 1}))
@@ -54,7 +75,7 @@ def test_eligibility_keeps_the_host_path_where_it_must(monkeypatch):
     assert devicepath.eligible("all_reduce", (0, 2), 0, [t], (), (), "SUM")
     assert not devicepath.eligible("all_reduce", (0, 1), 0, [t], (), (), "SUM")  # another sandbox in the group
     assert not devicepath.eligible("send", (0, 2), 0, [t], (), (), "")
-    assert not devicepath.eligible("all_to_all_single", (0, 2), 0, [t], (1, 3), (1, 3), "")  # uneven
+    assert devicepath.eligible("all_to_all_single", (0, 2), 0, [t], (1, 3), (2, 2), "")  # uneven: formed on the GPU
     assert not devicepath.eligible("all_reduce", (0, 2), 0, [t], (), (), "PRODUCT")
     monkeypatch.delenv(devicepath.GPU_SANDBOX_ENV)
     assert not devicepath.eligible("all_reduce", (0, 2), 0, [t], (), (), "SUM")
