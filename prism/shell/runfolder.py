@@ -60,6 +60,7 @@ __all__ = [
     "SWAP_REPORT_NAME",
     "TELEMETRY_DIR",
     "TraceWriter",
+    "calibration_path",
     "gpu_samples_path",
     "in_memory_run",
     "log_path",
@@ -123,6 +124,12 @@ _PAYLOAD_NAME = "rank-{rank:06d}.bin"
 def manifest_path(run_dir: PathLike) -> Path:
     """``RUN/manifest.json``."""
     return Path(run_dir) / MANIFEST_NAME
+
+
+def calibration_path(run_dir: PathLike, name: str | None) -> Path:
+    """``RUN/calibration/NAME/`` (a stored slice calibration), or ``RUN/calibration/`` for None."""
+    base = Path(run_dir) / CALIBRATION_DIR
+    return base if name is None else base / name
 
 
 def rank_path(run_dir: PathLike, rank: int) -> Path:
