@@ -182,11 +182,11 @@ class Measured:
     regrouped: int  # gaps between calls whose segments were cut differently (their total split in proportion)
 
 
-def _call_key(ev: Event, sub: int) -> tuple:
+def _call_key(ev: Event) -> tuple:
     if isinstance(ev, Collective):
-        return ("wait of " if sub else "") + ev.op, ev.gid, ev.seq
+        return ev.op, ev.gid, ev.seq
     if isinstance(ev, P2P):
-        return ("wait of " if sub else "") + ev.op, ev.gid, ev.pseq, ev.peer
+        return ev.op, ev.gid, ev.pseq, ev.peer
     return "step end", ev.step
 
 
@@ -199,14 +199,20 @@ def _describe(key: tuple) -> str:
 
 def _walk(events: Sequence[Event]) -> tuple[list[tuple], list[list[Compute]]]:
     """A rank's calls (keys) in program order and the compute segments
-    before each call (``gaps[k]``) and after the last (``gaps[-1]``)."""
+    before each call (``gaps[k]``) and after the last (``gaps[-1]``).
+
+    Calls are issues and step ends. The wait of an async op is not one: where
+    it falls among the other calls depends on timing (a pipeline's irecv is
+    waited on before or after the next send is issued, run by run), so it
+    neither delimits a gap nor takes part in the comparison; its op's issue
+    does."""
     calls: list[tuple] = []
     gaps: list[list[Compute]] = [[]]
     for _, sub, ev in program_order(events):
         if isinstance(ev, Compute):
             gaps[-1].append(ev)
-        elif isinstance(ev, (Collective, P2P, Iteration)):
-            calls.append(_call_key(ev, sub))
+        elif isinstance(ev, (Collective, P2P, Iteration)) and not sub:
+            calls.append(_call_key(ev))
             gaps.append([])
     return calls, gaps
 

@@ -78,3 +78,12 @@ def test_a_slice_too_big_for_the_cores_is_refused(run):
     with pytest.raises(UsageError, match="slice 0,1,2 has 3 ranks but only 2 fit"):
         calibrate(CalibrateConfig(run=run, slices="0,1,2;3", cores=2, name="big"))
     assert np.all([not p.name.startswith("calibrate-big") for p in (run / "emulation").iterdir()])
+
+
+def test_pipelines_calibrate_although_their_waits_move(tmp_path_factory, shared_captures):
+    # tp2 x pp2: an irecv's wait falls before or after the next send, run by run; issues must match, waits float
+    cmd = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", *GPT_W4[6:]]
+    pp_run = shared_captures.copy(tmp_path_factory.mktemp("calibrate-pp") / "gpt", 4, cmd)
+    m = calibrate(CalibrateConfig(run=pp_run, slices="pp", name="pp", cores=2)).manifest
+    assert m["slices"] == [[0, 2], [1, 3]] and m["uncalibrated_ranks"] == []
+    assert predict(PredictConfig(run=pp_run, warmup=1, calibration="pp")).calibration["slices"] == [[0, 2], [1, 3]]

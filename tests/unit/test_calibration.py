@@ -138,6 +138,27 @@ def test_a_slice_that_took_another_path_is_refused_naming_rank_and_call():
         measured_durations(0, program(BARE).events[0], short)
 
 
+def test_a_wait_that_moves_among_the_calls_does_not_count_as_another_path():
+    def run(wait_first: bool, durs: tuple[int, int]) -> Program:
+        p = Program(2)
+        p.coll("world", async_on=(0, 1))
+        for r in (0, 1):
+            p.compute(r, durs[0])
+        if wait_first:
+            p.wait(0)
+        p.coll("world")
+        if not wait_first:
+            p.wait(0)
+        p.wait(1)
+        for r in (0, 1):
+            p.compute(r, durs[1])
+        p.end_step()
+        return p
+
+    m = measured_durations(0, run(True, (100, 50)).events[0], run(False, (70, 20)).events[0])
+    assert m.durations.tolist() == [70, 20] and m.regrouped == 0
+
+
 def test_applied_durations_keep_the_graph_and_change_its_compute():
     bare = program(BARE).events
     table = {0: np.array([1, 2, 3, 4], np.int64)}
