@@ -211,7 +211,8 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
             table[r] = m.durations
             per_rank[str(r)] = {"slice": k, "source_rank": r, "segments": m.segments, "replaced": m.replaced,
                                 "kept_two_clock": m.kept_two_clock, "regrouped_gaps": m.regrouped,
-                                "bare_compute_ns": _bare_total(ranks[r]), "calibrated_compute_ns": int(m.durations.sum())}
+                                "bare_compute_ns": _bare_total(ranks[r]),
+                                "calibrated_compute_ns": int(m.durations.sum())}
     classes: dict[str, list[int]] = {}
     if config.symmetric:
         try:
