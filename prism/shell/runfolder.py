@@ -11,7 +11,8 @@ Layout (``docs/TRACE.md``, "Run directory")::
     RUN/payloads/rank-000012.jsonl a recorded rank's payload records (--record, PrismTrace 1.3)
     RUN/payloads/rank-000012.bin   the bytes it received, addressed by those records
     RUN/payloads/summary.json      what --record kept (ranks, steps, bytes, why it stopped)
-    RUN/calibration/, RUN/predictions/, RUN/emulation/   reserved for later stages
+    RUN/calibration/NAME/          a slice calibration: durations.npz, manifest.json (prism.app.calibrate)
+    RUN/predictions/, RUN/emulation/   reserved for later stages
 
 (The coordinator's ipc socket, ``RUN/prism.sock`` while it runs, is the
 transport's: ``transport.endpoints.default_endpoint`` names it.)
