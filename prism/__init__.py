@@ -66,8 +66,8 @@ thin **shells** around it own sockets, processes, clocks, files and devices.
     the backend without touching the script, logical devices, GPU timing.
 
 ``prism.app`` (the library API)
-    ``capture``, ``predict``, ``report``, ``netprofile``, ``trace`` (later
-    ``emulate``, ``calibrate``): functions that take a config object and
+    ``capture``, ``predict``, ``report``, ``netprofile``, ``trace``,
+    ``emulate``, ``calibrate``: functions that take a config object and
     return a result object. They never print.
 
 ``prism.cli``

@@ -17,5 +17,6 @@ Modules (each named for its command; import the function from its module):
 ``capture`` (capture a script; a standalone coordinator), ``predict``
 (replay a run under a cost model), ``report`` (Perfetto, plot, Chakra ET),
 ``netprofile`` (measure and fit a cost profile), ``trace`` (read, summarise,
-validate a run), ``errors``.
+validate a run), ``emulate`` (sandbox ranks against virtual ones),
+``calibrate`` (slice calibration of a run's compute durations), ``errors``.
 """

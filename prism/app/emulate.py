@@ -75,6 +75,9 @@ class EmulateConfig:
     #: yet found; False stages every call through host memory (the capture's
     #: path, which works on GPUs).
     device_path: bool = False
+    #: A stored slice calibration for the virtual ranks' durations: "off",
+    #: "on" (the newest) or its name (``prism.app.calibrate``).
+    calibration: str = "off"
 
 
 @dataclass
@@ -193,6 +196,9 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         raise UsageError(f"the capture in {run} names no command: give the script after --")
     ranks = load_run_events(run)
     ranks, missing = _complete_steps(run, ranks)
+    from prism.app.calibrate import calibrated_events
+
+    ranks, _ = calibrated_events(run, ranks, config.calibration)
     try:
         graph = ExecutionGraph.from_events(ranks)
     except GraphError as e:

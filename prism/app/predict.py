@@ -48,6 +48,10 @@ class PredictConfig:
     scale_dp: int | None = None
     layout: Layout | str | None = None
     warmup: int = DEFAULT_WARMUP
+    #: A stored slice calibration (``prism.app.calibrate``): "off" (the bare
+    #: graph), "on" (the newest) or its name. Off by default until
+    #: bench/calibration.py shows on the H200 machine that it wins.
+    calibration: str = "off"
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class Prediction:
     layout: Layout | None
     #: What the run lacks (a failed or killed capture), one line each; empty when complete.
     missing: tuple[str, ...] = ()
+    #: The manifest of the slice calibration used (None: the bare graph).
+    calibration: dict | None = None
 
     @property
     def mean_iteration_ns(self) -> float:
@@ -75,6 +81,8 @@ class Prediction:
             data["scaled"] = {"from_layout": dataclasses.asdict(self.layout), "to_dp": self.config.scale_dp}
         if self.missing:
             data["incomplete_run"] = list(self.missing)
+        data["calibration"] = None if self.calibration is None else {
+            k: self.calibration.get(k) for k in ("name", "created_utc", "slices", "symmetric", "rule")}
         return data
 
     def text(self) -> str:
@@ -86,6 +94,11 @@ class Prediction:
                     f"(world {self.result.graph.world_size}): replicas copied, see prism.core.scaleout\n") + text
         if self.missing:
             text = "".join(f"incomplete run: {line}\n" for line in self.missing) + text
+        c = self.calibration
+        if c is not None:
+            text += (f"\ncompute durations: slice calibration {c.get('name')!r} of {c.get('created_utc')} "
+                     f"({len(c.get('slices', []))} slices{', symmetric' if c.get('symmetric') else ''}; "
+                     "two-clock GPU segments as captured)")
         return text
 
 
@@ -112,6 +125,9 @@ def predict(config: PredictConfig) -> Prediction:
         raise UsageError(str(e)) from None
     ranks = load_run_events(run)
     ranks, missing = _complete_steps(run, ranks)
+    from prism.app.calibrate import calibrated_events
+
+    ranks, calibration = calibrated_events(run, ranks, config.calibration)
     try:
         model, why = resolve_profile(config.net, manifest, traced_device_kind(ranks))
     except ProfileError as e:
@@ -123,7 +139,7 @@ def predict(config: PredictConfig) -> Prediction:
         raise UsageError(f"cannot scale {run} to dp {config.scale_dp}: {e}") from None
     except (GraphError, ReplayError) as e:
         raise InconsistentTraceError(f"the trace in {run} is inconsistent: {e}") from None
-    return Prediction(config, result, why, layout, missing)
+    return Prediction(config, result, why, layout, missing, calibration)
 
 
 def _complete_steps(run, ranks: dict[int, list[Event]]) -> tuple[dict[int, list[Event]], tuple[str, ...]]:

@@ -67,6 +67,12 @@ def _build_emulate(p: argparse.ArgumentParser) -> None:
     emulate.add_arguments(p)
 
 
+def _build_calibrate(p: argparse.ArgumentParser) -> None:
+    from prism.cli import calibrate
+
+    calibrate.add_arguments(p)
+
+
 def _build_run(p: argparse.ArgumentParser) -> None:
     from prism.cli import emulate
 
@@ -85,6 +91,8 @@ _COMMANDS: tuple[_Command, ...] = (
     _Command("coordinator", "run a standalone coordinator for one capture", build=_build_coordinator),
     _Command("trace", "inspect a PrismTrace run: summary, validate", build=_build_trace),
     _Command("predict", "predict iteration time and breakdown from a captured run", build=_build_predict),
+    _Command("calibrate", "run the ranks slice by slice against the bare graph and store their measured durations",
+             build=_build_calibrate),
     _Command("report", "write timelines (Perfetto, Gantt plot, Chakra ET) for a run", build=_build_report),
     _Command("netprofile", "measure the local backend (gloo) and fit a communication cost profile", build=_build_netprofile),
     _Command("emulate", "run chosen sandbox ranks for real against the captured run's virtual ranks",

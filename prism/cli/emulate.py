@@ -46,10 +46,14 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "GPU, behind a stream-ordered release, instead of staging every call through host memory")
     p.add_argument("--memory-overhead", type=float, default=None, metavar="GIB",
                    help="of --memory-limit, what the GPU holds outside torch's allocator (default: as capture)")
+    p.add_argument("--calibration", default="off", metavar="off|on|NAME",
+                   help="the virtual ranks' compute durations: off (as captured, the default until the H200 "
+                        "benchmark shows that calibration wins), on (the newest `prism calibrate`) or its --name")
 
 
 def _gpu_kw(args: argparse.Namespace) -> dict:
-    kw = {"gpus": args.gpus, "memory_limit_gib": args.memory_limit, "device_path": args.device_path}
+    kw = {"gpus": args.gpus, "memory_limit_gib": args.memory_limit, "device_path": args.device_path,
+          "calibration": args.calibration}
     if args.memory_overhead is not None:
         kw["memory_overhead_gib"] = args.memory_overhead
     return kw

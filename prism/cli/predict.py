@@ -24,13 +24,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the captured run's layout for --scale-dp (default: the manifest's, from --tp/--pp/--dp flags)")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                    help=f"steps dropped before averaging iteration times (default: {DEFAULT_WARMUP})")
+    p.add_argument("--calibration", default="off", metavar="off|on|NAME",
+                   help="compute durations: off (as captured, the default until the H200 benchmark shows that "
+                        "calibration wins), on (the newest `prism calibrate` of the run) or a calibration's --name")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     config = PredictConfig(run=args.run, net=args.net, scale_dp=args.scale_dp, layout=args.layout,
-                           warmup=args.warmup)
+                           warmup=args.warmup, calibration=args.calibration)
     try:
         prediction = predict(config)
     except PrismError as e:

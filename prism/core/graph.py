@@ -226,8 +226,7 @@ class ExecutionGraph:
         b = _ColumnBuilder()
         for r in range(world):
             known: set[str] = set()
-            items = []
-            for i, ev in enumerate(ranks[r]):
+            for ev in ranks[r]:
                 if isinstance(ev, GroupCreated):
                     prev = groups.get(ev.gid)
                     if prev is not None and prev != tuple(ev.ranks):
@@ -239,25 +238,15 @@ class ExecutionGraph:
                     groups[ev.gid] = tuple(ev.ranks)
                     group_seen_by.setdefault(ev.gid, r)
                     known.add(ev.gid)
-                elif isinstance(ev, Compute):
-                    items.append((ev.start_ns, 1, i, 0, ev))
-                elif isinstance(ev, (Collective, P2P)):
-                    if ev.gid not in known:
-                        raise GroupError(
-                            f"rank {r}: {ev.op} on group {ev.gid!r} (seq "
-                            f"{ev.seq if isinstance(ev, Collective) else ev.pseq}) comes before any "
-                            "group record for that gid on this rank; the trace is incomplete or corrupt"
-                        )
-                    items.append((ev.issue_ns, 0, i, 0, ev))
-                    if ev.async_op:
-                        # a wait cannot precede its issue (a handle waited on at once records equal times)
-                        items.append((max(ev.wait_ns, ev.issue_ns), 0, i, 1, ev))
-                elif isinstance(ev, Iteration):
-                    items.append((ev.end_ns, 0, i, 0, ev))
-            # Ties: a call at t precedes the compute that starts at t; else record order.
-            items.sort(key=lambda it: it[:4])
+                elif isinstance(ev, (Collective, P2P)) and ev.gid not in known:
+                    raise GroupError(
+                        f"rank {r}: {ev.op} on group {ev.gid!r} (seq "
+                        f"{ev.seq if isinstance(ev, Collective) else ev.pseq}) comes before any "
+                        "group record for that gid on this rank; the trace is incomplete or corrupt"
+                    )
+            items = program_order(ranks[r])
             row_of_event: dict[int, int] = {}
-            for _, _, i, sub, ev in items:
+            for i, sub, ev in items:
                 if isinstance(ev, Compute):
                     b.add(r, COMPUTE, dur=ev.end_ns - ev.start_ns, step=ev.step,
                           rec_start=ev.start_ns, rec_end=ev.end_ns)
@@ -656,6 +645,31 @@ def _short(xs: Iterable[int], limit: int = 16) -> str:
     if len(xs) <= limit:
         return str(xs)
     return str(xs[:limit])[:-1] + f", ... {len(xs) - limit} more]"
+
+
+def program_order(events: Sequence[Event]) -> list[tuple[int, int, Event]]:
+    """One rank's graph nodes in program order, as ``(record index, sub, event)``:
+    a Compute, a Collective or P2P call (``sub`` 0) and, for an async one, its
+    wait (``sub`` 1), an Iteration; other events are left out.
+
+    The order comes from the timestamps (see the module doc): a call, wait or
+    step end at instant t precedes the compute that starts at t; otherwise
+    record order decides. ``from_events`` and calibration
+    (``prism.core.calibration``) both walk a rank's nodes this way.
+    """
+    items = []
+    for i, ev in enumerate(events):
+        if isinstance(ev, Compute):
+            items.append((ev.start_ns, 1, i, 0, ev))
+        elif isinstance(ev, (Collective, P2P)):
+            items.append((ev.issue_ns, 0, i, 0, ev))
+            if ev.async_op:
+                # a wait cannot precede its issue (a handle waited on at once records equal times)
+                items.append((max(ev.wait_ns, ev.issue_ns), 0, i, 1, ev))
+        elif isinstance(ev, Iteration):
+            items.append((ev.end_ns, 0, i, 0, ev))
+    items.sort(key=lambda it: it[:4])
+    return [(i, sub, ev) for _, _, i, sub, ev in items]
 
 
 class _ColumnBuilder:

@@ -11,7 +11,8 @@ Layout (``docs/TRACE.md``, "Run directory")::
     RUN/payloads/rank-000012.jsonl a recorded rank's payload records (--record, PrismTrace 1.3)
     RUN/payloads/rank-000012.bin   the bytes it received, addressed by those records
     RUN/payloads/summary.json      what --record kept (ranks, steps, bytes, why it stopped)
-    RUN/calibration/, RUN/predictions/, RUN/emulation/   reserved for later stages
+    RUN/calibration/NAME/          a slice calibration: durations.npz, manifest.json (prism.app.calibrate)
+    RUN/predictions/, RUN/emulation/   reserved for later stages
 
 (The coordinator's ipc socket, ``RUN/prism.sock`` while it runs, is the
 transport's: ``transport.endpoints.default_endpoint`` names it.)
@@ -60,6 +61,7 @@ __all__ = [
     "SWAP_REPORT_NAME",
     "TELEMETRY_DIR",
     "TraceWriter",
+    "calibration_path",
     "gpu_samples_path",
     "in_memory_run",
     "log_path",
@@ -123,6 +125,12 @@ _PAYLOAD_NAME = "rank-{rank:06d}.bin"
 def manifest_path(run_dir: PathLike) -> Path:
     """``RUN/manifest.json``."""
     return Path(run_dir) / MANIFEST_NAME
+
+
+def calibration_path(run_dir: PathLike, name: str | None) -> Path:
+    """``RUN/calibration/NAME/`` (a stored slice calibration), or ``RUN/calibration/`` for None."""
+    base = Path(run_dir) / CALIBRATION_DIR
+    return base if name is None else base / name
 
 
 def rank_path(run_dir: PathLike, rank: int) -> Path:

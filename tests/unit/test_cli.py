@@ -18,8 +18,8 @@ def test_help_lists_every_command(capsys):
 
 def test_unbuilt_command_refuses_and_names_its_issue(capsys, monkeypatch):
     # Every command is built today: an unbuilt one is put in for the test.
-    monkeypatch.setattr(cli, "_COMMANDS", (*cli._COMMANDS, cli._Command("calibrate", "x", pending_issue=21)))
-    assert cli.main(["calibrate", "--whatever"]) == 2
+    monkeypatch.setattr(cli, "_COMMANDS", (*cli._COMMANDS, cli._Command("agent", "x", pending_issue=21)))
+    assert cli.main(["agent", "--whatever"]) == 2
     err = capsys.readouterr().err
     assert "not built yet" in err and "issue #21" in err
 
@@ -40,3 +40,10 @@ def test_emulate_takes_the_script_after_its_options(monkeypatch, capsys):
     c = seen["config"]
     assert str(c.run) == "runs/x" and c.sandbox == "0,5" and list(c.command) == ["-m", "pkg.train", "--tp", "2"]
     assert "emulated" in capsys.readouterr().out
+
+
+def test_calibrate_and_predict_name_what_is_wrong(tmp_path, capsys):
+    assert cli.main(["calibrate", str(tmp_path)]) == 2
+    assert f"prism calibrate: {tmp_path} has no graph to calibrate" in capsys.readouterr().err
+    assert cli.main(["predict", str(tmp_path), "--calibration", "on"]) != 0
+    assert "prism predict:" in capsys.readouterr().err

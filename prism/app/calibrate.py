@@ -1,0 +1,322 @@
+"""Slice calibration of a captured run (PrismLLM phase 1, step 3).
+
+``calibrate(CalibrateConfig(run="runs/gpt"))`` plans the slices
+(``prism.core.calibration.plan_slices``: by default the TP groups, else the
+pipelines, else pairs; each at most this machine's cores), runs each slice
+as sandbox ranks against the bare graph (``prism.app.emulate.emulate``, one
+slice after the other, so a slice's ranks have a core each), takes every
+sandbox rank's compute durations from its emulation trace (matched call by
+call to the capture) and stores them under ``RUN/calibration/<name>/``:
+
+- ``durations.npz``: per calibrated rank (``rank-000003``), one duration
+  (int64 ns) per compute segment in program order;
+- ``manifest.json``: the slices, the emulations that measured them, the date,
+  whether symmetric (and the class map), per rank what was replaced, and the
+  bare and calibrated predictions under the same cost profile.
+
+``--symmetric`` runs one slice per class of equivalent ranks (same TP rank,
+PP stage and EP rank) and copies the representatives' durations to their
+class. ``predict`` and ``emulate`` use a stored calibration with
+``--calibration on`` (the newest) or ``--calibration NAME``; the default is
+off until the H200 benchmark (bench/calibration.py) shows that it wins.
+Segments the capture timed with two clocks (GPU captures) keep their
+capture timing (``prism.core.calibration``, the rule).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prism.app.errors import InconsistentTraceError, PrismError, UsageError
+from prism.core.calibration import (
+    CalibrationError,
+    apply_calibration,
+    expand_classes,
+    measured_durations,
+    plan_slices,
+    symmetric_plan,
+    symmetry_classes,
+)
+from prism.core.scaleout import Layout, ScaleOutError
+from prism.core.trace import Event
+
+__all__ = ["CalibrateConfig", "CalibrationResult", "CalibrationFailed", "calibrate", "calibrated_events",
+           "load_calibration", "CALIBRATION_CHOICES"]
+
+#: ``--calibration`` values besides a calibration's name.
+CALIBRATION_CHOICES = ("off", "on")
+_DURATIONS = "durations.npz"
+_MANIFEST = "manifest.json"
+
+
+class CalibrationFailed(PrismError):
+    """A slice's emulation failed (its message says why); exit status 1."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """What to calibrate. ``slices``: auto, tp, pp, gang, pairs or ``"0,1;2,3"``;
+    ``cores``: how many ranks a slice may hold (None: this machine's usable
+    cores); ``net``: the cost profile as for ``predict``; ``layout``: the run's
+    layout when the manifest has none (``"tp=2,pp=2,dp=4"``)."""
+
+    run: str | os.PathLike[str]
+    slices: str = "auto"
+    symmetric: bool = False
+    name: str | None = None
+    net: str | None = None
+    cores: int | None = None
+    layout: str | None = None
+    warmup: int = 1
+    quiet_s: float = 30.0
+
+
+@dataclass
+class CalibrationResult:
+    out_dir: Path
+    manifest: dict = field(default_factory=dict)
+
+    def text(self) -> str:
+        m = self.manifest
+        lines = [f"calibrated {m['run']} (world {m['world_size']}) with {len(m['slices'])} slice(s) "
+                 f"({m['slice_mode']}{', symmetric' if m['symmetric'] else ''}), {m['cores']} cores per slice at most:"]
+        for k, s in enumerate(m["slices"]):
+            lines.append(f"  slice {k}: ranks {','.join(map(str, s))}  ({m['emulations'][k]}, "
+                         f"{m['slice_wall_s'][k]:.1f} s)")
+        if m["symmetric"]:
+            lines.append("classes (representative: members):")
+            for rep, members in m["classes"].items():
+                lines.append(f"  {rep}: {','.join(map(str, members))}")
+        uncal = m["uncalibrated_ranks"]
+        if uncal:
+            lines.append(f"ranks left with their bare durations: {','.join(map(str, uncal))}")
+        seg = sum(v["replaced"] for v in m["per_rank"].values())
+        kept = sum(v["kept_two_clock"] for v in m["per_rank"].values())
+        lines.append(f"{seg:,} compute segments calibrated" + (f", {kept:,} two-clock (GPU) segments kept as captured"
+                                                               if kept else ""))
+        b, c = m["bare_mean_ns"], m["calibrated_mean_ns"]
+        if b and c:
+            lines.append(f"predicted iteration time: bare {b / 1e6:,.3f} ms, calibrated {c / 1e6:,.3f} ms "
+                         f"({c / b - 1:+.2%}; cost profile {m['cost_model']})")
+        lines.append(f"stored in {self.out_dir}; use it with `prism predict RUN --calibration on` "
+                     "(or `--calibration " + m["name"] + "`)")
+        return "\n".join(lines)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _layout(config_layout: str | None, manifest) -> Layout | None:
+    from prism.app.predict import parse_layout
+
+    try:
+        if config_layout is not None:
+            return parse_layout(config_layout)
+        if manifest is not None and manifest.layout:
+            return Layout.from_manifest(manifest)
+    except (ValueError, ScaleOutError) as e:
+        raise UsageError(str(e)) from None
+    return None
+
+
+def _bare_events(run: Path) -> tuple[Any, dict[int, list[Event]]]:
+    """The run's manifest and the events its graph is built from (as ``predict``: complete steps only)."""
+    from prism.app.predict import _complete_steps, load_run_events, load_run_manifest
+    from prism.shell import runfolder
+
+    rdir = run / runfolder.RANKS_DIR
+    if not rdir.is_dir() or not any(rdir.iterdir()):
+        raise UsageError(f"{run} has no graph to calibrate (no rank traces in {rdir}): give the --out of a "
+                         "`prism capture`")
+    manifest = load_run_manifest(run)
+    if manifest is None:
+        raise UsageError(f"{run} has no manifest: calibration runs the capture's command and needs it")
+    ranks = load_run_events(run)
+    ranks, _ = _complete_steps(run, ranks)
+    return manifest, ranks
+
+
+def calibrate(config: CalibrateConfig) -> CalibrationResult:
+    """Calibrate ``config.run`` slice by slice; raises ``UsageError`` for bad
+    options or a run that cannot be calibrated, ``CalibrationFailed`` when a
+    slice's emulation fails, ``InconsistentTraceError`` when a slice's calls do
+    not match the capture's."""
+    import orjson
+
+    from prism.app.emulate import EmulateConfig, emulate
+    from prism.shell import runfolder
+
+    run = Path(config.run)
+    manifest, ranks = _bare_events(run)
+    world = len(ranks)
+    layout = _layout(config.layout, manifest)
+    cores = config.cores if config.cores is not None else _usable_cores()
+    try:
+        slices = plan_slices(world, config.slices, cores=cores, layout=layout)
+        rep_of: dict[int, int] = {}
+        if config.symmetric:
+            if layout is None:
+                raise CalibrationError("--symmetric needs the run's layout to know which ranks are equivalent; the "
+                                       "manifest has none: pass --layout tp=T,pp=P,dp=D")
+            slices, rep_of = symmetric_plan(slices, symmetry_classes(world, layout))
+    except CalibrationError as e:
+        raise UsageError(str(e)) from None
+    name = config.name or time.strftime("%Y%m%d-%H%M%S")
+    if not name or "/" in name or name in CALIBRATION_CHOICES:
+        raise UsageError(f"--name {name!r}: give a plain name (not off or on, no '/')")
+    out = runfolder.calibration_path(run, name)
+    if (out / _MANIFEST).exists():
+        raise UsageError(f"{out} already holds a calibration; choose another --name")
+    emu_names = [f"calibrate-{name}-slice{k}" for k in range(len(slices))]
+    for e in emu_names:
+        if (run / runfolder.EMULATION_DIR / e).exists():
+            raise UsageError(f"{run / runfolder.EMULATION_DIR / e} exists already; choose another --name")
+
+    table: dict[int, np.ndarray] = {}
+    per_rank: dict[str, dict] = {}
+    walls = []
+    for k, s in enumerate(slices):
+        t0 = time.perf_counter()
+        outcome = emulate(EmulateConfig(run=run, sandbox=",".join(map(str, s)), net=config.net, name=emu_names[k],
+                                        warmup=config.warmup, quiet_s=config.quiet_s, show_ranks="none",
+                                        progress="off"))
+        walls.append(time.perf_counter() - t0)
+        if not outcome.ok:
+            raise CalibrationFailed(f"slice {k} (ranks {','.join(map(str, s))}) failed in {outcome.out_dir} "
+                                    f"({outcome.status}): {outcome.message.strip()}")
+        for r in s:
+            path = runfolder.rank_path(outcome.out_dir, r)
+            try:
+                events = runfolder.read_rank_file(path, ignore_unknown=True).events
+            except Exception as e:  # noqa: BLE001 (TraceFormatError, OSError: named below)
+                raise CalibrationFailed(f"slice {k}: cannot read sandbox rank {r}'s trace {path}: {e}") from None
+            try:
+                m = measured_durations(r, ranks[r], events)
+            except CalibrationError as e:
+                raise InconsistentTraceError(f"slice {k} ({outcome.out_dir}): {e}") from None
+            table[r] = m.durations
+            per_rank[str(r)] = {"slice": k, "source_rank": r, "segments": m.segments, "replaced": m.replaced,
+                                "kept_two_clock": m.kept_two_clock, "regrouped_gaps": m.regrouped,
+                                "bare_compute_ns": _bare_total(ranks[r]),
+                                "calibrated_compute_ns": int(m.durations.sum())}
+    classes: dict[str, list[int]] = {}
+    if config.symmetric:
+        try:
+            copied = expand_classes(ranks, table, rep_of)
+        except CalibrationError as e:
+            raise UsageError(str(e)) from None
+        for r, p in sorted(rep_of.items()):
+            classes.setdefault(str(p), []).append(r)
+            if r != p:
+                m = copied[r]
+                table[r] = m.durations
+                per_rank[str(r)] = {"slice": per_rank[str(p)]["slice"], "source_rank": p, "segments": m.segments,
+                                    "replaced": m.replaced, "kept_two_clock": m.kept_two_clock,
+                                    "regrouped_gaps": m.regrouped, "bare_compute_ns": _bare_total(ranks[r]),
+                                    "calibrated_compute_ns": int(m.durations.sum())}
+    uncal = [r for r in range(world) if r not in table]
+
+    bare_mean, cal_mean, model_name = _predictions(run, ranks, table, config, manifest)
+    data = {
+        "name": name, "run": str(run), "world_size": world, "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                         time.gmtime()),
+        "slice_mode": config.slices, "slices": [list(s) for s in slices], "cores": cores,
+        "symmetric": config.symmetric, "classes": classes, "emulations": emu_names,
+        "slice_wall_s": walls, "uncalibrated_ranks": uncal, "per_rank": per_rank,
+        "rule": "one-clock (CPU-timed) compute segments take the slice's measurement; segments the capture timed "
+                "with two clocks (GPU) keep the capture's timing",
+        "layout": None if layout is None else {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep},
+        "cost_model": model_name, "warmup": config.warmup,
+        "bare_mean_ns": bare_mean, "calibrated_mean_ns": cal_mean,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    np.savez(buf, **{f"rank-{r:06d}": v for r, v in sorted(table.items())})
+    (out / _DURATIONS).write_bytes(buf.getvalue())
+    (out / _MANIFEST).write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+    return CalibrationResult(out, data)
+
+
+def _bare_total(events: Sequence[Event]) -> int:
+    return int(sum(ev.end_ns - ev.start_ns for ev in events if type(ev).__name__ == "Compute"))
+
+
+def _predictions(run: Path, ranks, table, config: CalibrateConfig, manifest) -> tuple[float | None, float | None, str]:
+    from prism.app.predict import predict_events, resolve_profile, traced_device_kind
+    from prism.core.costmodel import ProfileError
+
+    try:
+        model, _ = resolve_profile(config.net, manifest, traced_device_kind(ranks))
+    except ProfileError as e:
+        raise UsageError(str(e)) from None
+    bare = predict_events(ranks, model)
+    cal = predict_events(apply_calibration(ranks, table), model)
+    w = config.warmup
+
+    def mean(res) -> float | None:
+        return res.mean_iteration_time(w) if len(res.iteration_times) > w else None
+
+    return mean(bare), mean(cal), model.name
+
+
+def load_calibration(run: str | os.PathLike[str], which: str = "on") -> tuple[dict[int, np.ndarray], dict]:
+    """A stored calibration of ``run``: ``which`` = "on" (the newest) or its
+    name. Returns (rank -> durations, its manifest)."""
+    import orjson
+
+    from prism.shell import runfolder
+
+    base = runfolder.calibration_path(run, None)
+    if which == "on":
+        found = []
+        if base.is_dir():
+            for d in base.iterdir():
+                if (d / _MANIFEST).is_file() and (d / _DURATIONS).is_file():
+                    found.append((orjson.loads((d / _MANIFEST).read_bytes()).get("created_utc", ""), d.name, d))
+        if not found:
+            raise UsageError(f"{run} has no calibration (nothing in {base}): run `prism calibrate {run}` first, or "
+                             "pass --calibration off")
+        d = max(found)[2]
+    else:
+        d = runfolder.calibration_path(run, which)
+        if not (d / _MANIFEST).is_file():
+            names = sorted(p.name for p in base.iterdir() if (p / _MANIFEST).is_file()) if base.is_dir() else []
+            raise UsageError(f"--calibration {which!r}: no such calibration in {base} (there are: "
+                             f"{', '.join(names) or 'none'}); give off, on or one of those names")
+    try:
+        manifest = orjson.loads((d / _MANIFEST).read_bytes())
+        with np.load(d / _DURATIONS) as z:
+            table = {int(k.split("-")[1]): z[k].astype(np.int64) for k in z.files}
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"cannot read the calibration in {d}: {e}") from None
+    return table, manifest
+
+
+def calibrated_events(run: str | os.PathLike[str], ranks: Mapping[int, Sequence[Event]],
+                      which: str) -> tuple[Mapping[int, Sequence[Event]], dict | None]:
+    """``ranks`` with the calibration ``which`` applied ("off": as they are)
+    and that calibration's manifest (None when off)."""
+    if which == "off":
+        return ranks, None
+    table, manifest = load_calibration(run, which)
+    if manifest.get("world_size") != len(ranks):
+        raise UsageError(f"the calibration {manifest.get('name')!r} is of a world of {manifest.get('world_size')} "
+                         f"ranks but {run} has {len(ranks)}")
+    try:
+        return apply_calibration(ranks, table), manifest
+    except CalibrationError as e:
+        raise UsageError(str(e)) from None

@@ -1,0 +1,43 @@
+"""``python -m prism calibrate RUN``: argument parsing and printing over ``prism.app.calibrate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from prism.app.errors import PrismError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="run directory of a `prism capture`")
+    p.add_argument("--slices", default="auto", metavar="auto|tp|pp|gang|pairs|R0,R1;R2,R3",
+                   help="how ranks are grouped into slices, each run for real against the bare graph: the TP "
+                        "groups, the pipelines, a DP replica's TP x PP block, pairs, or explicit slices; auto "
+                        "(default): the TP groups if any, else the pipelines, else pairs")
+    p.add_argument("--symmetric", action="store_true",
+                   help="run one slice per class of equivalent ranks (same TP rank, PP stage, EP rank) and copy "
+                        "its durations to the class")
+    p.add_argument("--name", default=None, help="stored in RUN/calibration/NAME (default: the date and time)")
+    p.add_argument("--net", default=None, metavar="PROFILE", help="cost profile, as for `prism predict`")
+    p.add_argument("--cores", type=int, default=None,
+                   help="most ranks a slice may hold (default: this machine's usable cores)")
+    p.add_argument("--layout", default=None, metavar="tp=T,pp=P,dp=D[,ep=E]",
+                   help="the run's layout when the manifest has none")
+    p.add_argument("--warmup", type=int, default=1, help="steps dropped before averaging (default: 1)")
+    p.add_argument("--json", action="store_true", help="print the calibration's manifest as JSON")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from prism.app.calibrate import CalibrateConfig, calibrate
+
+    config = CalibrateConfig(run=args.run, slices=args.slices, symmetric=args.symmetric, name=args.name,
+                             net=args.net, cores=args.cores, layout=args.layout, warmup=args.warmup)
+    try:
+        result = calibrate(config)
+    except PrismError as e:
+        print(f"prism calibrate: {e}", file=sys.stderr)
+        return e.exit_code
+    print(json.dumps(result.manifest, indent=2) if args.json else result.text())
+    return 0
