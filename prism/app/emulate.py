@@ -33,6 +33,7 @@ sandbox rank) is a result with a non-zero exit code, not an exception.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
 import resource
@@ -126,10 +127,8 @@ def _read_text(path: Path) -> str:
 def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[int]) -> dict[str, str]:
     """The sandbox ranks' GPU environment (``prism.rank.devices``: the
     logical-device mode; ``prism.rank.oom``: the memory limit), or {} on CPU."""
-    from prism.rank import devices as D
+    from prism.rank import envnames as D  # not prism.rank.devices: it would bring torch into the coordinator
     from prism.shell.gpu_plan import visible_gpus
-
-    from prism.rank import devicepath
 
     gpus = config.gpus
     if gpus is None and device_kind == "cuda":
@@ -138,7 +137,7 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
         if config.memory_limit_gib is not None:
             raise UsageError("--memory-limit emulates a smaller GPU, but this capture ran on CPU and no --gpus "
                              "was given")
-        return {devicepath.SANDBOX_ENV: ",".join(map(str, sandbox))}
+        return {D.SANDBOX_ENV: ",".join(map(str, sandbox))}
     try:
         ids = [int(x) for x in gpus.split(",") if x.strip()]
     except ValueError:
@@ -149,9 +148,9 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
         raise UsageError(f"--gpus {gpus}: {'GPU ' + str(bad[0]) + ' is' if bad else 'no GPU'} not visible here "
                          f"(visible: {seen or 'none'}); the capture ran on {device_kind or 'an unknown device'}: "
                          "a sandbox of a CUDA capture needs a GPU")
-    env = {D.GPUS_ENV: ",".join(map(str, ids)), devicepath.SANDBOX_ENV: ",".join(map(str, sandbox))}
+    env = {D.GPUS_ENV: ",".join(map(str, ids)), D.SANDBOX_ENV: ",".join(map(str, sandbox))}
     if config.device_path:
-        env[devicepath.GPU_SANDBOX_ENV] = "1"
+        env[D.GPU_SANDBOX_ENV] = "1"
         # no lazy module loading while the GPU waits on a release (prism/rank/devicepath.py, the hazard)
         env["CUDA_MODULE_LOADING"] = "EAGER"
     if config.memory_limit_gib is not None:
@@ -251,6 +250,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         cmd = cmd[1:]
     if not cmd:
         raise UsageError(f"the capture in {run} names no command: give the script after --")
+    rss: dict[str, int] = {"start": _peak_rss()}
     t_load = time.perf_counter()
     ranks = load_run_events(run)
     ranks, missing = _complete_steps(run, ranks)
@@ -271,6 +271,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         scaled = {"from_layout": dataclasses.asdict(layout), "to_dp": config.scale_dp,
                   "captured_world": captured_world, "world": world,
                   "command_dp_flag": has_flag}
+    rss["graph"] = _peak_rss()
     try:
         sandbox = sorted(RecordPlan.parse_ranks(config.sandbox, world))
     except ValueError as e:
@@ -300,6 +301,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                 recordings[r] = Recording(index(payloads[r]), _PayloadCache(run).load)
     setup_s = time.perf_counter() - t_setup
     load_s = t_setup - t_load
+    rss["engine"] = _peak_rss()
 
     name = config.name or time.strftime("%Y%m%d-%H%M%S")
     out = run / "emulation" / name
@@ -316,9 +318,18 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                    launch=lambda endpoint: launch_ranks(world, endpoint, out, cmd, show_ranks=show, ranks=sandbox,
                                                        env=env))
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    # What setup made lives as long as the emulation: out of the collector's
+    # sight, so a full collection does not walk the graph's groups while a
+    # sandbox waits (such pauses were the p99 of the release lag at 8,192 ranks).
+    gc.collect()
+    gc.freeze()
     wall0 = time.perf_counter()
-    result = trio.run(emu.run)
+    try:
+        result = trio.run(emu.run)
+    finally:
+        gc.unfreeze()
     wall = time.perf_counter() - wall0
+    rss["run"] = _peak_rss()
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     coord_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
 
@@ -404,7 +415,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                         "engine_events": engine.events,
                         "cpu_s_per_iteration": coord_cpu / max(len(job_times), 1),
                         "wall_s_per_iteration": float(np.mean(walls)) / 1e9 if walls else None,
-                        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+                        "peak_rss_bytes": _peak_rss()},
         "groups_renamed": emu.stats.renamed_groups,
         "incomplete_capture": list(missing),
         "failed_ranks": {str(k): v[-4000:] for k, v in result.failed_ranks.items()},
@@ -419,8 +430,17 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
             summary["timeline"] = str(out / "timeline.json")
         except Exception as e:  # noqa: BLE001 (the timeline is a view; the results stand without it)
             summary["timeline_error"] = str(e)
+    rss["results"] = _peak_rss()
+    summary["coordinator"]["peak_rss_bytes"] = rss["results"]
+    # the peak so far after each phase: where the coordinator's memory goes
+    summary["coordinator"]["peak_rss_after_bytes"] = rss
     (out / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     return EmulationOutcome(out, result.exit_code, result.status, result.message, summary)
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _PayloadCache:
