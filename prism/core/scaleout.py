@@ -543,25 +543,38 @@ def scale_out(ranks: Mapping[int, Sequence[Event]], layout: Layout, dp: int,
             key = (grp.gid, d // sh.k if sh.how == "replicate" else 0)
             if key in plan.gid_map:
                 table[gi, d] = new_index[plan.gid_map[key]]
-    old_group = g.group[take]
     d_row = d_new[owner]
-    group = np.where(old_group >= 0, table[np.maximum(old_group, 0), d_row], -1).astype(np.int32)
-    # peers move with their replica: d' - d' mod dp_old whole replicas up
-    old_peer = g.peer[take].astype(np.int64)
-    has_peer = old_peer >= 0
-    pt, pd, pp_ = old_peer % old.tp, (old_peer // old.tp) % old.dp, old_peer // (old.tp * old.dp)
-    shift = d_row - d_row % old.dp
-    peer = np.where(has_peer, pt + new.tp * (pd + shift + new.dp * pp_), -1)
+    group = _tiled_groups(g.group[take], table, d_row)
+    peer = _tiled_peers(g.peer[take], d_row, old, new)
+    del d_row, rows
     # a collective's root is not a column: roots only matter to the events path
-    wait_of_old = g.wait_of[take]
-    wait_of = np.where(wait_of_old >= 0, wait_of_old - g.rank_ptr[src][owner] + new_ptr[owner], -1)
+    wait_of = _tiled_waits(g.wait_of[take], g.rank_ptr[src][owner], new_ptr[owner])
     cols = NodeColumns(
         rank=owner.astype(np.int32), kind=g.kind[take], dur=g.dur[take], is_async=g.is_async[take], group=group,
-        seq=g.seq[take], op=g.op[take], sig=sig[take], peer=peer.astype(np.int32), tag=g.tag[take],
+        seq=g.seq[take], op=g.op[take], sig=sig[take], peer=peer, tag=g.tag[take],
         nbytes=g.nbytes[take], wait_of=wait_of, step=g.step[take], rec_start=g.rec_start[take],
         rec_end=g.rec_end[take], sig_table=sig_table,
     )
-    return ExecutionGraph.from_columns(W, new_groups, cols, p2p_sig=psig[take], p2p_sig_table=psig_table), plan
+    del group, peer, wait_of, owner  # the columns hold them; at 8,192 ranks each temporary is tens of MB
+    p2p_sig = psig[take]
+    del take
+    return ExecutionGraph.from_columns(W, new_groups, cols, p2p_sig=p2p_sig, p2p_sig_table=psig_table), plan
+
+
+def _tiled_groups(old_group: np.ndarray, table: np.ndarray, d_row: np.ndarray) -> np.ndarray:
+    return np.where(old_group >= 0, table[np.maximum(old_group, 0), d_row], -1).astype(np.int32)
+
+
+def _tiled_peers(old_peer: np.ndarray, d_row: np.ndarray, old: Layout, new: Layout) -> np.ndarray:
+    """Peers move with their replica: d' - d' mod dp_old whole replicas up."""
+    old_peer = old_peer.astype(np.int64)
+    pt, pd, pp_ = old_peer % old.tp, (old_peer // old.tp) % old.dp, old_peer // (old.tp * old.dp)
+    shift = d_row - d_row % old.dp
+    return np.where(old_peer >= 0, pt + new.tp * (pd + shift + new.dp * pp_), -1).astype(np.int32)
+
+
+def _tiled_waits(wait_of_old: np.ndarray, old_base: np.ndarray, new_base: np.ndarray) -> np.ndarray:
+    return np.where(wait_of_old >= 0, wait_of_old - old_base + new_base, -1)
 
 
 # ------------------------------------------------------------------- structure
