@@ -53,3 +53,22 @@ def test_a_scaled_emulation_runs_the_sandbox_at_the_full_world(gpt_run):
     assert r16["peaks_equal"] in (None, True)  # a CPU capture samples no torch peaks; on a GPU they are equal
     assert s["emulated_mean_ns"] and s["predicted_mean_ns"]
     assert s["pacing"]["lag_p99_ns"] is not None and s["coordinator"]["peak_rss_bytes"] > 0
+
+
+def test_groups_created_out_of_nested_order_are_matched_by_members(tmp_path):
+    # TP groups for the last replica first: the scaled plan numbers them otherwise than the
+    # script at dp 4 does, so the sandbox's ids differ from the graph's for the same members.
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    script = str(ROOT / "tests" / "support" / "scripts" / "reverse_groups.py")
+    cap = subprocess.run([sys.executable, "-m", "prism", "capture", "-n", "4", "--out", str(tmp_path / "rev"),
+                          "--progress", "off", "--show-ranks", "none", "--", script, "--tp", "2", "--dp", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert cap.returncode == 0, cap.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-m", "prism", "emulate", str(tmp_path / "rev"), "--sandbox", "2",
+                           "--scale-dp", "4", "--progress", "off", "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    s = json.loads(proc.stdout)
+    assert s["status"] == "ok" and s["world_size"] == 8
+    assert s["groups_renamed"] == 1 and s["groups"]["instantiated"] == 3  # WORLD, its TP and DP groups
+    assert sorted(map(int, s["ranks"]["2"]["losses"])) == [0, 1, 2]
