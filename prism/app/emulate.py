@@ -183,6 +183,17 @@ def scaled_command(cmd: Sequence[str], dp: int) -> tuple[list[str], bool]:
     return out, False
 
 
+def dp_flag(cmd: Sequence[str]) -> int | None:
+    """The value of ``cmd``'s ``--dp N`` or ``--dp=N`` (None: it has none)."""
+    for i, a in enumerate(cmd):
+        m = _DP_FLAG.match(a)
+        if m is not None and m.group(1) is not None:
+            return int(m.group(1))
+        if m is not None and i + 1 < len(cmd) and cmd[i + 1].isdigit():
+            return int(cmd[i + 1])
+    return None
+
+
 def _scale(config: EmulateConfig, run: Path, manifest: Any, ranks: Any, graph: Any) -> tuple[Any, Any, Any]:
     """The graph grown to ``config.scale_dp``, its plan and the captured layout (UsageError: why not)."""
     from prism.app.predict import parse_layout
@@ -268,6 +279,13 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         has_flag = True
         if not config.command:
             cmd, has_flag = scaled_command(cmd, config.scale_dp)
+        else:
+            given = dp_flag(cmd)
+            if given is not None and given != config.scale_dp:
+                raise UsageError(f"the command given after -- has --dp {given}, but --scale-dp is "
+                                 f"{config.scale_dp}: the sandbox must run at the scaled layout (drop the command "
+                                 f"to have the capture's with --dp {config.scale_dp}, or pass --dp {config.scale_dp})")
+            has_flag = given is not None
         scaled = {"from_layout": dataclasses.asdict(layout), "to_dp": config.scale_dp,
                   "captured_world": captured_world, "world": world,
                   "command_dp_flag": has_flag}

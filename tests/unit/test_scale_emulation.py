@@ -142,6 +142,7 @@ def test_the_command_gets_the_scaled_dp():
     assert E.scaled_command(["-m", "w", "--tp", "2", "--dp", "2"], 64) == (["-m", "w", "--tp", "2", "--dp", "64"], True)
     assert E.scaled_command(["t.py", "--dp=2"], 8) == (["t.py", "--dp=8"], True)
     assert E.scaled_command(["t.py", "--dpx", "2"], 8) == (["t.py", "--dpx", "2"], False)
+    assert E.dp_flag(["t.py", "--dp", "4"]) == 4 and E.dp_flag(["t.py", "--dp=8"]) == 8 and E.dp_flag(["t.py"]) is None
 
 
 def _run(tmp_path, spec, *, fsdp=False):
@@ -171,6 +172,7 @@ def _run(tmp_path, spec, *, fsdp=False):
     ({"layout": "tp=2,pp=2,dp=2"}, "give --scale-dp N too"),
     ({"scale_dp": 4, "layout": "tp=2,pp=1,dp=2"}, "has 4 ranks, the capture"),
     ({"scale_dp": 0}, "positive data-parallel degree"),
+    ({"scale_dp": 4, "command": ["-m", "w", "--dp", "2"]}, "has --dp 2, but --scale-dp is 4"),
 ])
 def test_bad_scale_options_are_named(tmp_path, kw, match):
     run = _run(tmp_path, MegatronSpec(tp=2, pp=2, dp=2, iterations=1))
