@@ -16,12 +16,24 @@ the full world) against the emulating coordinator
 - ``timeline.json``: the emulated timeline in Perfetto (Chrome trace) form,
   sandbox tracks as measured and virtual tracks from the graph.
 
+With ``scale_dp`` the capture is grown first (``prism.core.scaleout``, as
+``prism predict --scale-dp``): the sandbox ranks start at the scaled world
+size (their command's ``--dp`` set to it), their groups are matched to the
+scaled graph's by members and creation order (``prism.core.groupmatch``),
+and the DP replicas that are copies of one another with no sandbox rank are
+folded into one stepped representative each (``ScalePlan.fold``), so the
+coordinator's work per iteration stays flat as the world grows. The
+capture's recording is not used then (the recorded values are the small
+world's): every virtual contribution is compensated.
+
 An emulation that fails (a mismatch with the graph, a crashing or OOM-ing
 sandbox rank) is a result with a non-zero exit code, not an exception.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
 import re
 import resource
@@ -70,14 +82,18 @@ class EmulateConfig:
     memory_limit_gib: float | None = None
     memory_overhead_gib: float = 0.6  # prism.app.capture.DEFAULT_MEMORY_OVERHEAD_GIB
     #: GPU sandboxes: collectives answered by virtual members only keep their
-    #: data on the GPU (``prism.rank.devicepath``). Off by default: its one
-    #: run on an H200 (2026-12-02) hung at the sandbox's first call, cause not
-    #: yet found; False stages every call through host memory (the capture's
-    #: path, which works on GPUs).
+    #: data on the GPU (``prism.rank.devicepath``). Off by default until it
+    #: covers point-to-point and async calls (bench/results/gpu_sandbox-2026-12-03-h200.md:
+    #: GPT tp2 within 2% on an H200, pp2 and MoE not); False stages every call
+    #: through host memory (the capture's path, which works on GPUs).
     device_path: bool = False
     #: A stored slice calibration for the virtual ranks' durations: "off",
     #: "on" (the newest) or its name (``prism.app.calibrate``).
     calibration: str = "off"
+    #: Grow the capture to this data-parallel degree first (``prism.core.scaleout``).
+    scale_dp: int | None = None
+    #: The captured layout for ``scale_dp``, as ``Layout`` or ``"tp=2,pp=2,dp=2"`` (None: the manifest's).
+    layout: Any = None
 
 
 @dataclass
@@ -114,10 +130,8 @@ def _read_text(path: Path) -> str:
 def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[int]) -> dict[str, str]:
     """The sandbox ranks' GPU environment (``prism.rank.devices``: the
     logical-device mode; ``prism.rank.oom``: the memory limit), or {} on CPU."""
-    from prism.rank import devices as D
+    from prism.rank import envnames as D  # not prism.rank.devices: it would bring torch into the coordinator
     from prism.shell.gpu_plan import visible_gpus
-
-    from prism.rank import devicepath
 
     gpus = config.gpus
     if gpus is None and device_kind == "cuda":
@@ -126,7 +140,7 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
         if config.memory_limit_gib is not None:
             raise UsageError("--memory-limit emulates a smaller GPU, but this capture ran on CPU and no --gpus "
                              "was given")
-        return {devicepath.SANDBOX_ENV: ",".join(map(str, sandbox))}
+        return {D.SANDBOX_ENV: ",".join(map(str, sandbox))}
     try:
         ids = [int(x) for x in gpus.split(",") if x.strip()]
     except ValueError:
@@ -137,9 +151,9 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
         raise UsageError(f"--gpus {gpus}: {'GPU ' + str(bad[0]) + ' is' if bad else 'no GPU'} not visible here "
                          f"(visible: {seen or 'none'}); the capture ran on {device_kind or 'an unknown device'}: "
                          "a sandbox of a CUDA capture needs a GPU")
-    env = {D.GPUS_ENV: ",".join(map(str, ids)), devicepath.SANDBOX_ENV: ",".join(map(str, sandbox))}
+    env = {D.GPUS_ENV: ",".join(map(str, ids)), D.SANDBOX_ENV: ",".join(map(str, sandbox))}
     if config.device_path:
-        env[devicepath.GPU_SANDBOX_ENV] = "1"
+        env[D.GPU_SANDBOX_ENV] = "1"
         # no lazy module loading while the GPU waits on a release (prism/rank/devicepath.py, the hazard)
         env["CUDA_MODULE_LOADING"] = "EAGER"
     if config.memory_limit_gib is not None:
@@ -151,6 +165,64 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
                              f"after --memory-overhead {config.memory_overhead_gib} GiB")
         env[MEMORY_LIMIT_ENV] = str(int(budget * 2**30))
     return env
+
+
+_DP_FLAG = re.compile(r"--dp(?:=(\d+))?$")
+
+
+def scaled_command(cmd: Sequence[str], dp: int) -> tuple[list[str], bool]:
+    """``cmd`` with its ``--dp N`` (or ``--dp=N``) set to ``dp``; whether it had one."""
+    out = list(cmd)
+    for i, a in enumerate(out):
+        m = _DP_FLAG.match(a)
+        if m is None:
+            continue
+        if m.group(1) is not None:
+            out[i] = f"--dp={dp}"
+            return out, True
+        if i + 1 < len(out) and out[i + 1].isdigit():
+            out[i + 1] = str(dp)
+            return out, True
+    return out, False
+
+
+def dp_flag(cmd: Sequence[str]) -> int | None:
+    """The value of ``cmd``'s ``--dp N`` or ``--dp=N`` (None: it has none)."""
+    for i, a in enumerate(cmd):
+        m = _DP_FLAG.match(a)
+        if m is not None and m.group(1) is not None:
+            return int(m.group(1))
+        if m is not None and i + 1 < len(cmd) and cmd[i + 1].isdigit():
+            return int(cmd[i + 1])
+    return None
+
+
+def _scale(config: EmulateConfig, run: Path, manifest: Any, ranks: Any, graph: Any) -> tuple[Any, Any, Any]:
+    """The graph grown to ``config.scale_dp``, its plan and the captured layout (UsageError: why not)."""
+    from prism.app.predict import parse_layout
+    from prism.core.scaleout import Layout, ScaleOutError, scale_out
+
+    dp = config.scale_dp
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise UsageError(f"--scale-dp must be a positive data-parallel degree, got {dp!r}")
+    try:
+        if isinstance(config.layout, Layout):
+            layout = config.layout
+        elif config.layout is not None:
+            layout = parse_layout(config.layout)
+        else:
+            layout = Layout.from_manifest(manifest)
+    except ValueError as e:  # ScaleOutError is one
+        raise UsageError(str(e)) from None
+    if layout.world_size != manifest.world_size:
+        raise UsageError(f"--layout {layout} has {layout.world_size} ranks, the capture {run} "
+                         f"{manifest.world_size}")
+    try:
+        big, plan = scale_out(ranks, layout, dp, graph)
+    except ScaleOutError as e:
+        raise UsageError(f"cannot scale {run} (layout tp{layout.tp} pp{layout.pp} dp{layout.dp}"
+                         f"{f' ep{layout.ep}' if layout.ep > 1 else ''}) to --scale-dp {dp}: {e}") from None
+    return big, plan, layout
 
 
 def emulate(config: EmulateConfig) -> EmulationOutcome:
@@ -181,10 +253,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     if manifest is None:
         raise UsageError(f"{run} has no manifest: emulation needs the capture's command and world size")
     world = manifest.world_size
-    try:
-        sandbox = sorted(RecordPlan.parse_ranks(config.sandbox, world))
-    except ValueError as e:
-        raise UsageError(f"--sandbox: {e}") from None
+    if config.scale_dp is None and config.layout is not None:
+        raise UsageError("--layout describes the capture for --scale-dp; give --scale-dp N too")
     if config.dormant not in ("auto", "simulate", "offline"):
         raise UsageError(f"--dormant {config.dormant!r}: choose simulate, offline or auto")
     if config.warmup < 0:
@@ -194,6 +264,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         cmd = cmd[1:]
     if not cmd:
         raise UsageError(f"the capture in {run} names no command: give the script after --")
+    rss: dict[str, int] = {"start": _peak_rss()}
+    t_load = time.perf_counter()
     ranks = load_run_events(run)
     ranks, missing = _complete_steps(run, ranks)
     from prism.app.calibrate import calibrated_events
@@ -203,27 +275,57 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         graph = ExecutionGraph.from_events(ranks)
     except GraphError as e:
         raise InconsistentTraceError(f"the trace in {run} is inconsistent: {e}") from None
+    device_kind = traced_device_kind(ranks)
+    scaled = None
+    plan = None
+    if config.scale_dp is not None:
+        graph, plan, layout = _scale(config, run, manifest, ranks, graph)
+        del ranks
+        captured_world, world = world, plan.world_size
+        has_flag = True
+        if not config.command:
+            cmd, has_flag = scaled_command(cmd, config.scale_dp)
+        else:
+            given = dp_flag(cmd)
+            if given is not None and given != config.scale_dp:
+                raise UsageError(f"the command given after -- has --dp {given}, but --scale-dp is "
+                                 f"{config.scale_dp}: the sandbox must run at the scaled layout (drop the command "
+                                 f"to have the capture's with --dp {config.scale_dp}, or pass --dp {config.scale_dp})")
+            has_flag = given is not None
+        scaled = {"from_layout": dataclasses.asdict(layout), "to_dp": config.scale_dp,
+                  "captured_world": captured_world, "world": world,
+                  "command_dp_flag": has_flag}
+    rss["graph"] = _peak_rss()
     try:
-        model, why = resolve_profile(config.net, manifest, traced_device_kind(ranks))
+        sandbox = sorted(RecordPlan.parse_ranks(config.sandbox, world))
+    except ValueError as e:
+        where = (f" (the capture's world of {scaled['captured_world']} scaled to dp {config.scale_dp}: world {world})"
+                 if scaled else "")
+        raise UsageError(f"--sandbox: {e}{where}") from None
+    try:
+        model, why = resolve_profile(config.net, manifest, device_kind)
     except ProfileError as e:
         raise UsageError(str(e)) from None
     env = _gpu_env(config, manifest.device_kind, sandbox)
     t_setup = time.perf_counter()
     batch = replay_batch(graph, cost_model=model)
     dormant = config.dormant if config.dormant != "auto" else ("offline" if world >= 256 else "simulate")
-    engine = HybridReplay(graph, sandbox, cost_model=model, dormant=dormant)
+    fold = plan.fold(sandbox) if plan is not None else None
+    engine = HybridReplay(graph, sandbox, cost_model=model, dormant=dormant, fold=fold, batch=batch)
     first_call = {}
     for r in sandbox:
         sl = graph.nodes_of(r)
         comm = np.flatnonzero(np.isin(graph.kind[sl], (1, 2, 3, 4)))
         first_call[r] = int(batch.start[sl.start + comm[0]]) if len(comm) else 0
     recordings = {}
-    if config.use_recording:
+    if config.use_recording and scaled is None:
         payloads, _ = runfolder.read_payloads(run)
         for r in sandbox:
             if payloads.get(r):
                 recordings[r] = Recording(index(payloads[r]), _PayloadCache(run).load)
     setup_s = time.perf_counter() - t_setup
+    load_s = t_setup - t_load
+    rss["engine"] = _peak_rss()
 
     name = config.name or time.strftime("%Y%m%d-%H%M%S")
     out = run / "emulation" / name
@@ -240,13 +342,23 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                    launch=lambda endpoint: launch_ranks(world, endpoint, out, cmd, show_ranks=show, ranks=sandbox,
                                                        env=env))
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    # What setup made lives as long as the emulation: out of the collector's
+    # sight, so a full collection does not walk the graph's groups while a
+    # sandbox waits (such pauses were the p99 of the release lag at 8,192 ranks).
+    gc.collect()
+    gc.freeze()
     wall0 = time.perf_counter()
-    result = trio.run(emu.run)
+    try:
+        result = trio.run(emu.run)
+    finally:
+        gc.unfreeze()
     wall = time.perf_counter() - wall0
+    rss["run"] = _peak_rss()
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     coord_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
 
     # --- results ---------------------------------------------------------------
+    engine.fill_folded()
     start = np.frombuffer(engine._start, dtype=np.int64).copy()
     end = np.frombuffer(engine._end, dtype=np.int64).copy()
     emulated = ReplayResult(graph, engine.costs, start, end)
@@ -268,9 +380,10 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         times = np.diff(done[done >= 0], prepend=0).tolist() if len(marks) else []
         mems = [e for e in events if type(e).__name__ == "Memory"]
         peaks = _peaks(mems)
-        capture_peaks = _peaks(_memory_events(runfolder.rank_path(run, r)))
+        src = plan.source(r) if plan is not None else r  # scaled: the captured rank it copies
+        capture_peaks = _peaks(_memory_events(runfolder.rank_path(run, src)))
         losses = parse_losses(_read_text(runfolder.log_path(out, r)))
-        captured = parse_losses(_read_text(runfolder.log_path(run, r)))
+        captured = parse_losses(_read_text(runfolder.log_path(run, src)))
         per_rank[str(r)] = {
             "iteration_ns": times,
             "wall_iteration_ns": wall_times,
@@ -290,15 +403,23 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
             "divergence": emu.stats.divergence.get(r, ""),
             "resized": emu.stats.resized.get(r, ""),
             "recorded": r in recordings,
+            "capture_rank": src,
         }
     job_times = emulated.iteration_times.tolist() if result.status == "ok" else []
     turn = np.asarray(emu.stats.turnaround_ns or [0], np.int64)
+    lag = np.asarray(emu.stats.lag_ns or [0], np.int64)
+    walls = [x for info in per_rank.values() for x in info["wall_iteration_ns"][config.warmup:]]
     overhead = [v for v in emu.stats.dilation_ns.values()]
     groups_with_sandbox = sum(1 for g in graph.groups if set(g.ranks) & set(sandbox))
     summary: dict[str, Any] = {
         "run": str(run), "emulation": name, "status": result.status, "message": result.message,
         "exit_code": result.exit_code, "world_size": world, "sandbox": sandbox, "command": cmd,
         "dormant": dormant, "live": len(engine.live), "dormant_ranks": len(engine.dormant),
+        "folded": len(engine.folded), "stepped": len(engine.stepped),
+        "scaled": scaled,
+        "recording": ("used" if recordings else "not used: the run is scaled out, its recorded values are the "
+                      "small world's; every virtual contribution is compensated" if scaled and config.use_recording
+                      else "none"),
         "cost_model": model.name, "cost_model_choice": why, "warmup": config.warmup,
         "predicted_iteration_ns": batch.iteration_times.tolist(),
         "predicted_mean_ns": _mean(batch.iteration_times.tolist(), config.warmup),
@@ -312,12 +433,17 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                   "implicit_waits": emu.stats.implicit_waits, "deliveries": emu.stats.deliveries},
         "pacing": {"lead_ns": LEAD_NS,
                    "turnaround_p50_ns": int(np.percentile(turn, 50)), "turnaround_p99_ns": int(np.percentile(turn, 99)),
+                   "lag_p50_ns": int(np.percentile(lag, 50)), "lag_p99_ns": int(np.percentile(lag, 99)),
                    "prism_overhead_ns": max(overhead) if overhead else None,
                    # device path: how long after the CPU issued a call its stream reached it
                    "reach_lag_p50_ns": int(np.percentile(emu.stats.reach_lag_ns, 50)) if emu.stats.reach_lag_ns else None,
                    "reach_lag_p99_ns": int(np.percentile(emu.stats.reach_lag_ns, 99)) if emu.stats.reach_lag_ns else None},
-        "coordinator": {"cpu_s": coord_cpu, "wall_s": wall, "setup_s": setup_s, "engine_events": engine.events,
-                        "cpu_s_per_iteration": coord_cpu / max(len(job_times), 1)},
+        "coordinator": {"cpu_s": coord_cpu, "wall_s": wall, "setup_s": setup_s, "load_s": load_s,
+                        "engine_events": engine.events,
+                        "cpu_s_per_iteration": coord_cpu / max(len(job_times), 1),
+                        "wall_s_per_iteration": float(np.mean(walls)) / 1e9 if walls else None,
+                        "peak_rss_bytes": _peak_rss()},
+        "groups_renamed": emu.stats.renamed_groups,
         "incomplete_capture": list(missing),
         "failed_ranks": {str(k): v[-4000:] for k, v in result.failed_ranks.items()},
     }
@@ -331,8 +457,17 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
             summary["timeline"] = str(out / "timeline.json")
         except Exception as e:  # noqa: BLE001 (the timeline is a view; the results stand without it)
             summary["timeline_error"] = str(e)
+    rss["results"] = _peak_rss()
+    summary["coordinator"]["peak_rss_bytes"] = rss["results"]
+    # the peak so far after each phase: where the coordinator's memory goes
+    summary["coordinator"]["peak_rss_after_bytes"] = rss
     (out / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     return EmulationOutcome(out, result.exit_code, result.status, result.message, summary)
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _PayloadCache:
@@ -409,8 +544,18 @@ def format_summary(s: dict, out_dir: Path) -> str:
     lines = []
     if s.get("status") != "ok":
         lines.append(f"prism emulate: FAILED ({s.get('status')}):\n{s.get('message', '').rstrip()}")
+    sc = s.get("scaled")
+    if sc:
+        lay = sc["from_layout"]
+        lines.append(f"scaled out: the capture's world {sc['captured_world']} (tp{lay['tp']} pp{lay['pp']} "
+                     f"dp{lay['dp']}{' ep' + str(lay['ep']) if lay['ep'] > 1 else ''}) grown to dp {sc['to_dp']}: "
+                     f"world {sc['world']}; {s['recording']}"
+                     + ("" if sc["command_dp_flag"] else "; the command has no --dp flag to set, so it runs as "
+                        "given (the script must read its DP degree from WORLD_SIZE)"))
     lines.append(f"emulation of {s['run']} (world {s['world_size']}): sandbox ranks {compact_ranks(s['sandbox'])}, "
-                 f"{s['live']} live and {s['dormant_ranks']} dormant virtual ranks ({s['dormant']})")
+                 f"{s['live']} live and {s['dormant_ranks']} dormant virtual ranks ({s['dormant']})"
+                 + (f"; {s['folded']:,} of them folded into copies they equal, {s['stepped']} ranks stepped"
+                    if s.get("folded") else ""))
     gr = s["groups"]
     lines.append(f"groups: {gr['instantiated']} instantiated for real (the sandbox's), of {gr['in_graph']} in the "
                  f"graph ({gr['with_sandbox']} have a sandbox member)")
@@ -453,7 +598,12 @@ def format_summary(s: dict, out_dir: Path) -> str:
         lines.append(f"device path: {s['calls']['reached_on_gpu']:,} calls arrived when the GPU reached them, "
                      f"{p['reach_lag_p50_ns'] / 1e6:.3f} ms after the CPU issued them (p50; p99 "
                      f"{p['reach_lag_p99_ns'] / 1e6:.3f})")
+    lines.append(f"pacing lag: results left {p['lag_p50_ns'] / 1e6:+.3f} ms from their emulated release on the "
+                 f"rank's clock (p50; p99 {p['lag_p99_ns'] / 1e6:+.3f}; negative: ahead, held by the rank)")
+    per = co.get("wall_s_per_iteration")
     lines.append(f"coordinator: {co['cpu_s']:.2f} s CPU ({co['cpu_s_per_iteration']:.3f} s per emulated iteration), "
-                 f"{co['wall_s']:.1f} s wall, setup {co['setup_s']:.2f} s, {co['engine_events']:,} engine events")
+                 f"{co['wall_s']:.1f} s wall" + (f" ({per:.3f} s per emulated iteration)" if per else "")
+                 + f", load {co.get('load_s', 0):.2f} s, setup {co['setup_s']:.2f} s, {co['engine_events']:,} engine "
+                 f"events, peak RSS {co.get('peak_rss_bytes', 0) / 2**20:,.0f} MiB")
     lines.append(f"results: {out_dir}/summary.json" + (f", timeline {s['timeline']}" if s.get("timeline") else ""))
     return "\n".join(lines)

@@ -13,6 +13,12 @@ from prism.app.errors import PrismError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run directory of a `prism capture` (record the sandbox ranks with --record)")
     _common(p)
+    p.add_argument("--scale-dp", type=int, default=None, metavar="N",
+                   help="emulate the run grown to data-parallel degree N (a multiple of the captured dp), as "
+                        "`prism predict --scale-dp`: the sandbox ranks start at the scaled world size with the "
+                        "command's --dp set to N; every virtual contribution is compensated")
+    p.add_argument("--layout", default=None, metavar="tp=T,pp=P,dp=D[,ep=E]",
+                   help="the captured run's layout for --scale-dp (default: the manifest's, from --tp/--pp/--dp flags)")
     p.epilog = ("After the options, `-- SCRIPT ARGS...` runs another command than the capture's (a changed one is "
                 "checked against the captured graph call by call).")
     p.set_defaults(func=main, script=None)
@@ -73,7 +79,8 @@ def main(args: argparse.Namespace) -> int:
         config = EmulateConfig(run=args.run, sandbox=args.sandbox, command=cmd or None, net=args.net, name=args.name,
                                dormant=args.dormant, quiet_s=args.quiet, warmup=args.warmup,
                                show_ranks=_show(args.show_ranks), progress=args.progress,
-                               use_recording=not args.no_recording, **_gpu_kw(args))
+                               use_recording=not args.no_recording, scale_dp=args.scale_dp, layout=args.layout,
+                               **_gpu_kw(args))
         outcome = emulate(config)
     except PrismError as e:
         print(f"prism emulate: {e}", file=sys.stderr)

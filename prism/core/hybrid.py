@@ -27,6 +27,17 @@ replay (``dormant="offline"``: only the sandbox and live ranks are stepped;
 what the sandbox's own timing would change downstream of a dormant rank is
 lost, and ``bench/hybrid.py`` measures that error).
 
+Folded virtual ranks (``fold={follower: representative}``) are never
+stepped: a follower's timeline is its representative's, node for node. That
+holds for the DP replicas a scale-out copies (``ScalePlan.fold``): two
+replicas with one source and no sandbox rank compute the same durations and
+meet the rest of the world only in collectives on widened groups, which
+complete at one time for all their members. A collective instance then waits
+only for its unfolded members (the followers arrive when their
+representatives do); ``fill_folded`` copies the representatives' times onto
+the followers at the end. So the stepped ranks stay a few whatever the DP
+degree, and the result is the unfolded engine's exactly.
+
 Time enters as ``now`` (integer nanoseconds on the shell's clock, aligned so
 that the replay's 0 is the sandbox's first arrival or whatever the shell
 chooses). The engine never reads a clock.
@@ -36,7 +47,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,7 +110,8 @@ class Mismatch:
 
 class HybridReplay(SteppableReplay):
     def __init__(self, graph: ExecutionGraph, sandbox: Iterable[int], durations: np.ndarray | None = None,
-                 cost_model: CostModel = ZERO, *, dormant: str = "simulate") -> None:
+                 cost_model: CostModel = ZERO, *, dormant: str = "simulate",
+                 fold: Mapping[int, int] | None = None, batch: ReplayResult | None = None) -> None:
         if dormant not in ("simulate", "offline"):
             raise ValueError(f"dormant={dormant!r}: expected 'simulate' (every virtual rank stepped) or 'offline' "
                              "(dormant ranks at their batch-replay times)")
@@ -108,15 +120,22 @@ class HybridReplay(SteppableReplay):
         if bad:
             raise ValueError(f"sandbox rank(s) {bad} outside the graph's world of {graph.world_size}")
         self._setup(graph, Costs.of(graph, durations, cost_model))
-        #: Virtual ranks sharing a group with a sandbox rank; the others are dormant.
-        self.live = frozenset(r for g in graph.groups if self.sandbox & set(g.ranks) for r in g.ranks) - self.sandbox
+        #: Virtual ranks sharing a group that has collectives with a sandbox rank, and the
+        #: sandboxes' p2p peers; the others are dormant. (A group without collectives, such
+        #: as a WORLD that only created the others, ties nobody's timing to anybody's.)
+        self.live = self._live_of(graph) - self.sandbox
         self.dormant_mode = dormant
         self.dormant = frozenset(range(graph.world_size)) - self.sandbox - self.live
+        #: follower -> representative: virtual ranks never stepped (see the module doc);
+        #: offline, only live ones (dormant ones take their batch-replay times anyway)
+        self.folded: dict[int, int] = self._check_fold(fold or {}, dormant)
+        if self.folded:
+            self._fold()
         #: offline: the queue ``work_ahead`` takes from, by urgency (``_urgency``);
         #: None: it takes the time queue's head (simulate, where no forecast is at hand)
         self._ahead: list[tuple[int, int, int, int, int]] | None = None
         if dormant == "offline":
-            self._resolve_offline(durations, cost_model)
+            self._resolve_offline(durations, cost_model, batch)
         #: sandbox rank -> (first node of the segment it is computing, when it started)
         self.computing: dict[int, tuple[int, int]] = {}
         #: sandbox rank -> the comm node its arrival cleared for processing
@@ -124,31 +143,99 @@ class HybridReplay(SteppableReplay):
         #: releases computed since the shell last took them (``take_released``)
         self.released: list[Released] = []
 
-    def _resolve_offline(self, durations: np.ndarray | None, cost_model: CostModel) -> None:
+    @property
+    def stepped(self) -> frozenset[int]:
+        """The ranks the event loop steps: the sandbox and every virtual rank neither folded nor (offline) dormant."""
+        every = self.sandbox | self.live if self.dormant_mode == "offline" else frozenset(range(self.graph.world_size))
+        return every - self.folded.keys()
+
+    def _live_of(self, graph: ExecutionGraph) -> frozenset[int]:
+        used = np.zeros(len(graph.groups), bool)
+        used[np.unique(graph.inst_group)] = True
+        live = {r for i, grp in enumerate(graph.groups) if used[i] and self.sandbox & set(grp.ranks) for r in grp.ranks}
+        nodes = self._nodes_of(sorted(self.sandbox), graph)
+        peers = graph.peer[nodes]
+        live.update(np.unique(peers[peers >= 0]).tolist())
+        return frozenset(live)
+
+    def _check_fold(self, fold: Mapping[int, int], dormant: str) -> dict[int, int]:
+        g = self.graph
+        ptr = g.rank_ptr
+        out = {}
+        for f, p in fold.items():
+            f, p = int(f), int(p)
+            if dormant == "offline" and f in self.dormant:
+                continue
+            if f in self.sandbox or p in self.sandbox or p in fold or f == p:
+                raise ValueError(f"fold {f} -> {p}: a follower and its representative must be distinct virtual "
+                                 "ranks, the representative not itself folded")
+            if dormant == "offline" and p in self.dormant:
+                raise ValueError(f"fold {f} -> {p}: live rank {f} cannot follow dormant rank {p}")
+            if ptr[f + 1] - ptr[f] != ptr[p + 1] - ptr[p]:
+                raise ValueError(f"fold {f} -> {p}: the ranks have {ptr[f + 1] - ptr[f]} and {ptr[p + 1] - ptr[p]} "
+                                 "nodes; a follower must be a copy of its representative")
+            out[f] = p
+        return out
+
+    def _fold(self) -> None:
+        """Followers never run, and no instance waits for them."""
+        g = self.graph
+        ptr = g.rank_ptr
+        for f in self.folded:
+            self._pos[f] = ptr[f + 1]
+        self._heap = [e for e in self._heap if e[3] not in self.folded]
+        heapq.heapify(self._heap)
+        nodes = self._nodes_of(sorted(self.folded))
+        coll = nodes[g.kind[nodes] == COLL]
+        size = np.frombuffer(self._size, np.int64)
+        np.subtract.at(size, g.ref[coll], 1)
+
+    def _nodes_of(self, ranks: Iterable[int], graph: ExecutionGraph | None = None) -> np.ndarray:
+        ptr = (graph or self.graph).rank_ptr
+        parts = [np.arange(ptr[r], ptr[r + 1]) for r in ranks]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def fill_folded(self) -> None:
+        """Give every follower its representative's node times (call once the sandboxes are done)."""
+        if not self.folded:
+            return
+        f = sorted(self.folded)
+        src = self._nodes_of([self.folded[r] for r in f])
+        dst = self._nodes_of(f)
+        for a in (self._start, self._end):
+            v = np.frombuffer(a, np.int64)
+            v[dst] = v[src]
+
+    def result(self) -> ReplayResult:
+        self.fill_folded()
+        return super().result()
+
+    def _resolve_offline(self, durations: np.ndarray | None, cost_model: CostModel,
+                         batch: ReplayResult | None = None) -> None:
         """Dormant ranks take their batch-replay times and are never stepped:
         their arrivals at collectives and their sends are known in advance,
         so only the sandbox and live ranks are in the event loop. What a
         sandbox running off its recording would change downstream of a dormant
         rank is lost: the shortcut's error (``bench/hybrid.py`` measures it).
-        The same batch replay orders ``work_ahead`` (``_urgency``)."""
+        The same batch replay orders ``work_ahead`` (``_urgency``); ``batch``
+        is that replay if the caller has it already (same durations and costs)."""
         from prism.core.replay import replay_batch
 
         g = self.graph
-        batch = replay_batch(g, durations=durations, cost_model=cost_model)
+        if batch is None:
+            batch = replay_batch(g, durations=durations, cost_model=cost_model)
         dormant = np.zeros(g.world_size, bool)
         dormant[list(self.dormant)] = True
         nodes = np.flatnonzero(dormant[g.rank])
-        for n in nodes.tolist():
-            self._start[n] = int(batch.start[n])
-            self._end[n] = int(batch.end[n])
-            if self._kind[n] == COLL:
-                i = self._ref[n]
-                self._arrived[i] += 1
-                if batch.start[n] > self._amax[i]:
-                    self._amax[i] = int(batch.start[n])
-        for r in self.dormant:
-            self._pos[r] = self._ptr[r + 1]
-            self._clk[r] = int(batch.end[self._ptr[r + 1] - 1]) if self._ptr[r + 1] > self._ptr[r] else 0
+        np.frombuffer(self._start, np.int64)[nodes] = batch.start[nodes]
+        np.frombuffer(self._end, np.int64)[nodes] = batch.end[nodes]
+        coll = nodes[g.kind[nodes] == COLL]
+        np.add.at(np.frombuffer(self._arrived, np.int64), g.ref[coll], 1)
+        np.maximum.at(np.frombuffer(self._amax, np.int64), g.ref[coll], batch.start[coll])
+        ptr = g.rank_ptr
+        d = np.flatnonzero(dormant)
+        np.frombuffer(self._pos, np.int64)[d] = ptr[d + 1]
+        np.frombuffer(self._clk, np.int64)[d] = np.where(ptr[d + 1] > ptr[d], batch.end[np.maximum(ptr[d + 1] - 1, 0)], 0)
         self._heap = [e for e in self._heap if e[3] not in self.dormant]
         heapq.heapify(self._heap)
         self._need, self._need_off = self._urgency(batch)
@@ -184,8 +271,8 @@ class HybridReplay(SteppableReplay):
         need = np.full(g.n_nodes, _NEVER, np.int64)
         for r in self.sandbox:
             need[ptr[r]:ptr[r + 1]] = batch.start[ptr[r]:ptr[r + 1]]
-        stepped = sorted(self.sandbox | self.live)
-        nodes = np.concatenate([np.arange(ptr[r], ptr[r + 1]) for r in stepped])
+        stepped = sorted((self.sandbox | self.live) - self.folded.keys())
+        nodes = self._nodes_of(stepped)
         coll = nodes[g.kind[nodes] == COLL]
         send = nodes[g.kind[nodes] == SEND]
         inst, recv = g.ref[coll], g.msg_recv[g.ref[send]]

@@ -59,6 +59,7 @@ run can be compared with a real capture at that size.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -87,6 +88,7 @@ __all__ = [
     "plan_scale_out",
     "scale_events",
     "scale_graph",
+    "scale_out",
     "structure",
 ]
 
@@ -243,6 +245,44 @@ class ScalePlan:
         """``old_rank`` at the same coordinates in the new world (a widened group's member)."""
         return self.new.rank(*self.old.coords(old_rank))
 
+    @property
+    def block(self) -> int:
+        """DP ranks per replica block: the widest replicated group's (an EP block), else 1."""
+        b = 1
+        for sh in self.shapes.values():
+            if sh.how == "replicate":
+                b = math.lcm(b, sh.k)
+        return b
+
+    def fold(self, sandbox: Sequence[int]) -> dict[int, int]:
+        """Ranks whose timeline equals another's in the grown run: follower -> representative.
+
+        The new world's DP ranks fall into blocks of ``block``; a block copies
+        captured block ``j mod (dp / block)``. Two blocks with one source and
+        no sandbox rank compute the same durations, and their ranks meet other
+        blocks only in collectives on widened groups, which hold both and
+        complete at one time for all members: so their timelines are equal,
+        whatever the sandbox does. Each such class keeps its first block; the
+        others' ranks follow it (``HybridReplay(fold=...)``).
+        """
+        new, B = self.new, self.block
+        old_blocks, new_blocks = self.old.dp // B, new.dp // B
+        special = {new.coords(int(r))[1] // B for r in sandbox}
+        rep: dict[int, int] = {}
+        for j in range(new_blocks):
+            if j not in special:
+                rep.setdefault(j % old_blocks, j)
+        out: dict[int, int] = {}
+        for j in range(new_blocks):
+            if j in special or rep[j % old_blocks] == j:
+                continue
+            shift = (rep[j % old_blocks] - j) * B
+            for p in range(new.pp):
+                for d in range(j * B, (j + 1) * B):
+                    for t in range(new.tp):
+                        out[new.rank(t, d, p)] = new.rank(t, d + shift, p)
+        return out
+
 
 def plan_scale_out(layout: Layout, groups: Mapping[str, tuple[int, Sequence[int]]], dp: int) -> ScalePlan:
     """Plan the growth of a run with ``layout`` and ``groups`` (gid -> (index, ranks)) to ``dp``."""
@@ -389,14 +429,20 @@ def scale_events(ranks: Mapping[int, Sequence[Event]], layout: Layout, dp: int,
     return out
 
 
+def _refusal(plan: ScalePlan, sh: _GroupShape, op: str, seq: int | None = None) -> ScaleOutError:
+    at = f" (first at sequence {seq})" if seq is not None else ""
+    return ScaleOutError(
+        f"group {sh.gid!r} (creation index {sh.index}, ranks {_short(sh.ranks)}) spans DP and would widen from "
+        f"{len(sh.ds)} to {plan.new.dp // sh.k} DP ranks, but it carries {op}{at}, whose per-rank shapes depend on "
+        "the group's size (FSDP or a ZeRO optimizer: each rank holds 1/size of the state); scale-out would have to "
+        f"guess them, so it refuses to widen it (it widens groups that carry only {', '.join(sorted(_SIZE_FREE_OPS))})")
+
+
 def _scale_coll(plan: ScalePlan, ev: Collective, r: int, gid: str, by_gid) -> Collective:
     sh = plan.shapes[ev.gid]
     widened = sh.how == "widen" and plan.new.dp != plan.old.dp
     if widened and ev.op not in _SIZE_FREE_OPS:
-        raise ScaleOutError(
-            f"{ev.op} on group {ev.gid!r} (seq {ev.seq}) spans DP and would widen from {len(sh.ds)} to more DP ranks; "
-            f"its shapes depend on the group size, which scale-out does not model (only {sorted(_SIZE_FREE_OPS)})"
-        )
+        raise _refusal(plan, sh, ev.op, ev.seq)
     if ev.root < 0:
         return dataclasses.replace(ev, gid=gid)
     root_old = sh.ranks[ev.root]
@@ -444,6 +490,10 @@ def _signatures(graph: ExecutionGraph, ranks: Mapping[int, Sequence[Event]]) -> 
     return sig, tuple(sorted(sigs, key=sigs.get)), psig, tuple(sorted(psigs, key=psigs.get))
 
 
+def _short(ranks: Sequence[int]) -> str:
+    return str(list(ranks)) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:4]))}, ... {ranks[-1]}]"
+
+
 def scale_graph(ranks: Mapping[int, Sequence[Event]], layout: Layout, dp: int,
                 graph: ExecutionGraph | None = None) -> ExecutionGraph:
     """The execution graph of the run grown to ``dp``, built with numpy.
@@ -453,6 +503,12 @@ def scale_graph(ranks: Mapping[int, Sequence[Event]], layout: Layout, dp: int,
     columns are tiled over the new ranks. ``graph`` is the captured run's
     graph if already built.
     """
+    return scale_out(ranks, layout, dp, graph)[0]
+
+
+def scale_out(ranks: Mapping[int, Sequence[Event]], layout: Layout, dp: int,
+              graph: ExecutionGraph | None = None) -> tuple[ExecutionGraph, ScalePlan]:
+    """``scale_graph`` and the plan it followed (its groups, ``fold``)."""
     _check_world(ranks, layout)
     plan = plan_scale_out(layout, _groups_of(ranks), dp)
     g = graph if graph is not None else ExecutionGraph.from_events(ranks)
@@ -461,8 +517,7 @@ def scale_graph(ranks: Mapping[int, Sequence[Event]], layout: Layout, dp: int,
         if sh.how == "widen" and plan.new.dp != plan.old.dp:
             bad = set(np.unique(g.inst_op[g.inst_group == gi]).tolist()) - {OPS.index(o) for o in _SIZE_FREE_OPS}
             if bad:
-                raise ScaleOutError(f"{OPS[min(bad)]} on group {sh.gid!r} spans DP and would widen; its shapes depend "
-                                    f"on the group size, which scale-out does not model (only {sorted(_SIZE_FREE_OPS)})")
+                raise _refusal(plan, sh, OPS[min(bad)])
     sig, sig_table, psig, psig_table = _signatures(g, ranks)
     new, old = plan.new, plan.old
     W = new.world_size
@@ -488,25 +543,38 @@ def scale_graph(ranks: Mapping[int, Sequence[Event]], layout: Layout, dp: int,
             key = (grp.gid, d // sh.k if sh.how == "replicate" else 0)
             if key in plan.gid_map:
                 table[gi, d] = new_index[plan.gid_map[key]]
-    old_group = g.group[take]
     d_row = d_new[owner]
-    group = np.where(old_group >= 0, table[np.maximum(old_group, 0), d_row], -1).astype(np.int32)
-    # peers move with their replica: d' - d' mod dp_old whole replicas up
-    old_peer = g.peer[take].astype(np.int64)
-    has_peer = old_peer >= 0
-    pt, pd, pp_ = old_peer % old.tp, (old_peer // old.tp) % old.dp, old_peer // (old.tp * old.dp)
-    shift = d_row - d_row % old.dp
-    peer = np.where(has_peer, pt + new.tp * (pd + shift + new.dp * pp_), -1)
+    group = _tiled_groups(g.group[take], table, d_row)
+    peer = _tiled_peers(g.peer[take], d_row, old, new)
+    del d_row, rows
     # a collective's root is not a column: roots only matter to the events path
-    wait_of_old = g.wait_of[take]
-    wait_of = np.where(wait_of_old >= 0, wait_of_old - g.rank_ptr[src][owner] + new_ptr[owner], -1)
+    wait_of = _tiled_waits(g.wait_of[take], g.rank_ptr[src][owner], new_ptr[owner])
     cols = NodeColumns(
         rank=owner.astype(np.int32), kind=g.kind[take], dur=g.dur[take], is_async=g.is_async[take], group=group,
-        seq=g.seq[take], op=g.op[take], sig=sig[take], peer=peer.astype(np.int32), tag=g.tag[take],
+        seq=g.seq[take], op=g.op[take], sig=sig[take], peer=peer, tag=g.tag[take],
         nbytes=g.nbytes[take], wait_of=wait_of, step=g.step[take], rec_start=g.rec_start[take],
         rec_end=g.rec_end[take], sig_table=sig_table,
     )
-    return ExecutionGraph.from_columns(W, new_groups, cols, p2p_sig=psig[take], p2p_sig_table=psig_table)
+    del group, peer, wait_of, owner  # the columns hold them; at 8,192 ranks each temporary is tens of MB
+    p2p_sig = psig[take]
+    del take
+    return ExecutionGraph.from_columns(W, new_groups, cols, p2p_sig=p2p_sig, p2p_sig_table=psig_table), plan
+
+
+def _tiled_groups(old_group: np.ndarray, table: np.ndarray, d_row: np.ndarray) -> np.ndarray:
+    return np.where(old_group >= 0, table[np.maximum(old_group, 0), d_row], -1).astype(np.int32)
+
+
+def _tiled_peers(old_peer: np.ndarray, d_row: np.ndarray, old: Layout, new: Layout) -> np.ndarray:
+    """Peers move with their replica: d' - d' mod dp_old whole replicas up."""
+    old_peer = old_peer.astype(np.int64)
+    pt, pd, pp_ = old_peer % old.tp, (old_peer // old.tp) % old.dp, old_peer // (old.tp * old.dp)
+    shift = d_row - d_row % old.dp
+    return np.where(old_peer >= 0, pt + new.tp * (pd + shift + new.dp * pp_), -1).astype(np.int32)
+
+
+def _tiled_waits(wait_of_old: np.ndarray, old_base: np.ndarray, new_base: np.ndarray) -> np.ndarray:
+    return np.where(wait_of_old >= 0, wait_of_old - old_base + new_base, -1)
 
 
 # ------------------------------------------------------------------- structure

@@ -61,8 +61,7 @@ from typing import Any
 
 import torch
 
-GPU_SANDBOX_ENV = "PRISM_GPU_SANDBOX"
-SANDBOX_ENV = "PRISM_SANDBOX_RANKS"
+from prism.rank.envnames import GPU_SANDBOX_ENV, SANDBOX_ENV  # noqa: F401 (their home for torch-free readers)
 #: Release flags in the ring (a flag is reused after this many calls, with a higher value).
 SLOTS = 4096
 

@@ -66,9 +66,9 @@ from torch.overrides import TorchFunctionMode
 PHYSICAL_ENV = "PRISM_PHYSICAL_DEVICE"
 #: "0": always remap, even when logical and physical indices coincide.
 IDENTITY_ENV = "PRISM_LOGICAL_IDENTITY"
-#: Comma-separated physical GPUs shared by the run (``prism capture --gpus``);
-#: ranks are assigned to them in contiguous blocks.
-GPUS_ENV = "PRISM_GPUS"
+#: ``GPUS_ENV``: comma-separated physical GPUs shared by the run (``prism capture
+#: --gpus``); ranks are assigned to them in contiguous blocks.
+from prism.rank.envnames import GPUS_ENV  # noqa: E402
 
 _CUDA_INDEX = re.compile(r"cuda:(\d+)")
 _state: _Logical | None = None

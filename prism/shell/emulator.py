@@ -26,6 +26,13 @@ recorded outputs are exactly what the full job computes), else from
 compensation (``prism.core.compensation.hybrid_outputs``). A receive from a
 virtual rank gets the recorded tensor, else zeros of its shape.
 
+Groups: a sandbox's group is the graph's group with the same members and
+the same place among the groups of those members in creation order
+(``prism.core.groupmatch``), not the one with the same id: a scaled-out
+graph's ids follow the scale-out's guess of the script's creation order.
+Messages from a sandbox are translated into the graph's ids on arrival, its
+results back into its own.
+
 Waits: a sandbox that passed an async op's wait without blocking sends no
 ``Wait``; the graph's wait node is then passed when the rank's next call
 shows it went on (at the op's delivery, or the call's time if later).
@@ -50,6 +57,7 @@ from prism.core import payloads as PL
 from prism.core import protocol as P
 from prism.core.compensation import hybrid_outputs
 from prism.core.graph import COLL, WAIT
+from prism.core.groupmatch import GroupMatcher
 from prism.core.hybrid import Call, HybridError, HybridReplay
 from prism.core.matcher import wait_key_coll
 from prism.shell import runfolder
@@ -103,6 +111,11 @@ class EmulationStats:
     #: per such call how far the stream reached it after the CPU issued it (ns)
     reached_calls: int = 0
     reach_lag_ns: list[int] = field(default_factory=list)
+    #: ns each result went out after its emulated release on its rank's clock (negative: ahead;
+    #: the rank holds it until then); positive lag is a wait the rank's dilated clock absorbs
+    lag_ns: list[int] = field(default_factory=list)
+    #: sandbox groups whose id differs from the graph's group they were matched to
+    renamed_groups: int = 0
 
 
 class Emulator(Coordinator):
@@ -131,6 +144,9 @@ class Emulator(Coordinator):
         #: ranks' monotonic ns = engine ns + offset (None until the first arrival)
         self.offset_ns: int | None = None
         self._gid_index = {grp.gid: i for i, grp in enumerate(self.graph.groups)}
+        self.groups = GroupMatcher((grp.gid, grp.ranks) for grp in self.graph.groups)
+        #: sandbox rank -> its monotonic clock less its dilated one, as its last call showed
+        self._dilation: dict[int, int] = {}
         #: per sandbox rank, what it sent that the engine has not taken yet
         self._queue: dict[int, collections.deque] = {r: collections.deque() for r in self.sandbox}
         #: (gid, seq) -> group rank -> the sandbox member's CollectiveArrive
@@ -209,6 +225,19 @@ class Emulator(Coordinator):
 
     async def _on_received(self, ev, now: int) -> None:
         self._last_activity = now  # the quiet watchdog counts what the sandboxes say, not the pacer
+        msg = ev.msg
+        if isinstance(msg, (P.CollectiveArrive, P.Send, P.RecvPost)):
+            if msg.issue_ns:
+                # the rank's dilation, and the message's transit: an upper bound (the pacing lag's reference)
+                self._dilation[msg.rank] = self._now() - msg.issue_ns
+            gid = self.groups.to_graph(msg.rank, msg.gid)
+            if gid != msg.gid:
+                ev = dataclasses.replace(ev, msg=dataclasses.replace(msg, gid=gid))
+        elif isinstance(msg, P.Wait) and msg.what.startswith("coll:"):
+            _, gid, seq = msg.what.rsplit(":", 2)
+            new = self.groups.to_graph(msg.rank, gid)
+            if new != gid:
+                ev = dataclasses.replace(ev, msg=dataclasses.replace(msg, what=wait_key_coll(new, int(seq))))
         await super()._on_received(ev, now)
 
     def _finished(self) -> bool:
@@ -223,10 +252,14 @@ class Emulator(Coordinator):
         await session.deliver(P.SlotGrant(session.rank))
 
     async def _on_group(self, session: RankSession, msg: P.GroupCreate, now: int) -> None:
-        if msg.gid not in self._gid_index:
-            log.warning("sandbox rank %d created group %s (ranks %s), which the capture does not have",
-                        msg.rank, msg.gid, list(msg.ranks))
-        self.stats.groups_created.add(msg.gid)
+        gid = self.groups.create(msg.rank, msg.gid, msg.ranks)
+        if gid is None:
+            log.warning("sandbox rank %d created group %s (creation index %d, ranks %s), which the graph does not "
+                        "have (no further group of these members)", msg.rank, msg.gid, msg.index, list(msg.ranks))
+            gid = msg.gid
+        elif gid != msg.gid:
+            self.stats.renamed_groups += 1
+        self.stats.groups_created.add(gid)
 
     async def _on_goodbye(self, session: RankSession, msg: P.Goodbye, now: int) -> None:
         rank = session.rank
@@ -524,10 +557,11 @@ class Emulator(Coordinator):
             taken = self._taken_at.pop(node, None)
             if taken is not None:
                 self.stats.turnaround_ns.append(now - taken)
+            self.stats.lag_ns.append(now - release - self._dilation.get(rank, 0))
             self.stats.deliveries += 1
             if isinstance(msg, P.CollectiveResult):
-                msg = P.CollectiveResult(msg.gid, msg.seq, payloads=msg.payloads, release_ns=release,
-                                         tail_ns=msg.tail_ns)
+                msg = P.CollectiveResult(self.groups.to_rank(rank, msg.gid), msg.seq, payloads=msg.payloads,
+                                         release_ns=release, tail_ns=msg.tail_ns)
             else:
                 msg = P.P2PData(msg.src, msg.dst, msg.tag, msg.pseq, payloads=msg.payloads, release_ns=release)
             await self._send(rank, msg)

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -119,9 +120,32 @@ class RankProcesses:
                 pass
 
     def close(self) -> None:
-        """Kill what still runs and reap the fork server."""
+        """Kill what still runs, reap the fork server and wait until the killed
+        ranks are gone (a rank the fork server did not live to reap is
+        still exiting when it ends; a caller that returns then would leave
+        it behind for a moment)."""
         self.kill_all()
         self.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        for pid in self.pids:
+            while pid and _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[-1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:  # no /proc (not Linux): signal 0 says whether it exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return state not in (b"Z", b"X")
 
 
 def launch_ranks(
