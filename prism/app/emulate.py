@@ -337,8 +337,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                                                        env=env))
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     # What setup made lives as long as the emulation: out of the collector's
-    # sight, so a full collection does not walk the graph's groups while a
-    # sandbox waits (such pauses were the p99 of the release lag at 8,192 ranks).
+    # sight, so a full collection does not walk the graph's groups and the
+    # plan (tens of thousands of objects at 8,192 ranks) while a sandbox waits.
     gc.collect()
     gc.freeze()
     wall0 = time.perf_counter()
