@@ -60,7 +60,7 @@ class EmulateConfig:
     cost profile as for ``predict`` (None: the same choice). ``dormant``:
     "simulate" (every virtual rank stepped, exact), "offline" (ranks in no
     group with a sandbox take their batch-replay times) or "auto" (offline
-    from a world of 256)."""
+    from a world of 256, unless scaled out: folding keeps simulate cheap)."""
 
     run: str | os.PathLike[str]
     sandbox: str = "0"
@@ -303,7 +303,9 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     env = _gpu_env(config, manifest.device_kind, sandbox)
     t_setup = time.perf_counter()
     batch = replay_batch(graph, cost_model=model)
-    dormant = config.dormant if config.dormant != "auto" else ("offline" if world >= 256 else "simulate")
+    # Scaled out, folding leaves a few ranks to step whatever the world: simulate, exact, costs no more.
+    dormant = (config.dormant if config.dormant != "auto" else
+               "simulate" if plan is not None or world < 256 else "offline")
     fold = plan.fold(sandbox) if plan is not None else None
     engine = HybridReplay(graph, sandbox, cost_model=model, dormant=dormant, fold=fold, batch=batch)
     first_call = {}
