@@ -60,7 +60,7 @@ class EmulateConfig:
     cost profile as for ``predict`` (None: the same choice). ``dormant``:
     "simulate" (every virtual rank stepped, exact), "offline" (ranks in no
     group with a sandbox take their batch-replay times) or "auto" (offline
-    from a world of 256)."""
+    from a world of 256, unless scaled out: folding keeps simulate cheap)."""
 
     run: str | os.PathLike[str]
     sandbox: str = "0"
@@ -309,7 +309,9 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     env = _gpu_env(config, manifest.device_kind, sandbox)
     t_setup = time.perf_counter()
     batch = replay_batch(graph, cost_model=model)
-    dormant = config.dormant if config.dormant != "auto" else ("offline" if world >= 256 else "simulate")
+    # Scaled out, folding leaves a few ranks to step whatever the world: simulate, exact, costs no more.
+    dormant = (config.dormant if config.dormant != "auto" else
+               "simulate" if plan is not None or world < 256 else "offline")
     fold = plan.fold(sandbox) if plan is not None else None
     engine = HybridReplay(graph, sandbox, cost_model=model, dormant=dormant, fold=fold, batch=batch)
     first_call = {}
@@ -343,8 +345,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                                                        env=env))
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     # What setup made lives as long as the emulation: out of the collector's
-    # sight, so a full collection does not walk the graph's groups while a
-    # sandbox waits (such pauses were the p99 of the release lag at 8,192 ranks).
+    # sight, so a full collection does not walk the graph's groups and the
+    # plan (tens of thousands of objects at 8,192 ranks) while a sandbox waits.
     gc.collect()
     gc.freeze()
     wall0 = time.perf_counter()

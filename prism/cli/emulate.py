@@ -32,7 +32,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="results go to RUN/emulation/NAME (default: the date and time)")
     p.add_argument("--dormant", default="auto", choices=("auto", "simulate", "offline"),
                    help="virtual ranks in no group with a sandbox: stepped (simulate, exact) or at their batch-replay "
-                        "times (offline); auto: offline from a world of 256")
+                        "times (offline); auto: offline from a world of 256, simulate for --scale-dp (folded copies "
+                        "keep it cheap)")
     p.add_argument("--quiet", type=float, default=30.0, metavar="S",
                    help="stop with a report after S seconds without progress (default: 30)")
     p.add_argument("--warmup", type=int, default=1, help="steps dropped before averaging (default: 1)")
