@@ -141,6 +141,18 @@ suite_emulate_accuracy_16() {  # the same at world 16 (GPT in two layouts, the M
     --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} --out "$R/accuracy-world16.json"
 }
 
+suite_calibration() {  # slice calibration vs truth on the host's cores: bare, calibrated, symmetric; W=8 16; POLLUTED=1
+  local netp=${NETP:-bench/results/netprofile-2026-12-02-h200cpu-gloo.toml} w
+  for w in ${W:-8}; do
+    x "$R/calibration-world$w.txt" ${TW:-280} python3 bench/calibration.py --world "$w" --runs ${RUNS:-3} \
+      --net "$netp" --out "$R/calibration-world$w.json"
+    if [ -n "${POLLUTED:-}" ]; then  # a capture of every rank at once on a quarter of the cores
+      x "$R/calibration-world$w-polluted.txt" ${TW:-280} python3 bench/calibration.py --world "$w" --runs ${RUNS:-3} \
+        --capture-cores $((w / 4)) --capture-slots "$w" --net "$netp" --out "$R/calibration-world$w-polluted.json"
+    fi
+  done
+}
+
 suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then GPT tp2 emulated with a GPU sandbox, both paths
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
@@ -226,7 +238,7 @@ suite_cpu_scale() {  # CPU capture of the bundled GPT at 1,024 ranks, 16 slots
 }
 
 SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
-emulate-accuracy-16 comm-share gpu-sandbox truth-segments
+emulate-accuracy-16 comm-share calibration gpu-sandbox truth-segments
 truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale"
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then
