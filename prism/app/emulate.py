@@ -554,7 +554,7 @@ def format_summary(s: dict, out_dir: Path) -> str:
                      f"world {sc['world']}; {s['recording']}"
                      + ("" if sc["command_dp_flag"] else "; the command has no --dp flag to set, so it runs as "
                         "given (the script must read its DP degree from WORLD_SIZE)"))
-    lines.append(f"emulation of {s['run']} (world {s['world_size']}): sandbox ranks {compact_ranks(s['sandbox'])}, "
+    lines.append(f"emulation of {s['run']} (world {s['world_size']}): sandbox ranks {compact_ranks(s['sandbox'])}; "
                  f"{s['live']} live and {s['dormant_ranks']} dormant virtual ranks ({s['dormant']})"
                  + (f"; {s['folded']:,} of them folded into copies they equal, {s['stepped']} ranks stepped"
                     if s.get("folded") else ""))

@@ -13,15 +13,19 @@ from prism.app.errors import PrismError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run directory of a `prism capture` (record the sandbox ranks with --record)")
     _common(p)
+    _scale(p)
+    p.epilog = ("After the options, `-- SCRIPT ARGS...` runs another command than the capture's (a changed one is "
+                "checked against the captured graph call by call).")
+    p.set_defaults(func=main, script=None)
+
+
+def _scale(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale-dp", type=int, default=None, metavar="N",
                    help="emulate the run grown to data-parallel degree N (a multiple of the captured dp), as "
                         "`prism predict --scale-dp`: the sandbox ranks start at the scaled world size with the "
                         "command's --dp set to N; every virtual contribution is compensated")
     p.add_argument("--layout", default=None, metavar="tp=T,pp=P,dp=D[,ep=E]",
                    help="the captured run's layout for --scale-dp (default: the manifest's, from --tp/--pp/--dp flags)")
-    p.epilog = ("After the options, `-- SCRIPT ARGS...` runs another command than the capture's (a changed one is "
-                "checked against the captured graph call by call).")
-    p.set_defaults(func=main, script=None)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -99,6 +103,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=None, help="ranks that may compute at once during the capture "
                                                            "(default: the number of cores)")
     _common(p)
+    _scale(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS, or -- -m MODULE ARGS")
     p.set_defaults(func=run_main)
 
@@ -123,13 +128,15 @@ def run_main(args: argparse.Namespace) -> int:
         if not captured.ok:
             return captured.exit_code
         print("prism run: 2/3 predicting", file=sys.stderr, flush=True)
-        prediction = app_predict.predict(app_predict.PredictConfig(run=plan.run_dir, net=args.net,
-                                                                   warmup=args.warmup))
-        print(f"prism run: 3/3 emulating with sandbox ranks {args.sandbox}", file=sys.stderr, flush=True)
+        prediction = app_predict.predict(app_predict.PredictConfig(
+            run=plan.run_dir, net=args.net, warmup=args.warmup, scale_dp=args.scale_dp, layout=args.layout))
+        grown = f" at dp {args.scale_dp}" if args.scale_dp else ""
+        print(f"prism run: 3/3 emulating{grown} with sandbox ranks {args.sandbox}", file=sys.stderr, flush=True)
         outcome = emulate(EmulateConfig(run=plan.run_dir, sandbox=args.sandbox, net=args.net, name=args.name,
                                         dormant=args.dormant, quiet_s=args.quiet, warmup=args.warmup,
                                         show_ranks=_show(args.show_ranks), progress=args.progress,
-                                        use_recording=not args.no_recording, **_gpu_kw(args)))
+                                        use_recording=not args.no_recording, scale_dp=args.scale_dp,
+                                        layout=args.layout, **_gpu_kw(args)))
     except PrismError as e:
         print(f"prism run: {e}", file=sys.stderr)
         return e.exit_code
