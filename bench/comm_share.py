@@ -9,7 +9,9 @@ is logged (no profiler); a Prism capture of the same command is replayed
 under the profiles ``bench/accuracy.py`` compares. Per rank and step both
 sides are split into *communication* (the truth: the time its calls held the
 caller; the replay: its collective, point-to-point and wait nodes) and
-*the rest* (iteration time less communication: compute and Python). Printed
+*the rest* (iteration time less communication: compute and Python), and
+the rest is compared segment by segment (the time between two calls of one
+rank, where both sides made the same calls in a step). Printed
 per configuration: the mean over ranks and steps of each, truth beside each
 profile's replay, so an iteration-time error shows whether the cost model
 (communication) or the captured durations (the rest) carry it. Each run
@@ -75,7 +77,74 @@ def truth_split(world: int, cmd: list[str], tmp: pathlib.Path, warmup: int, time
                 per_step[step] = per_step.get(step, 0) + (t1 - t0)
         comm.append([per_step.get(k, 0) / 1e6 for k in range(warmup, len(ends))])
     c = float(np.mean(comm))
-    return {"iteration_ms": float(iters.mean()), "comm_ms": c, "rest_ms": float(iters.mean()) - c}
+    per_rank_ends = [stepclock.parse(t)[0] for t in texts]
+    segs = [truth_segments(stepclock.parse_calls(t), e, warmup) for t, e in zip(texts, per_rank_ends)]
+    return {"iteration_ms": float(iters.mean()), "comm_ms": c, "rest_ms": float(iters.mean()) - c,
+            "segments": segs}
+
+
+def truth_segments(calls: list, ends: list[int], warmup: int) -> dict[int, list]:
+    """Per step from ``warmup``: [(gap_ns, op_after)]: the time between one
+    call's return and the next call (the first from the previous step's end,
+    the last one's op ``"end"`` up to the step's end) of one rank: its compute
+    and Python between calls, as the capture's COMPUTE segments are."""
+    out: dict[int, list] = {}
+    for k in range(max(warmup, 1), len(ends)):
+        mine = [c for c in calls if c[0] == k]
+        t, segs = ends[k - 1], []
+        for _step, op, _n, _b, t0, t1, _a in mine:
+            segs.append((t0 - t, op))
+            t = t1
+        segs.append((ends[k] - t, "end"))
+        out[k] = segs
+    return out
+
+
+def capture_segments(graph: ExecutionGraph, warmup: int) -> list[dict[int, list]]:
+    """The capture's side of ``truth_segments``: per rank, per step, the
+    COMPUTE time between its communication calls (COLL, SEND, RECV; waits are
+    not calls and stay inside a segment), with the op that follows."""
+    from prism.core.graph import COMPUTE
+    out = []
+    for r in range(graph.world_size):
+        lo, hi = int(graph.rank_ptr[r]), int(graph.rank_ptr[r + 1])
+        per: dict[int, list] = {}
+        acc: dict[int, int] = {}
+        for i in range(lo, hi):
+            k, kind = int(graph.step[i]), int(graph.kind[i])
+            if k < warmup:
+                continue
+            if kind == COMPUTE:
+                acc[k] = acc.get(k, 0) + int(graph.dur[i])
+            elif kind in (COLL, SEND, RECV):
+                per.setdefault(k, []).append((acc.pop(k, 0), str(graph.op[i])))
+        for k in set(per) | set(acc):
+            per.setdefault(k, []).append((acc.get(k, 0), "end"))
+        out.append(per)
+    return out
+
+
+def compare_segments(truth: list[dict[int, list]], cap: list[dict[int, list]]) -> dict:
+    """Segment by segment where both sides made the same number of calls in a
+    step: the mean over ranks and steps of each segment's truth and captured
+    time (ms), keyed by its position in the step and the op after it."""
+    sums: dict[int, list] = {}
+    aligned = unaligned = 0
+    for tr, cr in zip(truth, cap):
+        for k, ts in tr.items():
+            cs = cr.get(k)
+            if cs is None or len(cs) != len(ts):
+                unaligned += 1
+                continue
+            aligned += 1
+            for i, ((tg, op), (cg, _)) in enumerate(zip(ts, cs)):
+                acc = sums.setdefault(i, [op, 0.0, 0.0, 0])
+                acc[1] += tg / 1e6
+                acc[2] += cg / 1e6
+                acc[3] += 1
+    rows = [{"index": i, "op_after": op, "truth_ms": t / n, "capture_ms": c / n, "n": n}
+            for i, (op, t, c, n) in sorted(sums.items())]
+    return {"aligned_rank_steps": aligned, "unaligned_rank_steps": unaligned, "rows": rows}
 
 
 def prism_split(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, warmup: int,
@@ -94,6 +163,7 @@ def prism_split(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, war
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
     graph = ExecutionGraph.from_events(read_run(d).ranks)
     shutil.rmtree(d.parent, ignore_errors=True)
+    segments = capture_segments(graph, warmup)
     comm_kind = np.isin(graph.kind, (COLL, SEND, RECV, WAIT))
     out = {}
     for name, model in models.items():
@@ -105,7 +175,25 @@ def prism_split(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, war
         comm = float(span[sel].sum()) / world / (last - warmup + 1) / 1e6
         it = res.mean_iteration_time(warmup) / 1e6
         out[name] = {"iteration_ms": it, "comm_ms": comm, "rest_ms": it - comm}
+    out["_segments"] = segments
     return out
+
+
+def print_segments(name: str, runs: list[dict], top: int = 8) -> None:
+    """The segments whose captured time departs most from the truth's, over the runs."""
+    rows: dict[int, list] = {}
+    for r in runs:
+        for row in r["segments"]["rows"]:
+            rows.setdefault(row["index"], []).append(row)
+    merged = [(i, rs[0]["op_after"], statistics.mean(x["truth_ms"] for x in rs),
+               statistics.mean(x["capture_ms"] for x in rs)) for i, rs in rows.items()]
+    al = sum(r["segments"]["aligned_rank_steps"] for r in runs)
+    un = sum(r["segments"]["unaligned_rank_steps"] for r in runs)
+    tt, ct = sum(m[2] for m in merged), sum(m[3] for m in merged)
+    print(f"{name}: segments between calls, mean per rank and step ({al} rank-steps aligned, {un} not): "
+          f"truth {tt:.2f} ms, capture {ct:.2f} ms in all; the {top} that differ most:")
+    for i, op, t, c in sorted(merged, key=lambda m: -abs(m[3] - m[2]))[:top]:
+        print(f"  #{i:<4} before {op:<24} truth {t:8.3f} ms  capture {c:8.3f} ms  ({c - t:+.3f})")
 
 
 def main() -> int:
@@ -141,12 +229,15 @@ def main() -> int:
                 # the same with torch's front end counted inside each call (PRISM_FRONT_END_IN_COMM=1)
                 f = prism_split(a.world, cmd, tmp, {k: models[k] for k in ("concurrent", "one-fit")}, a.warmup,
                                 front_end=True)
+                f.pop("_segments")
                 p.update({f"{k}+fe": v for k, v in f.items()})
-                runs.append({"truth": t, "prism": p})
+                seg = compare_segments(t.pop("segments"), p.pop("_segments"))
+                runs.append({"truth": t, "prism": p, "segments": seg})
                 print(f"{name} run {i}: truth {t['iteration_ms']:.1f} ms = comm {t['comm_ms']:.1f} + rest "
                       f"{t['rest_ms']:.1f}; " + "; ".join(f"{k} {v['iteration_ms']:.1f} = {v['comm_ms']:.1f} + "
                                                           f"{v['rest_ms']:.1f}" for k, v in p.items()), flush=True)
             res["configs"].append({"config": name, "runs": runs})
+            print_segments(name, runs)
             pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(a.out).write_text(json.dumps(res, indent=2))
     finally:

@@ -18,7 +18,9 @@ call to the capture) and stores them under ``RUN/calibration/<name>/``:
 PP stage and EP rank) and copies the representatives' durations to their
 class. ``predict`` and ``emulate`` use a stored calibration with
 ``--calibration on`` (the newest) or ``--calibration NAME``; the default is
-off until the H200 benchmark (bench/calibration.py) shows that it wins.
+off: on the H200 machine's CPUs (bench/results/calibration-2026-12-03-h200cpu.md)
+it cut a polluted capture's error from 31-101% to 9-15% but did not beat a
+clean capture everywhere.
 Segments the capture timed with two clocks (GPU captures) keep their
 capture timing (``prism.core.calibration``, the rule).
 """

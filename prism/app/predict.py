@@ -49,8 +49,8 @@ class PredictConfig:
     layout: Layout | str | None = None
     warmup: int = DEFAULT_WARMUP
     #: A stored slice calibration (``prism.app.calibrate``): "off" (the bare
-    #: graph), "on" (the newest) or its name. Off by default until
-    #: bench/calibration.py shows on the H200 machine that it wins.
+    #: graph), "on" (the newest) or its name. Off by default: it wins on
+    #: polluted captures, not on every clean one (bench/results/calibration-2026-12-03-h200cpu.md).
     calibration: str = "off"
 
 

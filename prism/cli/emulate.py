@@ -58,8 +58,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-overhead", type=float, default=None, metavar="GIB",
                    help="of --memory-limit, what the GPU holds outside torch's allocator (default: as capture)")
     p.add_argument("--calibration", default="off", metavar="off|on|NAME",
-                   help="the virtual ranks' compute durations: off (as captured, the default until the H200 "
-                        "benchmark shows that calibration wins), on (the newest `prism calibrate`) or its --name")
+                   help="the virtual ranks' compute durations: off (as captured, the default; calibration "
+                        "wins on a capture with more ranks than cores), on (the newest `prism calibrate`) or its --name")
 
 
 def _gpu_kw(args: argparse.Namespace) -> dict:

@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                    help=f"steps dropped before averaging iteration times (default: {DEFAULT_WARMUP})")
     p.add_argument("--calibration", default="off", metavar="off|on|NAME",
-                   help="compute durations: off (as captured, the default until the H200 benchmark shows that "
-                        "calibration wins), on (the newest `prism calibrate` of the run) or a calibration's --name")
+                   help="compute durations: off (as captured, the default; calibration wins on a capture with more "
+                        "ranks than cores, not on every clean one), on (the newest `prism calibrate` of the run) or a calibration's --name")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     p.set_defaults(func=main)
 
