@@ -24,6 +24,7 @@ import pytest
 
 from prism.shell import runfolder
 from tests.support.captures import GPT_W8_SMALL, RECORD_045
+from tests.support.full import FULL
 
 pytestmark = pytest.mark.slow
 
@@ -48,13 +49,23 @@ def summary(out: str) -> dict:
     return json.loads(out)
 
 
-def forkservers() -> set[int]:
+def forkservers(cwd: Path) -> set[int]:
+    """Fork servers running in ``cwd`` (an emulation's launch directory): the
+    ones of other emulations on the machine (other tests, other users) are not
+    this test's to count."""
     out = subprocess.run(["pgrep", "-f", "prism.rank.forkserver"], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
+    mine = set()
+    for pid in (int(p) for p in out.split()):
+        try:
+            if Path(os.readlink(f"/proc/{pid}/cwd")) == Path(cwd).resolve():
+                mine.add(pid)
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return mine
 
 
 def test_recorded_sandboxes_reproduce_the_capture(gpt_run):
-    before = forkservers()
+    before = forkservers(gpt_run.parent)
     proc = prism("emulate", str(gpt_run), "--sandbox", "0,4,5", "--name", "rec", "--progress", "off", "--json",
                  cwd=gpt_run.parent)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
@@ -77,7 +88,7 @@ def test_recorded_sandboxes_reproduce_the_capture(gpt_run):
     timeline = json.loads((out / "timeline.json").read_text())
     names = {e["args"]["name"] for e in timeline["traceEvents"] if e.get("name") == "process_name"}
     assert {"rank 0", "rank 1", "rank 4", "rank 7"} <= names
-    assert forkservers() <= before
+    assert forkservers(gpt_run.parent) <= before
 
 
 def test_without_recording_compensates_and_says_how_far_losses_moved(gpt_run):
@@ -112,7 +123,7 @@ def test_a_changed_width_stops_within_seconds_naming_rank_op_group_and_sequence(
     changed = [*GPT]
     changed[changed.index("--hidden") + 1] = "48"
     t0 = time.monotonic()
-    before = forkservers()
+    before = forkservers(gpt_run.parent)
     proc = prism("emulate", str(gpt_run), "--sandbox", "0", "--name", "wide", "--progress", "off", "--", *changed,
                  cwd=gpt_run.parent, timeout=120)
     took = time.monotonic() - t0
@@ -121,7 +132,7 @@ def test_a_changed_width_stops_within_seconds_naming_rank_op_group_and_sequence(
     text = proc.stdout + proc.stderr
     assert "mismatch" in text and "sandbox rank 0 called" in text, text[-3000:]
     assert "on group" in text and "at sequence" in text and "bytes" in text
-    assert forkservers() <= before
+    assert forkservers(gpt_run.parent) <= before
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +151,13 @@ def test_a_crashing_sandbox_ends_it_with_its_traceback(chained, tmp_path):
     # On the chained run's capture, without its recording (compensated values, as on a plain capture).
     cap, run, _ = chained
     assert cap.returncode == 0, cap.stderr[-2000:]
-    before = forkservers()
+    before = forkservers(tmp_path)
     proc = prism("emulate", str(run), "--sandbox", "1", "--no-recording", "--name", "crash", "--progress", "off",
                  "--", str(SCRIPTS / "fail_at_step.py"), "1", "2", "4", cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "sandbox rank 1 failed" in text and "RuntimeError: rank 1 fails at step 2" in text, text[-3000:]
-    assert forkservers() <= before
+    assert forkservers(tmp_path) <= before
 
 
 def test_bad_options_are_named(gpt_run, tmp_path):
@@ -181,6 +192,9 @@ def test_ddp_async_buckets_pass_their_waits_and_reproduce_the_losses(tmp_path):
     assert s["calls"]["compensated"] == 0 and s["calls"]["implicit_waits"] > 0
 
 
+# A variant of test_the_device_path_protocol_compensates_as_the_coordinator_does
+# (uneven splits are covered by tests/unit/test_devicepath.py).
+@FULL
 def test_the_device_path_forms_moe_token_exchanges_as_the_coordinator_does(tmp_path):
     # MoE with expert parallelism: the token all_to_alls have uneven splits,
     # formed in place by the device path (PRISM_GPU_SANDBOX=cpu-test) with the
