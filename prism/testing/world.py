@@ -33,7 +33,7 @@ from typing import Any
 
 import trio
 
-from prism import __version__
+import prism
 from prism.core import protocol as P
 from prism.core import trace as T
 from prism.shell import runfolder
@@ -316,7 +316,7 @@ class Op:
 
 def _manifest(run_dir: Path, world_size: int) -> T.Manifest:
     return T.Manifest(T.TRACE_VERSION, run_dir.name, world_size, time.time_ns(), ("prism.testing",), "cpu",
-                      __version__, "none", socket.gethostname(), notes=(("emulated_world", "prism.testing"),))
+                      prism.__version__, "none", socket.gethostname(), notes=(("emulated_world", "prism.testing"),))
 
 
 @contextlib.asynccontextmanager

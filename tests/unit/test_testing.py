@@ -5,6 +5,8 @@ clock (``autojump_clock``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import trio
@@ -196,3 +198,9 @@ async def test_prism_world_fixture(prism_world, autojump_clock):
         assert_ok(await world.run(two_reduces))
     assert world.run_dir.name == "prism-world-0"
     assert len(world.trace().calls()) == 4
+
+
+def test_readme_shows_the_example_verbatim():
+    root = Path(__file__).resolve().parents[2]
+    example = (root / "tests" / "unit" / "test_testing_example.py").read_text()
+    assert f"```python\n{example}```" in (root / "README.md").read_text()
