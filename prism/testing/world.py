@@ -329,10 +329,17 @@ async def emulated_world(world_size: int, run_dir: str | os.PathLike[str], **kw:
     if it still runs."""
     world = EmulatedWorld(world_size, run_dir, **kw)
     runfolder.write_manifest(world.run_dir, _manifest(world.run_dir, world_size))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(world._serve)
-        try:
-            yield world
-        finally:
-            if not world._done.is_set():
-                nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(world._serve)
+            try:
+                yield world
+            finally:
+                if not world._done.is_set():
+                    nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The nursery wraps what the test's block raised: hand a lone
+        # exception (a failed assert) back as itself.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise

@@ -204,3 +204,13 @@ def test_readme_shows_the_example_verbatim():
     root = Path(__file__).resolve().parents[2]
     example = (root / "tests" / "unit" / "test_testing_example.py").read_text()
     assert f"```python\n{example}```" in (root / "README.md").read_text()
+
+
+async def test_the_block_raises_what_the_test_raised(tmp_path, autojump_clock):
+    # A failed assert inside the block comes out as itself, not in a group.
+    with pytest.raises(AssertionError, match="the test's own"):
+        async with emulated_world(2, tmp_path) as world:
+            assert_ok(await world.run(two_reduces))
+            raise AssertionError("the test's own")
+    with pytest.raises(RuntimeError, match="runs one capture"):
+        await world.run(two_reduces)
