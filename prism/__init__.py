@@ -78,12 +78,17 @@ thin **shells** around it own sockets, processes, clocks, files and devices.
     What tests and benchmarks share to check fidelity against ground truth
     (kept captures and their truths).
 
+``prism.testing``
+    The test harness (pytest-trio): the real coordinator on an in-memory
+    ROUTER, scripted fake ranks, trace assertions, injected faults, and a
+    pytest plugin (``prism.testing.pytest_plugin``).
+
 ``prism.workloads``
     The bundled training scripts (they never import prism).
 
 ``transport`` (top-level package)
     ZeroMQ messaging: an async socket for trio, a blocking client for rank
-    processes, an in-memory pair for tests, and the endpoint policy (ipc or
+    processes, an in-memory pair and router for tests, and the endpoint policy (ipc or
     loopback unless authenticated).
 
 ``cuda_ext`` (top-level package)
@@ -96,6 +101,7 @@ Dependency rules
 - ``prism.core`` imports nothing of prism outside the core.
 - ``prism.shell`` and ``prism.rank`` import the core (and ``transport``).
 - ``prism.app`` imports the core and the shell.
+- ``prism.testing`` imports the core and the shell.
 - ``prism.cli`` imports ``prism.app`` only (and core types, to format
   results); nothing imports it except ``prism/__main__.py`` and the
   ``prism`` console script.

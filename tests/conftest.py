@@ -20,6 +20,8 @@ import pytest
 from tests.support.captures import SharedCaptures
 from tests.support.gpus import cuda_device_count
 
+pytest_plugins = ["prism.testing.pytest_plugin"]
+
 _INTEGRATION = pathlib.Path(__file__).parent / "integration"
 
 

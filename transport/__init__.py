@@ -10,7 +10,8 @@ moves it:
 ``client``       ``BlockingClient``: a rank's connection, with a background
                  I/O thread that resolves futures (no trio in rank processes).
 ``memory``       ``memory_pair``: an in-memory pair with delay and loss hooks
-                 for unit tests.
+                 for unit tests; ``MemoryRouter``: a ROUTER many in-memory
+                 DEALERs connect to (``prism.testing`` serves a world on it).
 """
 
 from .client import BlockingClient, CoordinatorError, CoordinatorLost, HandshakeRefused
@@ -20,7 +21,7 @@ from .endpoints import (
     default_endpoint,
     free_tcp_endpoint,
 )
-from .memory import MemorySocket, memory_pair
+from .memory import MemoryRouter, MemorySocket, memory_pair
 from .trio_socket import AsyncSocket
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "CoordinatorError",
     "CoordinatorLost",
     "HandshakeRefused",
+    "MemoryRouter",
     "MemorySocket",
     "UnsafeEndpointError",
     "check_listen_endpoint",

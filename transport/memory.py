@@ -1,4 +1,5 @@
-"""An in-memory transport pair for unit tests (as ``trio.testing.memory_stream_pair``).
+"""In-memory transports for tests: a pair (as ``trio.testing.memory_stream_pair``)
+and a ROUTER that many DEALER-like ends connect to.
 
 ``memory_pair()`` returns two ``MemorySocket`` ends with the message-level
 interface of ``AsyncSocket`` (``send_message``, ``recv_message``, plus the raw
@@ -8,12 +9,24 @@ interface of ``AsyncSocket`` (``send_message``, ``recv_message``, plus the raw
 connection; use ``autojump_clock``), ``drop(msg) -> bool`` loses it, and
 ``codec=True`` (the default) sends every message through ``encode``/``decode``
 with payloads copied, so codec bugs and aliasing show up in unit tests.
+
+``MemoryRouter`` is the coordinator's side of a whole world: each
+``connect(identity)`` returns a ``MemorySocket`` (the DEALER a rank holds),
+and the router receives ``(identity, msg)`` from all of them and sends to
+any by identity, as a ZeroMQ ROUTER does. Each connection keeps its own
+order and its own hooks (a delay on one rank's messages holds back only
+that rank's), and the router takes the earliest deliverable message of any
+connection, oldest first, so runs under ``autojump_clock`` are
+deterministic. A closed DEALER is a peer that vanished: what it sent before
+still arrives, and messages to it are dropped, as ZeroMQ drops them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import types
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import trio
@@ -23,7 +36,7 @@ from prism.core.protocol import DEFAULT_MAX_MESSAGE_BYTES, Message, ProtocolErro
 
 from .trio_socket import _Owner
 
-__all__ = ["MemorySocket", "memory_pair"]
+__all__ = ["MemoryRouter", "MemorySocket", "memory_pair"]
 
 #: What travels: frames (a list of bytes) or, with ``codec=False``, the
 #: message object itself.
@@ -197,3 +210,193 @@ def memory_pair(
         b_to_a_send, a_to_b_recv, routed_identity=None, **common
     )
     return a, b
+
+
+class _Connection:
+    """One DEALER's link to a ``MemoryRouter``: what it sent, not yet taken
+    (``inbox``, as ``(deliver_at, order, item)``), and the channel to it."""
+
+    def __init__(self, router: MemoryRouter, identity: bytes,
+                 to_dealer: trio.MemorySendChannel[tuple[float, _Item]],
+                 delay: Callable[[Message], float] | float | None,
+                 drop: Callable[[Message], bool] | None) -> None:
+        self.router = router
+        self.identity = identity
+        self.inbox: deque[tuple[float, int, _Item]] = deque()
+        self.to_dealer = to_dealer
+        self.delay = delay
+        self.drop = drop
+        self.connected = True
+
+    # The DEALER's ``MemorySocket`` sends through these two (its send channel).
+    def send_nowait(self, value: tuple[float, _Item]) -> None:
+        if self.router._closed:
+            raise trio.BrokenResourceError("the MemoryRouter was closed")
+        deliver_at, item = value
+        self.inbox.append((deliver_at, next(self.router._order), item))
+        self.router._wake()
+
+    def close(self) -> None:
+        self.connected = False
+        self.to_dealer.close()
+
+
+class MemoryRouter:
+    """A ROUTER for in-memory DEALERs (see the module docstring). Same
+    message interface as ``AsyncSocket`` on a ROUTER: ``recv_message()``
+    returns ``(identity, msg)``, ``send_message(msg, identity)``.
+
+    ``delay``/``drop``/``codec`` are the defaults of every connection (as in
+    ``memory_pair``); ``connect`` takes its own. Sending to an identity that
+    never connected raises ``ValueError`` (a ROUTER would drop it silently;
+    in a test that is a bug); sending to one that disconnected is dropped.
+    """
+
+    def __init__(
+        self,
+        *,
+        delay: Callable[[Message], float] | float | None = None,
+        drop: Callable[[Message], bool] | None = None,
+        codec: bool = True,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self._delay = delay
+        self._drop = drop
+        self._codec = codec
+        self.max_message_bytes = max_message_bytes
+        self._connections: dict[bytes, _Connection] = {}
+        self._order = itertools.count()
+        self._arrived = trio.Event()
+        self._recv_owner = _Owner("receiving")
+        self._closed = False
+
+    def connect(
+        self,
+        identity: bytes,
+        *,
+        delay: Callable[[Message], float] | float | None = None,
+        drop: Callable[[Message], bool] | None = None,
+    ) -> MemorySocket:
+        """A new DEALER end the router sees as ``identity``; ``delay`` and
+        ``drop`` (default: the router's) apply to this connection, both ways."""
+        if self._closed:
+            raise trio.ClosedResourceError("this MemoryRouter was closed")
+        old = self._connections.get(identity)
+        if old is not None and old.connected:
+            raise ValueError(f"identity {identity!r} is already connected to this MemoryRouter")
+        delay = self._delay if delay is None else delay
+        drop = self._drop if drop is None else drop
+        to_dealer, dealer_inbox = trio.open_memory_channel[tuple[float, _Item]](math.inf)
+        conn = _Connection(self, identity, to_dealer, delay, drop)
+        self._connections[identity] = conn
+        return MemorySocket(conn, dealer_inbox, routed_identity=None, delay=delay, drop=drop,  # type: ignore[arg-type]
+                            codec=self._codec, max_message_bytes=self.max_message_bytes)
+
+    @property
+    def identities(self) -> list[bytes]:
+        """The identities connected now."""
+        return [i for i, c in self._connections.items() if c.connected]
+
+    def _wake(self) -> None:
+        self._arrived.set()
+
+    # --- receiving -------------------------------------------------------
+
+    async def _get(self) -> tuple[bytes, _Item]:
+        while True:
+            if self._closed:
+                raise trio.ClosedResourceError("this MemoryRouter was closed")
+            heads = [(c.inbox[0][0], c.inbox[0][1], c) for c in self._connections.values() if c.inbox]
+            if heads:
+                deliver_at, _, conn = min(heads, key=lambda h: (h[0], h[1]))
+                if deliver_at <= trio.current_time():
+                    await trio.lowlevel.checkpoint()
+                    if conn.inbox and conn.inbox[0][0] <= trio.current_time():
+                        _, _, item = conn.inbox.popleft()
+                        return conn.identity, item
+                    continue
+                wake_at = deliver_at
+            else:
+                wake_at = math.inf
+            self._arrived = trio.Event()
+            with trio.move_on_at(wake_at):
+                await self._arrived.wait()
+
+    async def recv_message(self) -> tuple[bytes, Message]:
+        """The next message of any DEALER and its identity; ``ProtocolError``
+        (with ``identity``) for malformed frames."""
+        with self._recv_owner:
+            identity, item = await self._get()
+        if not isinstance(item, list):
+            return identity, item
+        try:
+            return identity, protocol.decode(item, max_bytes=self.max_message_bytes)
+        except ProtocolError as e:
+            e.identity = identity
+            raise
+
+    async def recv_multipart(self, copy: bool = False) -> list[bytes]:
+        """The next message's frames, the sender's identity first."""
+        with self._recv_owner:
+            identity, item = await self._get()
+        frames = item if isinstance(item, list) else [bytes(f) for f in protocol.encode(item)]
+        return [identity, *frames]
+
+    # --- sending ---------------------------------------------------------
+
+    def _connection(self, identity: bytes | None, what: str) -> _Connection:
+        if self._closed:
+            raise trio.ClosedResourceError("this MemoryRouter was closed")
+        if identity is None:
+            raise ValueError(f"sending {what} on a MemoryRouter needs the peer's identity")
+        conn = self._connections.get(identity)
+        if conn is None:
+            raise ValueError(f"no peer with identity {identity!r} on this MemoryRouter "
+                             f"(connected: {self.identities!r})")
+        return conn
+
+    def _put(self, conn: _Connection, item: _Item, msg: Message | None) -> None:
+        if msg is not None and conn.drop is not None and conn.drop(msg):
+            return
+        delay = 0.0
+        if msg is not None and conn.delay is not None:
+            delay = float(conn.delay(msg)) if callable(conn.delay) else float(conn.delay)
+        try:
+            conn.to_dealer.send_nowait((trio.current_time() + delay, item))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the peer vanished: ZeroMQ drops what goes to it
+
+    def send_message_nowait(self, msg: Message, identity: bytes | None = None) -> None:
+        """Send ``msg`` to the DEALER ``identity`` without yielding."""
+        conn = self._connection(identity, type(msg).__name__)
+        item: _Item = msg
+        if self._codec:
+            item = [bytes(f) for f in protocol.encode(msg, max_bytes=self.max_message_bytes)]
+        self._put(conn, item, msg)
+
+    async def send_message(self, msg: Message, identity: bytes | None = None) -> None:
+        """Send ``msg`` to the DEALER ``identity``."""
+        await trio.lowlevel.checkpoint()
+        self.send_message_nowait(msg, identity)
+
+    async def send_multipart(self, frames: Sequence[object], copy: bool = False) -> None:
+        """Send raw frames, the first the peer's identity (no hooks)."""
+        frames = [bytes(memoryview(f)) for f in frames]  # type: ignore[arg-type]
+        if not frames:
+            raise ValueError("a ROUTER message needs the peer's identity as its first frame")
+        await trio.lowlevel.checkpoint()
+        self._put(self._connection(frames[0], "frames"), frames[1:], None)
+
+    def close(self) -> None:
+        """Close the router; its DEALERs' receives then raise ``BrokenResourceError``."""
+        if not self._closed:
+            self._closed = True
+            for conn in self._connections.values():
+                conn.to_dealer.close()
+            self._wake()
+
+    async def __aenter__(self) -> MemoryRouter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

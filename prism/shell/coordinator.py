@@ -158,7 +158,7 @@ class Participant(Protocol):
 class RankSession:
     """A real rank: a process that said ``Hello`` on the socket as ``identity``."""
 
-    def __init__(self, sock: AsyncSocket, identity: bytes, hello: P.Hello, writer: runfolder.TraceWriter,
+    def __init__(self, sock: RouterSocket, identity: bytes, hello: P.Hello, writer: runfolder.TraceWriter,
                  clock_offset_ns: int) -> None:
         self._sock = sock
         self.identity = identity
@@ -210,6 +210,17 @@ class RankSession:
 
 #: Handles a registered rank's message: (its session, the message, now).
 _MessageHandler = Callable[[RankSession, Any, int], Awaitable[None]]
+
+
+class RouterSocket(Protocol):
+    """What the coordinator serves on: a ZeroMQ ROUTER (``AsyncSocket``) or,
+    in tests, ``transport.memory.MemoryRouter`` (``prism.testing``)."""
+
+    async def recv_message(self) -> tuple[bytes | None, P.Message]: ...
+
+    async def send_message(self, msg: P.Message, identity: bytes | None = None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Processes(Protocol):
@@ -283,7 +294,14 @@ class Coordinator:
     deadlock watchdog names it. ``on_listening(bound_endpoint)`` is called in
     the loop once the socket is bound. ``policy`` decides GPU residency
     (default ``NoSwap``); ``swapper`` carries out its ``SwapOut``/``SwapIn``
-    with the pid from each rank's Hello; None on CPU.
+    with the pid from each rank's Hello; None on CPU. ``router`` (tests:
+    ``transport.memory.MemoryRouter``, see ``prism.testing``) is an open
+    ROUTER-like socket to serve on instead of binding ``endpoint``, which
+    then only names it (``memory://...``: one host, one clock).
+    ``processes`` is the handle of ranks started by the caller (tests: fake
+    processes), watched, killed and reaped as a launch's, but called in the
+    loop, not a worker thread: it must not block (so a virtual clock never
+    jumps while it runs).
     """
 
     def __init__(
@@ -305,6 +323,8 @@ class Coordinator:
         swapper: Swapper | None = None,
         register_stall_s: float | None = None,
         record: PL.RecordPlan | None = None,
+        router: RouterSocket | None = None,
+        processes: Processes | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
@@ -349,8 +369,10 @@ class Coordinator:
         self.by_identity: dict[bytes, int] = {}
         self.colls_done = 0
         self.bound_endpoint = ""
-        self._sock: AsyncSocket | None = None
-        self._processes: Processes | None = None
+        self._router = router
+        self._sock: RouterSocket | None = None
+        self._processes: Processes | None = processes
+        self._processes_inline = processes is not None
         self._result: CaptureResult | None = None
         self._failed: dict[int, str] = {}
         #: Exits seen before the rank's Goodbye was handled: rank -> (code, when).
@@ -411,24 +433,27 @@ class Coordinator:
             if self._processes is not None and result.status == "ok":
                 # Every rank said goodbye; let them finish tearing down (ZeroMQ
                 # flushing, interpreter exit) rather than killing them mid-exit.
-                await trio.to_thread.run_sync(functools.partial(self._processes.wait, timeout=30))
+                await self._call_processes(functools.partial(self._processes.wait, timeout=30))
             return result
         finally:
             if self._processes is not None:
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(self._processes.close)
+                    await self._call_processes(self._processes.close)
 
     async def _serve(self) -> None:
-        sock = AsyncSocket.create(zmq.ROUTER)
+        sock = self._router if self._router is not None else AsyncSocket.create(zmq.ROUTER)
         self._sock = sock
         try:
-            sock.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self.bound_endpoint = sock.bind(self.endpoint, authenticated=self.authenticated)
+            if isinstance(sock, AsyncSocket):
+                sock.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self.bound_endpoint = sock.bind(self.endpoint, authenticated=self.authenticated)
+            else:
+                self.bound_endpoint = self.endpoint
             send, recv = trio.open_memory_channel[Event](math.inf)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read_socket, sock, send.clone())
                 nursery.start_soon(self._tick, send.clone())
-                if self.launch is not None:
+                if self.launch is not None or self._processes is not None:
                     nursery.start_soon(self._launch_and_watch, self.launch, send.clone())
                 send.close()
                 if self.on_listening is not None:
@@ -466,11 +491,12 @@ class Coordinator:
                 await trio.sleep(0.5)
                 await out.send(Tick())
 
-    async def _launch_and_watch(self, launch: Callable[[str], Processes],
+    async def _launch_and_watch(self, launch: Callable[[str], Processes] | None,
                                 out: trio.MemorySendChannel[Event]) -> None:
         async with out:
-            # Starting a world of processes blocks for seconds: not in the loop.
-            self._processes = await trio.to_thread.run_sync(launch, self.bound_endpoint)
+            if self._processes is None:
+                # Starting a world of processes blocks for seconds: not in the loop.
+                self._processes = await trio.to_thread.run_sync(launch, self.bound_endpoint)
             seen: set[int] = set()
             while True:
                 await trio.sleep(0.1)
@@ -478,6 +504,12 @@ class Coordinator:
                     if code is not None and rank not in seen:
                         seen.add(rank)
                         await out.send(RankExited(rank, code))
+
+    async def _call_processes(self, fn: Callable[[], Any]) -> Any:
+        """Call the process handle: a launch's blocks (a worker thread), a given one does not."""
+        if self._processes_inline:
+            return fn()
+        return await trio.to_thread.run_sync(fn)
 
     def _finished(self) -> bool:
         return len(self.ranks) == self.world_size and all(r.done for r in self.ranks.values())
@@ -539,7 +571,7 @@ class Coordinator:
             return
         writer = runfolder.TraceWriter(self.run_dir, hello.rank)
         # On one host (ipc or loopback) the monotonic clocks are the same one.
-        local = self.bound_endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://[::1]"))
+        local = self.bound_endpoint.startswith(("ipc://", "inproc://", "memory://", "tcp://127.", "tcp://[::1]"))
         session = RankSession(self._sock, identity, hello, writer, 0 if local else now - hello.t_ns)
         self.sessions[hello.rank] = session
         self.by_identity[identity] = hello.rank
@@ -809,7 +841,7 @@ class Coordinator:
                 if all(m.done for m in self.ranks.values()):
                     break
         if self._processes is not None:
-            await trio.to_thread.run_sync(self._processes.kill_all)
+            await self._call_processes(self._processes.kill_all)
 
     def _close_traces(self) -> None:
         now = self._now()

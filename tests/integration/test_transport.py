@@ -37,6 +37,7 @@ from transport import (
     CoordinatorError,
     CoordinatorLost,
     HandshakeRefused,
+    MemoryRouter,
     UnsafeEndpointError,
     check_listen_endpoint,
     default_endpoint,
@@ -577,3 +578,72 @@ async def test_memory_pair_busy_and_closed():
         await b.recv_message()
     with pytest.raises(trio.ClosedResourceError):
         await a.send_message(SlotGrant(0))
+
+
+# --- the in-memory router --------------------------------------------------
+
+
+async def test_memory_router_serves_many_dealers_by_identity():
+    router = MemoryRouter()
+    a, b = router.connect(b"a"), router.connect(b"b")
+    payload = bytearray(b"data")
+    await b.send_message(arrive(0, payload))
+    payload[:] = b"XXXX"  # the codec copied it
+    await a.send_message(SlotRequest(0))
+    got = [await router.recv_message() for _ in range(2)]
+    assert [i for i, _ in got] == [b"b", b"a"]  # oldest first, across connections
+    assert bytes(got[0][1].payloads[0]) == b"data" and got[1][1] == SlotRequest(0)
+    await router.send_message(SlotGrant(1), b"b")
+    assert await b.recv_message() == (None, SlotGrant(1))
+    with pytest.raises(ValueError, match="no peer with identity b'c'"):
+        await router.send_message(SlotGrant(0), b"c")
+    with pytest.raises(ValueError, match="already connected"):
+        router.connect(b"a")
+    await a.send_multipart([b"{}"])
+    with pytest.raises(ProtocolError, match="unknown message type None") as info:
+        await router.recv_message()
+    assert info.value.identity == b"a"
+
+
+async def test_memory_router_delays_one_connection_only(autojump_clock):
+    router = MemoryRouter()
+    slow = router.connect(b"slow", delay=lambda m: 5.0 if m.seq == 0 else 0.0)
+    fast = router.connect(b"fast")
+    start = trio.current_time()
+    await slow.send_message(CollectiveResult("g", 0))
+    await slow.send_message(CollectiveResult("g", 1))
+    await fast.send_message(CollectiveResult("g", 2))
+    arrivals = []
+    for _ in range(3):
+        ident, msg = await router.recv_message()
+        arrivals.append((ident, msg.seq, trio.current_time() - start))
+    # The fast peer is not held behind the slow one; the slow one keeps its order.
+    assert arrivals == [(b"fast", 2, 0.0), (b"slow", 0, 5.0), (b"slow", 1, 5.0)]
+    # A message sent while the router waits for a later one wakes it.
+    async with trio.open_nursery() as n:
+        await slow.send_message(CollectiveResult("g", 0))
+        n.start_soon(fast.send_message, CollectiveResult("g", 3))
+        ident, msg = await router.recv_message()
+        assert (ident, msg.seq) == (b"fast", 3)
+
+
+async def test_memory_router_drops_and_vanished_peers(autojump_clock):
+    router = MemoryRouter(drop=lambda m: getattr(m, "seq", 0) == 1)
+    a = router.connect(b"a")
+    for seq in range(3):
+        await a.send_message(CollectiveResult("g", seq))
+    assert [(await router.recv_message())[1].seq for _ in range(2)] == [0, 2]
+    await a.send_message(SlotRequest(0))
+    a.close()  # what it sent before still arrives; what goes to it is lost
+    assert await router.recv_message() == (b"a", SlotRequest(0))
+    await router.send_message(SlotGrant(0), b"a")
+    assert router.identities == []
+    with trio.move_on_after(100) as scope:
+        await router.recv_message()
+    assert scope.cancelled_caught
+    b = router.connect(b"b")
+    router.close()
+    with pytest.raises(trio.BrokenResourceError):
+        await b.recv_message()
+    with pytest.raises(trio.ClosedResourceError):
+        await router.recv_message()

@@ -56,6 +56,8 @@ RULES = {
     "prism.app": None,
     "prism.cli": ("prism.app", "prism.core", "prism.cli", "prism"),
     "prism.validation": None,
+    # the test harness: the real coordinator (shell) around fake ranks
+    "prism.testing": ("prism.core", "prism.shell", "prism.testing", "prism"),
 }
 
 
