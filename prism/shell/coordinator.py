@@ -182,6 +182,8 @@ class RankSession:
         self.status = ""
         self.message = ""
         self.wrote_end = False
+        #: Whether the rank has sent any trace line (its first is its rank_start).
+        self.wrote_any = False
         self.step = -1
 
     @property
@@ -200,6 +202,7 @@ class RankSession:
         """Write trace lines the rank sent, noting its end record and steps."""
         for line in lines:
             line = bytes(line)
+            self.wrote_any = True
             if line.startswith(b'{"k":"rank_end"'):
                 self.wrote_end = True
             elif line.startswith(b'{"k":"iter"'):
@@ -211,6 +214,13 @@ class RankSession:
         self.writer.flush()
 
     def close(self, now: int, stopped: str) -> None:
+        if not self.wrote_any:
+            # Stopped before its first flush (a rank computing or sleeping
+            # since it registered): its rank_start comes from its Hello, so
+            # the file still opens as every rank file must.
+            h = self.hello
+            self.writer.write(T.RankStart(h.rank, h.world_size, h.local_rank, h.pid, h.hostname, h.device, h.device,
+                                          self.clock_offset_ns, h.t_ns))
         if not self.wrote_end:
             status = self.status or "killed"
             self.writer.write(T.RankEnd(now - self.clock_offset_ns,

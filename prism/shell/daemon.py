@@ -54,7 +54,7 @@ import trio
 import zmq
 
 from prism.core import jobs as J
-from transport.endpoints import MAX_IPC_PATH_BYTES, check_listen_endpoint
+from transport.endpoints import MAX_IPC_PATH_BYTES
 
 log = logging.getLogger("prism.shell.daemon")
 

@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from prism.app import daemon as app_daemon
+from prism.app import trace as app_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -64,7 +65,7 @@ def wait_all_ended(state: Path, n: int, timeout: float = 60) -> list[app_daemon.
 
 
 @pytest.mark.slow
-def test_daemon_runs_two_captures_and_a_predict_in_order_and_keeps_them_across_a_restart(tmp_path):
+def test_daemon_runs_captures_and_a_predict_in_order_and_keeps_them_across_sigterm_and_restart(tmp_path):
     state = tmp_path / "state"
     work = tmp_path / "work"
     work.mkdir()
@@ -97,42 +98,25 @@ def test_daemon_runs_two_captures_and_a_predict_in_order_and_keeps_them_across_a
         text = prism("jobs", "--daemon", str(state), cwd=work).stdout
         assert "3 jobs; slots 0/2 busy" in text and "predict c1 --warmup 0" in text
 
+        # A job running when the daemon gets SIGTERM: the capture stops itself (143, not killed),
+        # its trace stays valid, nothing of it is left, and it is interrupted.
+        sleeper = app_daemon.submit(["capture", "-n", "1", "--progress", "off", "--out", "sl", "--",
+                                     str(ROOT / "tests/support/scripts/sleep_worker.py")], daemon=endpoint, cwd=work)
+        deadline = time.monotonic() + 20
+        while "grandchild" not in (log := app_daemon.logs(sleeper.id, daemon=endpoint).text):
+            assert time.monotonic() < deadline, log
+            time.sleep(0.1)
+        grandchild = int(log.split("grandchild ")[1].split()[0])
         assert stop(daemon) == 0
         assert not (state / "daemon.sock").exists()
         daemon, _ = start_daemon(state, "--slots", "2")
         procs.append(daemon)
         again = app_daemon.jobs(daemon=str(state)).jobs
-        assert [(j.id, j.state) for j in again] == [("1", "done"), ("2", "done"), ("3", "done")]
-        assert stop(daemon) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-@pytest.mark.slow
-def test_a_running_job_is_interrupted_by_sigterm_and_stays_so_after_restart(tmp_path):
-    state = tmp_path / "state"
-    procs = []
-    try:
-        daemon, _ = start_daemon(state, "--slots", "1")
-        procs.append(daemon)
-        sleeper = app_daemon.submit(["capture", "-n", "1", "--progress", "off", "--", str(ROOT / "tests/support/scripts/sleep_worker.py")],
-                                    daemon=str(state), cwd=tmp_path)
-        queued = app_daemon.submit(["predict", "nowhere"], daemon=str(state), cwd=tmp_path)
-        deadline = time.monotonic() + 20
-        while app_daemon.jobs(sleeper.id, daemon=str(state)).jobs[0].state != "running":
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        assert app_daemon.jobs(queued.id, daemon=str(state)).jobs[0].state == "queued"
-        assert stop(daemon) == 0
-        daemon, _ = start_daemon(state, "--slots", "1")
-        procs.append(daemon)
-        jobs = wait_all_ended(state, 2)
-        assert jobs[0].state == "interrupted" and "the daemon stopped while it ran" in jobs[0].message
-        # The queued job ran after the restart (and failed: there is no run "nowhere").
-        assert jobs[1].state == "failed" and jobs[1].exit_code == 2
+        assert [(j.id, j.state) for j in again] == [("1", "done"), ("2", "done"), ("3", "done"), ("4", "interrupted")]
+        assert again[3].exit_code == 143 and "the daemon stopped while it ran" in again[3].message
+        check = app_trace.validate(app_trace.read(work / "sl"))
+        assert check.ok, check.text()
+        assert not Path(f"/proc/{grandchild}").exists() or Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z"
         assert stop(daemon) == 0
     finally:
         for p in procs:
