@@ -1,9 +1,10 @@
 """Where the coordinator listens, and where it must not.
 
-Until CURVE authentication arrives (service issue), anyone who can reach the
-coordinator's socket can inject tensors into a run or shut it down. So Prism
-listens only on ``ipc://`` (a file with the run directory's permissions) or
-TCP on a loopback address, unless the caller says authentication is on.
+Without authentication, anyone who can reach a coordinator's socket can
+inject tensors into a run or shut it down. So Prism listens only on ``ipc://``
+(a file with the run directory's permissions) or TCP on a loopback address,
+unless the caller says authentication is on: the job daemon (``prism
+coordinator --daemon --keys DIR``) listens beyond loopback with ZeroMQ CURVE.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def check_listen_endpoint(endpoint: str, *, authenticated: bool = False) -> None
             return
         raise UnsafeEndpointError(
             f"refusing to listen on {endpoint}: Prism listens only on ipc:// or loopback "
-            "tcp:// unless authentication is configured (CURVE authentication arrives "
-            "with the service issue); use ipc:// or tcp://127.0.0.1:PORT"
+            "tcp:// unless CURVE authentication is on (the job daemon with --keys DIR from "
+            "`prism keys DIR`); use ipc:// or tcp://127.0.0.1:PORT"
         )
     host, colon, port = rest.rpartition(":")
     if not colon or not host or not port:
@@ -93,8 +94,8 @@ def check_listen_endpoint(endpoint: str, *, authenticated: bool = False) -> None
         return
     raise UnsafeEndpointError(
         f"refusing to listen on {endpoint}: Prism listens only on ipc:// or loopback "
-        "unless authentication is configured (CURVE authentication arrives with the "
-        "service issue); use ipc:// or tcp://127.0.0.1:PORT"
+        "unless CURVE authentication is on (the job daemon with --keys DIR from "
+        "`prism keys DIR`); use ipc:// or tcp://127.0.0.1:PORT"
     )
 
 

@@ -304,7 +304,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         show_ranks = ()
     import trio
 
-    from prism.shell.coordinator import Coordinator, Progress
+    from prism.shell.coordinator import Coordinator, Progress, default_stop_signals
     from prism.shell.launcher import launch_ranks
     from transport.endpoints import default_endpoint
 
@@ -343,7 +343,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
                                                              show_ranks=show_ranks, env=env),
                         policy=gpu.policy if gpu is not None else None,
                         swapper=gpu.executor if gpu is not None else None, record=record,
-                        small_tensor_limit=small_tensor_limit)
+                        small_tensor_limit=small_tensor_limit, stop_signals=default_stop_signals())
     from prism.shell.telemetry import GpuSampler
 
     sampler = GpuSampler(run_dir, gpu.gpus if gpu is not None and not gpu.simulated else None)
@@ -376,13 +376,21 @@ def serve_coordinator(run_dir: str | os.PathLike[str], world_size: int, endpoint
     called once it listens."""
     import trio
 
-    from prism.shell.coordinator import Coordinator, Progress
+    from prism.shell.coordinator import Coordinator, Progress, default_stop_signals
+    from transport.endpoints import UnsafeEndpointError, check_listen_endpoint
 
+    # Checked before anything is made or started, so a refused endpoint is
+    # one line of error, not a traceback out of the event loop.
+    try:
+        check_listen_endpoint(endpoint)
+    except UnsafeEndpointError as e:
+        raise UsageError(str(e)) from None
     run_dir = Path(run_dir)
     slots = slots or os.cpu_count() or 1
     runfolder.make_run_dir(run_dir)
     runfolder.write_manifest(run_dir, manifest_for(run_dir, world_size, [], slots, "cpu"))
     coord = Coordinator(run_dir, world_size, slots=slots, endpoint=endpoint, quiet_s=quiet_s,
-                        progress=Progress(world_size, mode=progress), on_listening=on_listening)
+                        progress=Progress(world_size, mode=progress), on_listening=on_listening,
+                        stop_signals=default_stop_signals())
     result = trio.run(coord.run)
     return CaptureOutcome(run_dir, result.exit_code, result, world_size=world_size)

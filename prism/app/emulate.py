@@ -240,7 +240,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     from prism.core.timeline import Timeline, chrome_trace
     from prism.core.replay import ReplayResult
     from prism.shell import runfolder
-    from prism.shell.coordinator import Progress
+    from prism.shell.coordinator import Progress, default_stop_signals
     from prism.shell.emulator import LEAD_NS, Emulator, Recording
     from prism.shell.launcher import launch_ranks
     from transport.endpoints import default_endpoint
@@ -342,7 +342,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     emu = Emulator(out, engine, endpoint=default_endpoint(out), recordings=recordings, quiet_s=config.quiet_s,
                    progress=Progress(len(sandbox), mode=config.progress), first_call_ns=first_call,
                    launch=lambda endpoint: launch_ranks(world, endpoint, out, cmd, show_ranks=show, ranks=sandbox,
-                                                       env=env))
+                                                       env=env),
+                   stop_signals=default_stop_signals())
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     # What setup made lives as long as the emulation: out of the collector's
     # sight, so a full collection does not walk the graph's groups and the

@@ -1,7 +1,7 @@
 """``python -m prism``: the command line, the only importer of ``prism.cli.*``.
 
 Each command module (``prism.cli.capture``, ``predict``, ``trace``,
-``report``, ``netprofile``) parses its arguments, calls the library
+``report``, ``netprofile``, ``daemon``) parses its arguments, calls the library
 (``prism.app``) and prints the result. Each command is registered in
 ``_COMMANDS``. A command whose issue has not
 landed yet is listed with the issue that brings it and refuses to run (exit
@@ -79,6 +79,30 @@ def _build_run(p: argparse.ArgumentParser) -> None:
     emulate.add_run_arguments(p)
 
 
+def _build_submit(p: argparse.ArgumentParser) -> None:
+    from prism.cli import daemon
+
+    daemon.add_submit_arguments(p)
+
+
+def _build_jobs(p: argparse.ArgumentParser) -> None:
+    from prism.cli import daemon
+
+    daemon.add_jobs_arguments(p)
+
+
+def _build_cancel(p: argparse.ArgumentParser) -> None:
+    from prism.cli import daemon
+
+    daemon.add_cancel_arguments(p)
+
+
+def _build_keys(p: argparse.ArgumentParser) -> None:
+    from prism.cli import daemon
+
+    daemon.add_keys_arguments(p)
+
+
 def _build_report(p: argparse.ArgumentParser) -> None:
     from prism.cli import report
 
@@ -88,7 +112,13 @@ def _build_report(p: argparse.ArgumentParser) -> None:
 _COMMANDS: tuple[_Command, ...] = (
     _Command("demo", "capture the bundled GPT at world 16 on CPU and summarise it", build=_build_demo),
     _Command("capture", "run an unmodified torch.distributed script as N logical ranks and record its trace", build=_build_capture),
-    _Command("coordinator", "run a standalone coordinator for one capture", build=_build_coordinator),
+    _Command("coordinator", "run a standalone coordinator for one capture, or (--daemon) the job daemon",
+             build=_build_coordinator),
+    _Command("submit", "queue a job (capture, predict, emulate, calibrate, campaign) on the job daemon",
+             build=_build_submit),
+    _Command("jobs", "list the job daemon's jobs: status, progress, logs (--json for scripts)", build=_build_jobs),
+    _Command("cancel", "cancel a queued or running job of the job daemon", build=_build_cancel),
+    _Command("keys", "write CURVE keypairs for the job daemon and a client", build=_build_keys),
     _Command("trace", "inspect a PrismTrace run: summary, validate", build=_build_trace),
     _Command("predict", "predict iteration time and breakdown from a captured run", build=_build_predict),
     _Command("calibrate", "run the ranks slice by slice against the bare graph and store their measured durations",

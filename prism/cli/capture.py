@@ -103,13 +103,19 @@ def add_capture_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", required=True, metavar="ENDPOINT",
-                   help="ipc://PATH or tcp://127.0.0.1:PORT")
-    p.add_argument("--world-size", "-n", type=_positive("--world-size"), required=True)
+    from prism.cli import daemon
+
+    p.add_argument("--listen", default=None, metavar="ENDPOINT",
+                   help="ipc://PATH or tcp://127.0.0.1:PORT (required for one capture; the daemon's default is "
+                        "ipc://STATE/daemon.sock)")
+    p.add_argument("--world-size", "-n", type=_positive("--world-size"), default=None,
+                   help="ranks of the one capture (required without --daemon)")
     p.add_argument("--out", "-o", default=None, help="run directory (default runs/capture-TIMESTAMP)")
-    p.add_argument("--slots", type=_positive("--slots"), default=None)
+    p.add_argument("--slots", type=_positive("--slots"), default=None,
+                   help="ranks that may compute at once (the daemon: slots it owns); default the number of cores")
     p.add_argument("--quiet-period", type=float, default=30.0, metavar="S")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
+    daemon.add_daemon_arguments(p)
     p.set_defaults(func=run_coordinator)
 
 
@@ -149,15 +155,36 @@ def _captured(plan) -> int:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
+    if args.daemon:
+        from prism.cli import daemon
+
+        if args.world_size is not None or args.out is not None:
+            print("prism coordinator: error: --world-size and --out are for one capture; the daemon takes jobs "
+                  "(`prism submit -- capture -n N --out RUN -- train.py`)", file=sys.stderr)
+            return 2
+        return daemon.run_daemon(args)
+    daemon_only = [f"--{n}" for n in ("state", "gpus", "keys") if getattr(args, n) is not None]
+    if daemon_only:
+        print(f"prism coordinator: error: {', '.join(daemon_only)} belong to the job daemon: add --daemon",
+              file=sys.stderr)
+        return 2
+    if args.listen is None or args.world_size is None:
+        print("prism coordinator: error: one capture's coordinator needs --listen ENDPOINT and --world-size N "
+              "(or run the job daemon: --daemon)", file=sys.stderr)
+        return 2
     run_dir = Path(args.out) if args.out else app_capture.default_out("capture")
 
     def listening(endpoint: str) -> None:
         print(f"prism coordinator: listening on {endpoint} for {args.world_size} ranks; "
               f"recording into {run_dir}", file=sys.stderr, flush=True)
 
-    outcome = app_capture.serve_coordinator(run_dir, args.world_size, args.listen, slots=args.slots,
-                                            quiet_s=args.quiet_period, progress=args.progress,
-                                            on_listening=listening)
+    try:
+        outcome = app_capture.serve_coordinator(run_dir, args.world_size, args.listen, slots=args.slots,
+                                                quiet_s=args.quiet_period, progress=args.progress,
+                                                on_listening=listening)
+    except PrismError as e:
+        print(f"prism coordinator: error: {e}", file=sys.stderr)
+        return e.exit_code
     print(outcome.text(), file=sys.stderr)
     return outcome.exit_code
 

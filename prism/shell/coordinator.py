@@ -65,12 +65,16 @@ EXIT_GRACE_NS = 3_000_000_000
 #: Exit status of a capture a rank ended by running out of GPU memory (1 is
 #: every other failure, 2 bad arguments).
 EXIT_OOM = 3
+#: Exit status of a run stopped by a signal (``stop_signals``): 128 + SIGTERM,
+#: as a shell reports a process that SIGTERM ended.
+EXIT_INTERRUPTED = 143
 
 
 @dataclass(frozen=True, slots=True)
 class CaptureResult:
     """How a capture ended. ``status`` is "ok", "mismatch", "deadlock", "oom"
-    (exit code ``EXIT_OOM``), "rank_failed", "swap_failed", "invalid" or
+    (exit code ``EXIT_OOM``), "rank_failed", "swap_failed", "invalid",
+    "interrupted" (a stop signal, exit code ``EXIT_INTERRUPTED``) or
     "internal"; ``exit_code`` is non-zero unless ok."""
 
     status: str
@@ -115,7 +119,14 @@ class Tick:
     rescues, exits waiting for their Goodbye."""
 
 
-Event = Received | Malformed | RankExited | Tick
+@dataclass(frozen=True, slots=True)
+class Interrupted:
+    """This process received ``signum`` (one of ``stop_signals``)."""
+
+    signum: int
+
+
+Event = Received | Malformed | RankExited | Tick | Interrupted
 
 
 # --- participants -----------------------------------------------------------------
@@ -171,6 +182,8 @@ class RankSession:
         self.status = ""
         self.message = ""
         self.wrote_end = False
+        #: Whether the rank has sent any trace line (its first is its rank_start).
+        self.wrote_any = False
         self.step = -1
 
     @property
@@ -189,6 +202,7 @@ class RankSession:
         """Write trace lines the rank sent, noting its end record and steps."""
         for line in lines:
             line = bytes(line)
+            self.wrote_any = True
             if line.startswith(b'{"k":"rank_end"'):
                 self.wrote_end = True
             elif line.startswith(b'{"k":"iter"'):
@@ -200,6 +214,13 @@ class RankSession:
         self.writer.flush()
 
     def close(self, now: int, stopped: str) -> None:
+        if not self.wrote_any:
+            # Stopped before its first flush (a rank computing or sleeping
+            # since it registered): its rank_start comes from its Hello, so
+            # the file still opens as every rank file must.
+            h = self.hello
+            self.writer.write(T.RankStart(h.rank, h.world_size, h.local_rank, h.pid, h.hostname, h.device, h.device,
+                                          self.clock_offset_ns, h.t_ns))
         if not self.wrote_end:
             status = self.status or "killed"
             self.writer.write(T.RankEnd(now - self.clock_offset_ns,
@@ -325,6 +346,7 @@ class Coordinator:
         record: PL.RecordPlan | None = None,
         router: RouterSocket | None = None,
         processes: Processes | None = None,
+        stop_signals: Sequence[int] = (),
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
@@ -345,6 +367,10 @@ class Coordinator:
         self.on_listening = on_listening
         self.progress = progress
         self.authenticated = authenticated
+        #: Signals that stop the run as a failure would (SIGTERM from ``prism
+        #: cancel`` or a daemon stopping): every rank is told, flushes its
+        #: trace and is killed; the trace stays valid. Main thread only (trio).
+        self.stop_signals = tuple(stop_signals)
         #: An emulation's coordinator (``prism.shell.emulator``): ranks keep a dilated clock.
         self.hybrid = False
         #: What this coordinator serves, in messages to the ranks, and what it calls a rank in its reports.
@@ -388,6 +414,7 @@ class Coordinator:
             Malformed: self._on_malformed,
             RankExited: self._on_exit,
             Tick: self._on_tick,
+            Interrupted: self._on_interrupted,
         }
         #: Messages a registered rank may send (Hello is the one that comes before a session).
         self._message_handlers: dict[type, _MessageHandler] = {
@@ -453,6 +480,8 @@ class Coordinator:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read_socket, sock, send.clone())
                 nursery.start_soon(self._tick, send.clone())
+                if self.stop_signals:
+                    nursery.start_soon(self._watch_signals, send.clone())
                 if self.launch is not None or self._processes is not None:
                     nursery.start_soon(self._launch_and_watch, self.launch, send.clone())
                 send.close()
@@ -490,6 +519,12 @@ class Coordinator:
             while True:
                 await trio.sleep(0.5)
                 await out.send(Tick())
+
+    async def _watch_signals(self, out: trio.MemorySendChannel[Event]) -> None:
+        async with out:
+            with trio.open_signal_receiver(*self.stop_signals) as signals:
+                async for signum in signals:
+                    await out.send(Interrupted(signum))
 
     async def _launch_and_watch(self, launch: Callable[[str], Processes] | None,
                                 out: trio.MemorySendChannel[Event]) -> None:
@@ -824,6 +859,15 @@ class Coordinator:
 
     # --- stopping -------------------------------------------------------------------
 
+    async def _on_interrupted(self, ev: Interrupted, now: int) -> None:
+        import signal
+
+        try:
+            name = signal.Signals(ev.signum).name
+        except ValueError:
+            name = f"signal {ev.signum}"
+        self._fail("interrupted", f"{self.what} stopped by {name} (the trace so far is kept)", EXIT_INTERRUPTED)
+
     def _fail(self, status: str, message: str, code: int) -> None:
         if self._result is None:
             self._result = CaptureResult(status, message, code)
@@ -849,6 +893,16 @@ class Coordinator:
         for member in self.ranks.values():
             member.close(now, stopped)
         self._close_payloads()
+
+
+def default_stop_signals() -> tuple[int, ...]:
+    """``(SIGTERM,)`` when called on the main thread (where trio can catch
+    signals), else none: what a command's coordinator stops cleanly on, so
+    ``kill -TERM`` (``prism cancel``, a daemon stopping) keeps the trace valid."""
+    import signal
+    import threading
+
+    return (signal.SIGTERM,) if threading.current_thread() is threading.main_thread() else ()
 
 
 def _raise_open_files_limit(world_size: int) -> None:

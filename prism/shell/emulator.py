@@ -45,7 +45,7 @@ import dataclasses
 import heapq
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,9 +128,10 @@ class Emulator(Coordinator):
                  recordings: Mapping[int, Recording] | None = None,
                  launch: Callable[[str], Processes] | None = None, quiet_s: float = 30.0,
                  grace_s: float = 3.0, progress: Progress | None = None,
-                 first_call_ns: Mapping[int, int] | None = None) -> None:
+                 first_call_ns: Mapping[int, int] | None = None, stop_signals: Sequence[int] = ()) -> None:
         super().__init__(run_dir, engine.graph.world_size, slots=max(len(engine.sandbox), 1), endpoint=endpoint,
-                         quiet_s=quiet_s, grace_s=grace_s, launch=launch, progress=progress)
+                         quiet_s=quiet_s, grace_s=grace_s, launch=launch, progress=progress,
+                         stop_signals=stop_signals)
         self.hybrid = True
         self.what = "emulation"
         self.rank_word = "sandbox rank"

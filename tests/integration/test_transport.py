@@ -449,8 +449,8 @@ def test_listening_beyond_loopback_is_refused(endpoint):
     with pytest.raises(
         UnsafeEndpointError,
         match=rf"refusing to listen on {re.escape(endpoint)}: "
-        r"Prism listens only on ipc:// or loopback .*CURVE authentication arrives with the "
-        r"service issue.*use ipc:// or tcp://127.0.0.1:PORT",
+        r"Prism listens only on ipc:// or loopback .*CURVE authentication is on .*"
+        r"`prism keys DIR`.*use ipc:// or tcp://127.0.0.1:PORT",
     ):
         check_listen_endpoint(endpoint)
     check_listen_endpoint(endpoint, authenticated=True)

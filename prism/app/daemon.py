@@ -1,0 +1,175 @@
+"""The job daemon's library API: serve a daemon, and submit, list, cancel
+and read jobs of one (``prism coordinator --daemon``, ``prism submit``,
+``prism jobs``, ``prism cancel``, ``prism keys``).
+
+The service and the wire live in ``prism.shell.daemon`` over the sans-IO
+``prism.core.jobs``; here each function takes plain arguments or a config
+and returns a result (``Job``, ``JobList``, ``LogText``, ``KeyFiles``), and a
+problem the caller can fix raises ``DaemonError`` (a ``PrismError``, exit
+status 1; ``UsageError`` for bad options): no daemon answers, the daemon
+wants CURVE keys or refused them, it refused the request.
+
+Where the client finds the daemon (``daemon=``): an endpoint
+(``ipc://...``, ``tcp://HOST:PORT``) or a state directory whose
+``daemon.json`` names it; else ``$PRISM_DAEMON``; else the default state
+directory (``$PRISM_STATE`` or ``~/.cache/prism/daemon``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from prism.app.errors import PrismError, UsageError
+from prism.core import jobs as J
+from prism.core.jobs import Job, JobList, LogText
+from prism.shell import daemon as D
+from prism.shell.daemon import KeyFiles
+
+__all__ = [
+    "DaemonConfig", "DaemonError", "Job", "JobList", "KeyFiles", "LogText", "cancel", "jobs", "logs",
+    "make_keys", "serve", "submit",
+]
+
+
+class DaemonError(PrismError):
+    """No daemon answers, it refused the handshake or the request (exit status 1)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """``prism coordinator --daemon``: ``state`` holds the job records and
+    logs (None: ``$PRISM_STATE`` or ``~/.cache/prism/daemon``); ``listen`` the
+    endpoint (None: ``ipc://STATE/daemon.sock``; beyond loopback only with
+    ``keys``); ``slots`` the slots it owns (None: the number of cores);
+    ``gpus`` the GPUs it owns ("0,1"; None: none); ``keys`` a directory made
+    by ``make_keys`` (CURVE on); ``grace_s`` how long a job has after SIGTERM."""
+
+    state: str | os.PathLike[str] | None = None
+    listen: str | None = None
+    slots: int | None = None
+    gpus: str | None = None
+    keys: str | os.PathLike[str] | None = None
+    grace_s: float = D.DEFAULT_GRACE_S
+
+
+def _gpus(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        gpus = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise UsageError(f"--gpus {text!r}: give GPU indices like 0 or 0,1") from None
+    if any(g < 0 for g in gpus):
+        raise UsageError(f"--gpus {text!r}: GPU indices are 0 or more")
+    return gpus
+
+
+def service_config(config: DaemonConfig) -> D.ServiceConfig:
+    """The shell's configuration for ``config``, checked (``UsageError``)."""
+    from transport.endpoints import UnsafeEndpointError, check_listen_endpoint
+
+    state = Path(config.state) if config.state is not None else D.default_state_dir()
+    slots = config.slots if config.slots is not None else (os.cpu_count() or 1)
+    if slots < 1:
+        raise UsageError(f"--slots {slots}: the daemon needs at least 1 slot")
+    if config.grace_s < 0:
+        raise UsageError(f"grace period {config.grace_s}: must be 0 or more seconds")
+    keys = Path(config.keys) if config.keys is not None else None
+    if keys is not None and not (keys / D.SERVER_SECRET).is_file():
+        raise UsageError(f"--keys {keys}: no {D.SERVER_SECRET} there; make keys with `prism keys {keys}`")
+    try:
+        endpoint = config.listen or D.default_daemon_endpoint(state)
+    except D.DaemonError as e:
+        raise UsageError(str(e)) from None
+    try:
+        check_listen_endpoint(endpoint, authenticated=keys is not None)
+    except UnsafeEndpointError as e:
+        raise UsageError(str(e)) from None
+    return D.ServiceConfig(state, endpoint, J.Capacity(slots, _gpus(config.gpus)), keys, config.grace_s)
+
+
+def serve(config: DaemonConfig, *, on_listening: Callable[[str], None] | None = None,
+          on_note: Callable[[str], None] | None = None) -> None:
+    """Run the daemon until SIGTERM or SIGINT (then its running jobs are
+    stopped and marked interrupted); ``on_listening(endpoint)`` once it
+    listens, ``on_note(text)`` for what it has to say (a record it skipped,
+    a leftover it killed)."""
+    import trio
+
+    service = service_config(config)
+    try:
+        trio.run(D.Daemon(service, on_listening=on_listening, on_note=on_note).run)
+    except D.DaemonError as e:
+        raise DaemonError(str(e)) from None
+
+
+def _request(msg: object, daemon: str | None, keys: str | os.PathLike[str] | None, timeout_s: float) -> object:
+    try:
+        endpoint = D.resolve_endpoint(daemon)
+        reply = D.request(endpoint, msg, keys=Path(keys) if keys is not None else None, timeout_s=timeout_s)
+    except D.DaemonError as e:
+        raise DaemonError(str(e)) from None
+    if isinstance(reply, J.Refused):
+        raise DaemonError(reply.message)
+    return reply
+
+
+def submit(command: Sequence[str], *, daemon: str | None = None, keys: str | os.PathLike[str] | None = None,
+           name: str = "", after: Sequence[str] = (), cwd: str | os.PathLike[str] | None = None,
+           timeout_s: float = 10.0) -> Job:
+    """Queue ``python -m prism COMMAND...`` (``command[0]`` one of
+    ``prism.core.jobs.JOB_KINDS``) to run in ``cwd`` (default: here) once the
+    jobs ``after`` are done; returns its record (state ``queued``)."""
+    command = list(command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("give the command to run after --, e.g. `prism submit -- capture -n 4 -- train.py`")
+    if command[0] not in J.JOB_KINDS:
+        raise UsageError(f"{command[0]!r} is not a job: submit one of {', '.join(J.JOB_KINDS)}")
+    where = os.path.abspath(cwd if cwd is not None else os.getcwd())
+    reply = _request(J.Submit(command[0], tuple(command[1:]), where, name, tuple(after)), daemon, keys, timeout_s)
+    assert isinstance(reply, J.Submitted)
+    return reply.job
+
+
+def jobs(job_id: str = "", *, daemon: str | None = None, keys: str | os.PathLike[str] | None = None,
+         timeout_s: float = 10.0) -> JobList:
+    """Every job the daemon knows, in submission order (or the one ``job_id``),
+    with the slots it owns and holds."""
+    reply = _request(J.Jobs(job_id), daemon, keys, timeout_s)
+    assert isinstance(reply, J.JobList)
+    return reply
+
+
+def cancel(job_id: str, *, daemon: str | None = None, keys: str | os.PathLike[str] | None = None,
+           timeout_s: float = 10.0) -> Job:
+    """Cancel ``job_id``: a queued job is dropped; a running one gets SIGTERM
+    (its trace is kept valid), SIGKILL after the daemon's grace period. The
+    record returned is the job as the daemon holds it now (a running job
+    becomes ``cancelled`` once it has stopped)."""
+    reply = _request(J.Cancel(job_id), daemon, keys, timeout_s)
+    assert isinstance(reply, J.JobList)
+    return reply.jobs[0]
+
+
+def logs(job_id: str, *, max_bytes: int = 1 << 20, daemon: str | None = None,
+         keys: str | os.PathLike[str] | None = None, timeout_s: float = 10.0) -> LogText:
+    """The last ``max_bytes`` of ``job_id``'s log (its stdout and stderr)."""
+    reply = _request(J.Logs(job_id, max_bytes), daemon, keys, timeout_s)
+    assert isinstance(reply, J.LogText)
+    return reply
+
+
+def make_keys(directory: str | os.PathLike[str]) -> KeyFiles:
+    """Write the daemon's and a client's CURVE keypairs into ``directory``
+    (``prism.shell.daemon.make_keys`` says which file goes where)."""
+    try:
+        return D.make_keys(directory)
+    except D.DaemonError as e:
+        raise UsageError(str(e)) from None
