@@ -124,6 +124,9 @@ def predict(config: PredictConfig) -> Prediction:
     except ValueError as e:  # ScaleOutError is one
         raise UsageError(str(e)) from None
     ranks = load_run_events(run)
+    if not ranks:
+        raise InconsistentTraceError(f"nothing to predict in {run}: it has no rank files ({run}/ranks is empty); "
+                                     "the capture stopped before any rank wrote its trace: see its logs/")
     ranks, missing = _complete_steps(run, ranks)
     from prism.app.calibrate import calibrated_events
 

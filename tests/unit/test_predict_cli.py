@@ -52,3 +52,10 @@ def test_predict_on_a_folder_that_is_no_run_says_which(tmp_path, capsys):
     assert cli.main(["predict", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"prism predict: cannot read run {tmp_path / 'nothing'}") and "Traceback" not in err
+
+
+def test_predict_on_a_run_without_rank_files_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(app_predict, "load_run_events", lambda run: {})
+    assert cli.main(["predict", "RUN", "--net", "zero"]) == 1
+    err = capsys.readouterr().err
+    assert "nothing to predict in RUN: it has no rank files" in err and "Traceback" not in err
