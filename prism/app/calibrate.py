@@ -43,6 +43,7 @@ from prism.core.calibration import (
     apply_calibration,
     expand_classes,
     measured_durations,
+    pack_slices,
     plan_slices,
     symmetric_plan,
     symmetry_classes,
@@ -75,6 +76,9 @@ class CalibrateConfig:
     run: str | os.PathLike[str]
     slices: str = "auto"
     symmetric: bool = False
+    #: Run slices together, as many as fit ``cores`` (``pack_slices``): the
+    #: machine loaded as in the job instead of idle around one slice.
+    pack: bool = False
     name: str | None = None
     net: str | None = None
     cores: int | None = None
@@ -91,7 +95,7 @@ class CalibrationResult:
     def text(self) -> str:
         m = self.manifest
         lines = [f"calibrated {m['run']} (world {m['world_size']}) with {len(m['slices'])} slice(s) "
-                 f"({m['slice_mode']}{', symmetric' if m['symmetric'] else ''}), {m['cores']} cores per slice at most:"]
+                 f"({m['slice_mode']}{', symmetric' if m['symmetric'] else ''}{', packed' if m.get('packed') else ''}), {m['cores']} cores per slice at most:"]
         for k, s in enumerate(m["slices"]):
             lines.append(f"  slice {k}: ranks {','.join(map(str, s))}  ({m['emulations'][k]}, "
                          f"{m['slice_wall_s'][k]:.1f} s)")
@@ -175,6 +179,8 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
                 raise CalibrationError("--symmetric needs the run's layout to know which ranks are equivalent; the "
                                        "manifest has none: pass --layout tp=T,pp=P,dp=D")
             slices, rep_of = symmetric_plan(slices, symmetry_classes(world, layout))
+        if config.pack:
+            slices = pack_slices(slices, cores)
     except CalibrationError as e:
         raise UsageError(str(e)) from None
     name = config.name or time.strftime("%Y%m%d-%H%M%S")
@@ -237,7 +243,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
         "name": name, "run": str(run), "world_size": world, "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                          time.gmtime()),
         "slice_mode": config.slices, "slices": [list(s) for s in slices], "cores": cores,
-        "symmetric": config.symmetric, "classes": classes, "emulations": emu_names,
+        "symmetric": config.symmetric, "packed": config.pack, "classes": classes, "emulations": emu_names,
         "slice_wall_s": walls, "uncalibrated_ranks": uncal, "per_rank": per_rank,
         "rule": "one-clock (CPU-timed) compute segments take the slice's measurement; segments the capture timed "
                 "with two clocks (GPU) keep the capture's timing",

@@ -18,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--symmetric", action="store_true",
                    help="run one slice per class of equivalent ranks (same TP rank, PP stage, EP rank) and copy "
                         "its durations to the class")
+    p.add_argument("--pack", action="store_true",
+                   help="run slices together, as many as --cores holds, so the machine is as loaded as in the "
+                        "job (an idle machine computes faster than a full one)")
     p.add_argument("--name", default=None, help="stored in RUN/calibration/NAME (default: the date and time)")
     p.add_argument("--net", default=None, metavar="PROFILE", help="cost profile, as for `prism predict`")
     p.add_argument("--cores", type=int, default=None,
@@ -32,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from prism.app.calibrate import CalibrateConfig, calibrate
 
-    config = CalibrateConfig(run=args.run, slices=args.slices, symmetric=args.symmetric, name=args.name,
+    config = CalibrateConfig(run=args.run, slices=args.slices, symmetric=args.symmetric, pack=args.pack,
+                             name=args.name,
                              net=args.net, cores=args.cores, layout=args.layout, warmup=args.warmup)
     try:
         result = calibrate(config)

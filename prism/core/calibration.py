@@ -41,7 +41,7 @@ from prism.core.graph import program_order
 from prism.core.scaleout import Layout
 from prism.core.trace import P2P, Collective, Compute, Event, Iteration
 
-__all__ = ["CalibrationError", "SLICE_MODES", "plan_slices", "symmetry_classes", "symmetric_plan",
+__all__ = ["CalibrationError", "SLICE_MODES", "plan_slices", "pack_slices", "symmetry_classes", "symmetric_plan",
            "Measured", "measured_durations", "expand_classes", "apply_calibration"]
 
 #: Named ways to cut a run into slices (besides explicit ``"0,1;2,3"``).
@@ -131,6 +131,30 @@ def plan_slices(world: int, spec: str, *, cores: int, layout: Layout | None = No
                                    "machine (one core per sandbox rank, so its timing is not polluted); choose "
                                    "smaller slices (--slices pairs or explicit ones)")
     return tuple(slices)
+
+
+def pack_slices(slices: Sequence[Sequence[int]], cores: int) -> tuple[tuple[int, ...], ...]:
+    """Slices run together: consecutive slices merged while the merged one
+    holds at most ``cores`` ranks (each slice kept whole, order kept).
+
+    One slice alone leaves the rest of the machine idle, and an idle machine
+    computes faster than a full one (a CPU's turbo clock and its shared caches
+    and memory bandwidth; a GPU node's power and PCIe share): packed, the
+    slices' ranks load the machine as the job's ranks did, one core each."""
+    if cores < 1:
+        raise CalibrationError(f"cores must be >= 1, got {cores}")
+    out: list[tuple[int, ...]] = []
+    cur: list[int] = []
+    for s in slices:
+        if len(s) > cores:
+            raise CalibrationError(f"slice {','.join(map(str, s))} has {len(s)} ranks but only {cores} fit")
+        if cur and len(cur) + len(s) > cores:
+            out.append(tuple(sorted(cur)))
+            cur = []
+        cur.extend(s)
+    if cur:
+        out.append(tuple(sorted(cur)))
+    return tuple(out)
 
 
 def symmetry_classes(world: int, layout: Layout | None) -> tuple[tuple[int, ...], ...]:

@@ -232,3 +232,16 @@ def test_calibration_off_leaves_the_events_and_a_missing_one_is_named(tiny_run):
     with pytest.raises(UsageError, match=r"--calibration 'nope': no such calibration"):
         calibrated_events(tiny_run, events, "nope")
 
+
+
+def test_pack_slices_merges_whole_slices_up_to_the_cores():
+    from prism.core.calibration import pack_slices
+
+    tp = ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert pack_slices(tp, 4) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert pack_slices(tp, 5) == ((0, 1, 2, 3), (4, 5, 6, 7))  # a slice is never split
+    assert pack_slices(tp, 8) == ((0, 1, 2, 3, 4, 5, 6, 7),)
+    assert pack_slices(tp, 2) == tp
+    assert pack_slices(((0, 4), (1, 5, 2)), 3) == ((0, 4), (1, 2, 5))
+    with pytest.raises(CalibrationError, match="slice 1,5,2 has 3 ranks but only 2 fit"):
+        pack_slices(((0, 4), (1, 5, 2)), 2)
