@@ -68,7 +68,9 @@ CONFIGS: dict[int, dict[str, list[str]]] = {
     8: {"gpt-tp2-pp2-dp2": ["--tp", "2", "--pp", "2", "--dp", "2"], "gpt-tp2-dp4": ["--tp", "2", "--dp", "4"]},
     16: {"gpt-tp2-pp2-dp4": ["--tp", "2", "--pp", "2", "--dp", "4"], "gpt-tp4-dp4": ["--tp", "4", "--dp", "4"]},
 }
-VARIANTS = ("bare", "calibrated", "symmetric")
+#: The calibrated variants ``--variants`` chooses from: (symmetric, packed).
+CALIBRATIONS = {"calibrated": (False, False), "symmetric": (True, False), "packed": (False, True)}
+VARIANTS = ("bare", "calibrated", "symmetric")  # bare and --variants (set in main)
 
 
 def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, profile: str, slots: int, cores: list[int],
@@ -86,9 +88,10 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, profile: str, slots
     out: dict = {"capture_wall_s": time.monotonic() - t0}
     bare = predict(PredictConfig(run=d, net=profile, warmup=warmup))
     out["bare"] = {"step_ns": bare.result.iteration_times.tolist(), "mean_ns": bare.mean_iteration_ns}
-    for name, sym in (("calibrated", False), ("symmetric", True)):
+    for name in VARIANTS[1:]:
+        sym, pack = CALIBRATIONS[name]
         t1 = time.monotonic()
-        cal = calibrate(CalibrateConfig(run=d, slices=slices, symmetric=sym, name=name, net=profile,
+        cal = calibrate(CalibrateConfig(run=d, slices=slices, symmetric=sym, pack=pack, name=name, net=profile,
                                         cores=slice_cores, warmup=warmup))
         wall = time.monotonic() - t1
         p = predict(PredictConfig(run=d, net=profile, warmup=warmup, calibration=name))
@@ -122,7 +125,16 @@ def main() -> int:
                     help="allow --world above the cores (the truth then shares cores: a smoke run, not a measurement)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per ground-truth run")
     ap.add_argument("--out", default=str(result_path("calibration")))
+    ap.add_argument("--variants", default="calibrated,symmetric",
+                    help="calibrations beside bare: calibrated, symmetric, packed (calibrate --pack: slices run "
+                         "together up to the slice cores); default calibrated,symmetric")
     a = ap.parse_args()
+    global VARIANTS
+    chosen = [v for v in a.variants.split(",") if v]
+    bad = [v for v in chosen if v not in CALIBRATIONS]
+    if bad or not chosen:
+        sys.exit(f"--variants: {','.join(bad) or 'none given'}; choose from {', '.join(CALIBRATIONS)}")
+    VARIANTS = ("bare", *chosen)
     ncores = usable_cores()
     if a.world > ncores and not a.oversubscribe:
         sys.exit(f"--world {a.world} exceeds the {ncores} cores: the ground truth would be oversubscribed and unfair "
@@ -174,17 +186,19 @@ def main() -> int:
                               **res})
                 print(f"{name} run {i}: truth {t_mean / 1e6:.1f} ms, " + ", ".join(
                     f"{v} {res[v]['mean_ns'] / 1e6:.1f}" for v in VARIANTS)
-                      + f"  (calibration {res['calibrated']['wall_s']:.0f} s, {len(res['calibrated']['slices'])} "
-                        f"slices; symmetric {res['symmetric']['wall_s']:.0f} s, "
-                        f"{len(res['symmetric']['slices'])})", flush=True)
+                      + "  (" + "; ".join(f"{v} {res[v]['wall_s']:.0f} s, {len(res[v]['slices'])} slices"
+                                          for v in VARIANTS[1:]) + ")", flush=True)
             cv = statistics.stdev(truth) / statistics.mean(truth) if len(truth) > 1 else float("nan")
             row = {"config": name, "flags": CONFIGS[a.world][name], "world": a.world,
                    "truth_mean_ms": statistics.mean(truth) / 1e6, "noise_floor_cv": cv,
                    "predicted": {v: _stats(truth, vals[v]) for v in VARIANTS},
-                   "calibration_wall_s": statistics.mean(p["calibrated"]["wall_s"] for p in pairs),
-                   "symmetric_wall_s": statistics.mean(p["symmetric"]["wall_s"] for p in pairs), "runs": pairs}
-            row["symmetry_cost"] = (row["predicted"]["symmetric"]["median_error"]
-                                    - row["predicted"]["calibrated"]["median_error"])
+                   "runs": pairs}
+            for v in VARIANTS[1:]:
+                key = "calibration_wall_s" if v == "calibrated" else f"{v}_wall_s"
+                row[key] = statistics.mean(p[v]["wall_s"] for p in pairs)
+            if "symmetric" in VARIANTS and "calibrated" in VARIANTS:
+                row["symmetry_cost"] = (row["predicted"]["symmetric"]["median_error"]
+                                        - row["predicted"]["calibrated"]["median_error"])
             out["configs"].append(row)
             rows.append(row)
             pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -197,13 +211,15 @@ def main() -> int:
           f"profile {profile_name}; median paired error (signed median), 95% CI"
           + ("; TRUTH OVERSUBSCRIBED (a smoke run)" if a.world > ncores else ""))
     print(f"{'config':<18} {'truth ms':>9} {'noise CV':>9} " + " ".join(f"{c:>26}" for c in VARIANTS)
-          + f" {'symmetry costs':>15} {'cal s':>6} {'sym s':>6}")
+          + f" {'symmetry costs':>15} " + " ".join(f"{v[:6] + ' s':>8}" for v in VARIANTS[1:]))
     for r in rows:
         cells = [r["predicted"][v] for v in VARIANTS]
         print(f"{r['config']:<18} {r['truth_mean_ms']:>9.1f} {r['noise_floor_cv']:>9.1%} " + " ".join(
             f"{c['mean_ms']:>7.1f} {c['median_error']:>6.1%} ({c['median_signed_error']:+.1%}) "
             f"{c['error_ci95'][0]:.0%}-{c['error_ci95'][1]:.0%}".rjust(26) for c in cells)
-              + f" {r['symmetry_cost']:>+15.1%} {r['calibration_wall_s']:>6.0f} {r['symmetric_wall_s']:>6.0f}")
+              + (f" {r['symmetry_cost']:>+15.1%} " if "symmetry_cost" in r else f" {'-':>15} ")
+              + " ".join(f"{r['calibration_wall_s' if v == 'calibrated' else v + '_wall_s']:>8.0f}"
+                         for v in VARIANTS[1:]))
     print(f"wrote {a.out}")
     return 0
 

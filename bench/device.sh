@@ -145,10 +145,10 @@ suite_calibration() {  # slice calibration vs truth on the host's cores: bare, c
   local netp=${NETP:-bench/results/netprofile-2026-12-02-h200cpu-gloo.toml} w
   for w in ${W:-8}; do
     x "$R/calibration-world$w.txt" ${TW:-280} python3 bench/calibration.py --world "$w" --runs ${RUNS:-3} \
-      --net "$netp" --out "$R/calibration-world$w.json"
+      --net "$netp" --variants ${VARIANTS:-calibrated,symmetric} --out "$R/calibration-world$w.json"
     if [ -n "${POLLUTED:-}" ]; then  # a capture of every rank at once on a quarter of the cores
       x "$R/calibration-world$w-polluted.txt" ${TW:-280} python3 bench/calibration.py --world "$w" --runs ${RUNS:-3} \
-        --capture-cores $((w / 4)) --capture-slots "$w" --net "$netp" --out "$R/calibration-world$w-polluted.json"
+        --capture-cores $((w / 4)) --capture-slots "$w" --net "$netp" --variants ${VARIANTS:-calibrated,symmetric} --out "$R/calibration-world$w-polluted.json"
     fi
   done
 }
