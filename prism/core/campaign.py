@@ -295,6 +295,9 @@ def parse_campaign(data: Mapping[str, Any], text: str, source: str) -> Campaign:
                             f"(allowed tables: {', '.join('[' + k + ']' for k in KEYS)})")
     fixed: dict[str, Any] = {}
     dims: dict[str, list[Any]] = {}
+    order = [f"{t}.{k}.{f}" if f is not None else f"{t}.{k}"
+             for t, tv in data.items() if isinstance(tv, dict) for k, kv in tv.items()
+             for f in (list(kv) if isinstance(kv, dict) else [None])]
     for table, spec in KEYS.items():
         given = data.get(table, {})
         if not isinstance(given, dict):
@@ -334,9 +337,13 @@ def parse_campaign(data: Mapping[str, Any], text: str, source: str) -> Campaign:
     ordered = sorted(dims, key=lambda k: (not k.startswith("capture."), list(dims).index(k)))
     labels = _short_names(ordered)
     points = []
+    # every input in the file's order (a command's flags follow it), then the defaults
+    file_order = [k for k in order if k in fixed or k in dims]
     for i, combo in enumerate(itertools.product(*(dims[k] for k in ordered))):
-        values = dict(fixed)
-        values.update(zip(ordered, combo))
+        chosen = dict(fixed)
+        chosen.update(zip(ordered, combo))
+        values = {k: chosen[k] for k in file_order}
+        values.update((k, v) for k, v in chosen.items() if k not in values)
         points.append(Point(i, stable_key(values), values, dict(zip(ordered, combo)), labels))
     x, y, series = _plot(err, data.get("plot", {}), ordered, labels, dims)
     return Campaign(camp["name"], source, tuple(points), {k: labels[k] for k in ordered}, x, y, series,
@@ -344,6 +351,7 @@ def parse_campaign(data: Mapping[str, Any], text: str, source: str) -> Campaign:
 
 
 def _put(dotted: str, value: Any, sweep: list | None, fixed: dict, dims: dict) -> None:
+    fixed.pop(dotted, None)
     if sweep is None:
         fixed[dotted] = value
     else:
