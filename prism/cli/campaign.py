@@ -53,6 +53,10 @@ def main(args: argparse.Namespace) -> int:
                             on_event=listed.append if args.dry_run else _progress)
     try:
         res = run_campaign(config)
+    except KeyboardInterrupt:
+        print("prism campaign: interrupted; the finished points are kept, run the same command again to resume",
+              file=sys.stderr)
+        return 130
     except PrismError as e:
         print(f"prism campaign: {e}", file=sys.stderr)
         return e.exit_code

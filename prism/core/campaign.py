@@ -16,7 +16,8 @@ rest keep the file's order. The file::
     step = "predict"              # "predict" or "emulate" (a list sweeps both)
     warmup = 1                    # steps dropped from the mean iteration time
 
-    [capture]                     # what to capture (or run = "DIR": an existing capture)
+    [capture]                     # what to capture (or run = "DIR": an existing capture;
+                                  # paths are relative to where prism campaign runs)
     command = ["-m", "prism.workloads.gpt", "--layers", "2"]
     layout = ["tp=2,pp=2,dp=2", "tp=2,pp=1,dp=2"]   # appended as --tp/--pp/--dp[/--ep]; world = tp*pp*dp
     world_size = 8                # only without a layout
@@ -333,7 +334,7 @@ def parse_campaign(data: Mapping[str, Any], text: str, source: str) -> Campaign:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", camp["name"]):
         raise err.at("campaign", "name", f"letters, digits, '.', '_' and '-' only (a folder name), got {camp['name']!r}")
     _check_capture(err, data.get("capture", {}), dims)
-    _check_steps(err, data, fixed, dims)
+    _check_steps(err, fixed, dims)
     ordered = sorted(dims, key=lambda k: (not k.startswith("capture."), list(dims).index(k)))
     labels = _short_names(ordered)
     points = []
@@ -377,7 +378,7 @@ def _check_capture(err: _Errors, cap: Mapping[str, Any], dims: Mapping[str, list
             raise err.at("capture", "command", "the layout appends --tp/--pp/--dp/--ep; leave them out of the command")
 
 
-def _check_steps(err: _Errors, data: Mapping[str, Any], fixed: Mapping[str, Any], dims: Mapping[str, list]) -> None:
+def _check_steps(err: _Errors, fixed: Mapping[str, Any], dims: Mapping[str, list]) -> None:
     steps = dims.get("campaign.step", [fixed.get("campaign.step", "predict")])
     if "emulate" not in steps:
         return

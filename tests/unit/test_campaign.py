@@ -125,3 +125,20 @@ def test_result_log_survives_a_torn_last_line(tmp_path):
     log.append({"key": "c", "status": "ok"})
     assert set(log.read()) == {"a", "c"}
     assert log.path.read_text().count("\n") == 2
+
+
+def test_failed_points_are_rows_and_a_rerun_skips_or_retries_them(tmp_path):
+    from prism.app.campaign import CampaignConfig, run_campaign
+
+    f = tmp_path / "c.toml"
+    f.write_text(f'[campaign]\nname = "f"\n[capture]\nrun = "{tmp_path / "nothing"}"\n[model]\nscale_dp = [2, 4]\n')
+    events = []
+    res = run_campaign(CampaignConfig(file=f, out=tmp_path / "out", on_event=events.append))
+    assert res.exit_code == 1 and res.ran == 2 and len(res.failed) == 2
+    assert "cannot read run" in res.failed[0]["message"]
+    assert [e.kind for e in events] == ["start", "done", "start", "done", "tables"]
+    assert res.csv_path.read_text().count("\n") == 3 and res.plot_path.is_file()
+    again = run_campaign(CampaignConfig(file=f, out=tmp_path / "out"))
+    assert again.ran == 0 and again.skipped == 2 and again.exit_code == 1
+    retried = run_campaign(CampaignConfig(file=f, out=tmp_path / "out", retry_failed=True))
+    assert retried.ran == 2 and retried.skipped == 0
