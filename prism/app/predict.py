@@ -23,6 +23,7 @@ from prism.core.replay import DEFAULT_WARMUP, ReplayError, ReplayResult, describ
 from prism.core.scaleout import Layout, ScaleOutError, scale_graph
 from prism.core.steps import completeness, cut_to_step
 from prism.core.trace import Event, Manifest, Memory, TraceFormatError
+from prism.core.whatif import MemoryVerdict, WhatIf, WhatIfError, apply_compute, apply_link, check_memory, peak_memory
 from prism.shell.profiles import load_profile
 from prism.shell.runfolder import manifest_path, read_manifest, read_run
 
@@ -52,6 +53,9 @@ class PredictConfig:
     #: graph), "on" (the newest) or its name. Off by default: it wins on
     #: polluted captures, not on every clean one (bench/results/calibration-2026-12-03-h200cpu.md).
     calibration: str = "off"
+    #: What-if knobs (``prism.core.whatif``): a straggler, throttled GPUs, slower
+    #: links, a memory limit. None: the capture as it was.
+    whatif: WhatIf | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,13 @@ class Prediction:
     missing: tuple[str, ...] = ()
     #: The manifest of the slice calibration used (None: the bare graph).
     calibration: dict | None = None
+    #: Peak memory per rank from the trace, judged against ``whatif.memory_limit_gib``.
+    memory: MemoryVerdict | None = None
+
+    @property
+    def oom(self) -> bool:
+        """True when a rank's peak memory exceeds the what-if memory limit."""
+        return self.memory is not None and self.memory.status == "oom"
 
     @property
     def mean_iteration_ns(self) -> float:
@@ -83,6 +94,10 @@ class Prediction:
             data["incomplete_run"] = list(self.missing)
         data["calibration"] = None if self.calibration is None else {
             k: self.calibration.get(k) for k in ("name", "created_utc", "slices", "symmetric", "rule")}
+        if self.config.whatif is not None:
+            data["whatif"] = self.config.whatif.describe()
+        if self.memory is not None and (self.memory.peaks or self.memory.limit_gib is not None):
+            data["memory"] = self.memory.summary()
         return data
 
     def text(self) -> str:
@@ -99,6 +114,10 @@ class Prediction:
             text += (f"\ncompute durations: slice calibration {c.get('name')!r} of {c.get('created_utc')} "
                      f"({len(c.get('slices', []))} slices{', symmetric' if c.get('symmetric') else ''}; "
                      "two-clock GPU segments as captured)")
+        if self.config.whatif is not None:
+            text += "".join(f"\nwhat-if {line}" for line in self.config.whatif.describe())
+        if self.memory is not None and (self.memory.peaks or self.memory.limit_gib is not None):
+            text += "\n" + self.memory.text()
         return text
 
 
@@ -136,13 +155,17 @@ def predict(config: PredictConfig) -> Prediction:
     except ProfileError as e:
         raise UsageError(str(e)) from None
     try:
-        result = predict_events(ranks, model, scale_dp=config.scale_dp, layout=layout)
+        result = predict_events(ranks, model, scale_dp=config.scale_dp, layout=layout, whatif=config.whatif)
         result.iteration_times  # noqa: B018  (computed here, so a bad trace fails here, not while printing)
+    except WhatIfError as e:
+        raise UsageError(str(e)) from None
     except ScaleOutError as e:
         raise UsageError(f"cannot scale {run} to dp {config.scale_dp}: {e}") from None
     except (GraphError, ReplayError) as e:
         raise InconsistentTraceError(f"the trace in {run} is inconsistent: {e}") from None
-    return Prediction(config, result, why, layout, missing, calibration)
+    w = config.whatif or WhatIf()
+    memory = check_memory(peak_memory(ranks), w.memory_limit_gib, w.memory_overhead_gib)
+    return Prediction(config, result, why, layout, missing, calibration, memory)
 
 
 def _complete_steps(run, ranks: dict[int, list[Event]]) -> tuple[dict[int, list[Event]], tuple[str, ...]]:
@@ -220,15 +243,18 @@ def parse_layout(text: str) -> Layout:
 
 
 def predict_events(ranks: Mapping[int, Sequence[Event]], cost_model: CostModel, *, scale_dp: int | None = None,
-                   layout: Layout | None = None) -> ReplayResult:
+                   layout: Layout | None = None, whatif: WhatIf | None = None) -> ReplayResult:
     """Build the execution graph of ``ranks`` (grown to ``scale_dp`` when given,
-    which needs the run's ``layout``) and replay it under ``cost_model``."""
+    which needs the run's ``layout``) and replay it under ``cost_model``, with
+    the compute and link knobs of ``whatif`` applied to the built graph."""
     if scale_dp is None:
         graph = ExecutionGraph.from_events(ranks)
     else:
         if layout is None:
             raise ScaleOutError("--scale-dp needs the run's layout: the manifest has none; pass --layout")
         graph = scale_graph(ranks, layout, scale_dp)
+    if whatif is not None:
+        graph, cost_model = apply_compute(graph, whatif), apply_link(cost_model, whatif)
     return replay_batch(graph, cost_model=cost_model)
 
 

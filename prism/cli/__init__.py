@@ -103,6 +103,12 @@ def _build_keys(p: argparse.ArgumentParser) -> None:
     daemon.add_keys_arguments(p)
 
 
+def _build_campaign(p: argparse.ArgumentParser) -> None:
+    from prism.cli import campaign
+
+    campaign.add_arguments(p)
+
+
 def _build_report(p: argparse.ArgumentParser) -> None:
     from prism.cli import report
 
@@ -129,6 +135,8 @@ _COMMANDS: tuple[_Command, ...] = (
              build=_build_emulate),
     _Command("run", "capture (recording the sandbox ranks), predict and emulate in one go; one report",
              build=_build_run),
+    _Command("campaign", "run a what-if sweep from a TOML file (layouts x DP sizes x profiles x knobs); resumable",
+             build=_build_campaign),
 )
 
 

@@ -10,6 +10,7 @@ import sys
 from prism.app.errors import PrismError
 from prism.app.predict import DEFAULT_PROFILE, PredictConfig, predict
 from prism.core.replay import DEFAULT_WARMUP
+from prism.core.whatif import WhatIf, WhatIfError, parse_link, parse_straggler, parse_throttle
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,17 +28,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", default="off", metavar="off|on|NAME",
                    help="compute durations: off (as captured, the default; calibration wins on a capture with more "
                         "ranks than cores, not on every clean one), on (the newest `prism calibrate` of the run) or a calibration's --name")
+    w = p.add_argument_group("what-if knobs (prism.core.whatif)")
+    w.add_argument("--straggler", action="append", default=[], metavar="RANK:PCT",
+                   help="rank RANK computes PCT%% slower (repeatable), e.g. 3:20")
+    w.add_argument("--throttle", default=None, metavar="RANKS:PCT",
+                   help="the GPUs of RANKS (0,3 / 0-7 / all) run PCT%% below their clock: device work x 1/(1-PCT/100)")
+    w.add_argument("--link-slowdown", default=None, metavar="X[:TIER]",
+                   help="links X times slower (bandwidth / X, latency x X); TIER: all (default), intra or inter")
+    w.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
+                   help="a GPU of GIB: OOM when a rank's traced peak plus --memory-overhead exceeds it (exit 3)")
+    w.add_argument("--memory-overhead", type=float, default=0.6, metavar="GIB",
+                   help="of --memory-limit, what the real job holds outside torch's allocator (default 0.6)")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     p.set_defaults(func=main)
 
 
+def whatif_of(args: argparse.Namespace) -> WhatIf | None:
+    """The what-if knobs of the command line (None: none given); raises WhatIfError."""
+    if not (args.straggler or args.throttle or args.link_slowdown or args.memory_limit is not None):
+        return None
+    return WhatIf(straggler=tuple(parse_straggler(s) for s in args.straggler),
+                  throttle=parse_throttle(args.throttle) if args.throttle else None,
+                  link=parse_link(args.link_slowdown) if args.link_slowdown else None,
+                  memory_limit_gib=args.memory_limit, memory_overhead_gib=args.memory_overhead)
+
+
 def main(args: argparse.Namespace) -> int:
+    try:
+        whatif = whatif_of(args)
+    except WhatIfError as e:
+        print(f"prism predict: {e}", file=sys.stderr)
+        return 2
     config = PredictConfig(run=args.run, net=args.net, scale_dp=args.scale_dp, layout=args.layout,
-                           warmup=args.warmup, calibration=args.calibration)
+                           warmup=args.warmup, calibration=args.calibration, whatif=whatif)
     try:
         prediction = predict(config)
     except PrismError as e:
         print(f"prism predict: {e}", file=sys.stderr)
         return e.exit_code
     print(json.dumps(prediction.summary(), indent=2) if args.json else prediction.text())
-    return 0
+    return 3 if prediction.oom else 0

@@ -59,3 +59,38 @@ def test_predict_on_a_run_without_rank_files_says_so(monkeypatch, capsys):
     assert cli.main(["predict", "RUN", "--net", "zero"]) == 1
     err = capsys.readouterr().err
     assert "nothing to predict in RUN: it has no rank files" in err and "Traceback" not in err
+
+
+def _mean(capsys, *argv):
+    assert cli.main(["predict", "RUN", "--net", "zero", "--json", "--warmup", "1", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_predict_whatif_flags_change_the_prediction(synthetic_run, capsys):
+    base = _mean(capsys)["mean_iteration_time_ns"]
+    strag = _mean(capsys, "--straggler", "3:50")
+    assert strag["mean_iteration_time_ns"] > base * 1.2 and strag["whatif"] == ["straggler: rank 3 computes 50% slower"]
+    assert _mean(capsys, "--throttle", "all:50")["mean_iteration_time_ns"] == pytest.approx(2 * base, rel=0.02)
+    h200 = ["--net", "h200_nvlink_ib400"]
+    slow = _mean(capsys, *h200, "--link-slowdown", "4")["breakdown_ns"]["communication"]["max"]
+    assert slow == pytest.approx(4 * _mean(capsys, *h200)["breakdown_ns"]["communication"]["max"], rel=0.01)
+
+
+def test_predict_memory_limit_exits_3_naming_the_rank(monkeypatch, capsys):
+    from prism.core.trace import Memory
+
+    events = megatron_events(MegatronSpec(tp=2, pp=1, dp=1, iterations=3))
+    events[1] = [*events[1], Memory(0, "cuda:1", 1, 1, 7 * 2**30)]
+    monkeypatch.setattr(app_predict, "load_run_events", lambda run: events)
+    assert cli.main(["predict", "RUN", "--memory-limit", "7.5", "--warmup", "1"]) == 3
+    out = capsys.readouterr().out
+    assert "OUT OF MEMORY under 7.5 GiB: rank 1 needs 7.600 GiB" in out and "0.100 GiB over" in out
+    assert cli.main(["predict", "RUN", "--memory-limit", "8", "--warmup", "1"]) == 0
+    assert "fits in 8 GiB" in capsys.readouterr().out
+
+
+def test_predict_bad_whatif_flags(synthetic_run, capsys):
+    assert cli.main(["predict", "RUN", "--straggler", "three:10"]) == 2
+    assert "--straggler: 'three:10' is not RANK:PCT" in capsys.readouterr().err
+    assert cli.main(["predict", "RUN", "--straggler", "99:10"]) == 2
+    assert "rank 99 is not in the replayed world" in capsys.readouterr().err
