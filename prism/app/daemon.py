@@ -30,7 +30,7 @@ from prism.shell.daemon import KeyFiles
 
 __all__ = [
     "DaemonConfig", "DaemonError", "Job", "JobList", "KeyFiles", "LogText", "cancel", "jobs", "logs",
-    "make_keys", "serve", "submit",
+    "make_keys", "resume", "serve", "submit",
 ]
 
 
@@ -154,6 +154,15 @@ def cancel(job_id: str, *, daemon: str | None = None, keys: str | os.PathLike[st
     record returned is the job as the daemon holds it now (a running job
     becomes ``cancelled`` once it has stopped)."""
     reply = _request(J.Cancel(job_id), daemon, keys, timeout_s)
+    assert isinstance(reply, J.JobList)
+    return reply.jobs[0]
+
+
+def resume(job_id: str, *, daemon: str | None = None, keys: str | os.PathLike[str] | None = None,
+           timeout_s: float = 10.0) -> Job:
+    """Queue an interrupted or cancelled campaign again (it skips the points
+    it finished), behind the jobs already queued."""
+    reply = _request(J.Resume(job_id), daemon, keys, timeout_s)
     assert isinstance(reply, J.JobList)
     return reply.jobs[0]
 

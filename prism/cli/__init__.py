@@ -97,6 +97,12 @@ def _build_cancel(p: argparse.ArgumentParser) -> None:
     daemon.add_cancel_arguments(p)
 
 
+def _build_resume(p: argparse.ArgumentParser) -> None:
+    from prism.cli import daemon
+
+    daemon.add_resume_arguments(p)
+
+
 def _build_keys(p: argparse.ArgumentParser) -> None:
     from prism.cli import daemon
 
@@ -124,6 +130,8 @@ _COMMANDS: tuple[_Command, ...] = (
              build=_build_submit),
     _Command("jobs", "list the job daemon's jobs: status, progress, logs (--json for scripts)", build=_build_jobs),
     _Command("cancel", "cancel a queued or running job of the job daemon", build=_build_cancel),
+    _Command("resume", "queue an interrupted or cancelled campaign job again (it skips finished points)",
+             build=_build_resume),
     _Command("keys", "write CURVE keypairs for the job daemon and a client", build=_build_keys),
     _Command("trace", "inspect a PrismTrace run: summary, validate", build=_build_trace),
     _Command("predict", "predict iteration time and breakdown from a captured run", build=_build_predict),

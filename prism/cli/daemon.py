@@ -183,6 +183,22 @@ def run_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_resume_arguments(p: argparse.ArgumentParser) -> None:
+    _add_client(p)
+    p.add_argument("id", help="the interrupted or cancelled campaign job to queue again")
+    p.set_defaults(func=run_resume)
+
+
+def run_resume(args: argparse.Namespace) -> int:
+    try:
+        job = app_daemon.resume(args.id, daemon=args.daemon, keys=args.keys, timeout_s=args.timeout)
+    except PrismError as e:
+        print(f"prism resume: error: {e}", file=sys.stderr)
+        return e.exit_code
+    print(f"job {job.id}: queued again ({job.message}); it skips what it finished")
+    return 0
+
+
 def add_keys_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="directory to write the keys into (made, mode 0700)")
     p.set_defaults(func=run_keys)

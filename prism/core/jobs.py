@@ -15,6 +15,11 @@ A job moves through these states::
 ``interrupted`` is what a running job becomes when the daemon stops (SIGTERM)
 or died under it; a restart finds it so in its record and never runs it again
 on its own (its run folder holds what it kept; ``prism submit`` runs it anew).
+A job of a kind that resumes by itself (``RESUMABLE``: a campaign skips the
+points it has finished) goes back to the queue with ``prism resume ID``
+(``resume``), after the jobs already queued::
+
+    interrupted | cancelled -> queued   (resumable kinds only)
 
 Resources: the daemon owns ``slots`` (ranks that may compute at once, the
 project's word) and a set of GPUs. A job's need is read from its argv
@@ -35,12 +40,14 @@ from prism.core import codec
 __all__ = [
     "ACTIVE", "JOB_KINDS", "blocked_by_failure", "job_from_dict", "job_to_dict", "STATES", "TERMINAL", "Cancel", "Capacity", "Job", "JobError", "JobList", "Jobs",
     "Logs", "LogText", "Need", "Refused", "Submit", "Submitted", "decode_message", "encode_message",
-    "need_of", "recover", "run_dir_of", "startable", "transition",
+    "need_of", "recover", "resume", "Resume", "RESUMABLE", "run_dir_of", "startable", "transition",
 ]
 
 #: The commands a job may run (``python -m prism KIND ARGS``).
 JOB_KINDS = ("capture", "predict", "emulate", "calibrate", "campaign")
 STATES = ("queued", "running", "done", "failed", "cancelled", "interrupted")
+#: Kinds whose rerun continues where the last one stopped (``prism resume``).
+RESUMABLE = frozenset({"campaign"})
 TERMINAL = frozenset({"done", "failed", "cancelled", "interrupted"})
 ACTIVE = frozenset({"queued", "running"})
 
@@ -50,8 +57,8 @@ _MOVES: dict[str, frozenset[str]] = {
     "running": frozenset({"done", "failed", "cancelled", "interrupted"}),
     "done": frozenset(),
     "failed": frozenset(),
-    "cancelled": frozenset(),
-    "interrupted": frozenset(),
+    "cancelled": frozenset({"queued"}),  # ``resume`` only (resumable kinds)
+    "interrupted": frozenset({"queued"}),
 }
 
 
@@ -322,6 +329,19 @@ def recover(jobs: Iterable[Job], now: float) -> list[Job]:
     return out
 
 
+def resume(job: Job, seq: int) -> Job:
+    """``job`` queued again, behind everything queued (``seq``: the next
+    submission number); ``JobError`` unless it is an interrupted or cancelled
+    job of a ``RESUMABLE`` kind."""
+    if job.kind not in RESUMABLE:
+        raise JobError(f"job {job.id} is a {job.kind}, which does not resume where it stopped (only "
+                       f"{', '.join(sorted(RESUMABLE))} jobs do); `prism submit` runs it anew")
+    if job.state not in ("interrupted", "cancelled"):
+        raise JobError(f"job {job.id} is {job.state}; only an interrupted or cancelled job can be resumed")
+    return transition(job, "queued", seq=seq, started_at=0.0, ended_at=0.0, exit_code=None, pid=0, pid_start=0,
+                      message=f"resumed after it was {job.state}", progress="")
+
+
 # --- wire messages ------------------------------------------------------------------
 
 
@@ -345,6 +365,11 @@ class Jobs:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
     job_id: str
 
 
@@ -385,7 +410,7 @@ class Refused:
     message: str
 
 
-REQUESTS = (Submit, Jobs, Cancel, Logs)
+REQUESTS = (Submit, Jobs, Cancel, Resume, Logs)
 REPLIES = (Submitted, JobList, LogText, Refused)
 _BY_NAME = {c.__name__: c for c in (*REQUESTS, *REPLIES)}
 _JOB_SCHEMA = codec.schema(Job)

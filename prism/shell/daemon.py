@@ -429,6 +429,8 @@ class Daemon:
             return self._list(sorted(self.jobs.values(), key=lambda j: j.seq))
         if isinstance(msg, J.Cancel):
             return self._list([self.cancel(msg.job_id)])
+        if isinstance(msg, J.Resume):
+            return self._list([self.resume(msg.job_id)])
         if isinstance(msg, J.Logs):
             job = self._job(msg.job_id)
             path = log_path(self.state, job.id)
@@ -485,6 +487,15 @@ class Daemon:
             self._cancelling.add(job.id)
             assert self._nursery is not None
             self._nursery.start_soon(self._terminate, job.id)
+        return job
+
+    def resume(self, job_id: str) -> J.Job:
+        if self._stopping:
+            raise J.JobError("the daemon is stopping; resume the job once it has restarted")
+        job = self._job(job_id)
+        self._seq += 1
+        job = self._save(J.resume(job, self._seq))
+        self._wake.set()
         return job
 
     # --- running jobs ----------------------------------------------------------

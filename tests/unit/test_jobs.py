@@ -5,6 +5,7 @@ recovery from a state directory)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def test_recovery_interrupts_running_jobs_and_keeps_the_rest():
 def test_messages_round_trip_through_json():
     j = J.transition(job(1, gpus=(1,), after=["0"]), "running", pid=5, started_at=1.5)
     for msg in (J.Submit("capture", ("-n", "2"), "/w", "a", ("1",)), J.Jobs(), J.Jobs("3"), J.Cancel("3"),
-                J.Logs("3", 10), J.Submitted(j), J.JobList((j, job(2)), 4, 1, (0,)),
+                J.Logs("3", 10), J.Resume("3"), J.Submitted(j), J.JobList((j, job(2)), 4, 1, (0,)),
                 J.LogText("3", "x\n", "/s/log", True), J.Refused("no")):
         assert J.decode_message(orjson.loads(orjson.dumps(J.encode_message(msg)))) == msg
 
@@ -190,3 +191,28 @@ def test_the_daemon_queues_lists_cancels_and_refuses(tmp_path):
                        (J.Cancel("1"), "job 1 is cancelled already")]:
         with pytest.raises(J.JobError, match=words):
             daemon.handle(msg)
+
+
+def test_only_an_interrupted_or_cancelled_campaign_resumes_and_it_queues_last():
+    camp = J.Job(id="2", seq=2, kind="campaign", argv=("plan.toml",), cwd="/w", state="interrupted", slots=1,
+                 started_at=5.0, ended_at=9.0, exit_code=-15, pid=44, pid_start=7, message="the daemon stopped")
+    back = J.resume(camp, seq=9)
+    assert (back.id, back.state, back.seq, back.exit_code, back.pid, back.started_at) == ("2", "queued", 9, None, 0, 0)
+    assert back.message == "resumed after it was interrupted"
+    cancelled = dataclasses.replace(camp, state="cancelled")
+    assert J.resume(cancelled, 10).message == "resumed after it was cancelled"
+    with pytest.raises(J.JobError, match="job 1 is a capture, which does not resume"):
+        J.resume(job(1, "interrupted"), 10)
+    with pytest.raises(J.JobError, match="job 2 is done; only an interrupted or cancelled job can be resumed"):
+        J.resume(dataclasses.replace(camp, state="done"), 10)
+
+
+def test_the_daemon_resumes_a_campaign_behind_the_queue(tmp_path):
+    daemon = D.Daemon(D.ServiceConfig(tmp_path, "inproc://x", J.Capacity(2)))
+    camp = daemon.handle(J.Submit("campaign", ("plan.toml",), "/w")).job
+    daemon.handle(J.Cancel(camp.id))
+    later = daemon.handle(J.Submit("predict", ("r",), "/w")).job
+    back = daemon.handle(J.Resume(camp.id)).jobs[0]
+    assert back.state == "queued" and back.seq > later.seq      # behind the queue, its id kept
+    assert [j.id for j in daemon.handle(J.Jobs()).jobs] == [later.id, camp.id]
+    assert back in D.read_jobs(tmp_path)[0]                   # on disk
