@@ -19,6 +19,7 @@ from prism.shell import runfolder
 from prism.workloads import harness
 from tests.support.captures import gpt_tiny
 from tests.support.truth import gloo_world, shared_gloo_world
+from tests.support.full import FULL
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,10 +118,13 @@ def _lines(text: str, prefix: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith(prefix)]
 
 
+# collectives_example.py is the variant: every rank's output against gloo's is
+# tests/integration/test_frameworks.py::test_api_tour_prints_what_gloo_prints_on_every_rank,
+# every op's values tests/integration/test_backend.py::test_every_op_matches_gloo.
 @pytest.mark.slow
 @pytest.mark.parametrize("script, ranks_that_print", [
     ("ddp_example.py", [0]),
-    ("collectives_example.py", [0, 1, 2, 3]),
+    pytest.param("collectives_example.py", [0, 1, 2, 3], marks=FULL),
 ])
 def test_zero_modification_same_values_as_gloo(tmp_path, script, ranks_that_print):
     path = str(ROOT / "prism" / "workloads" / script)

@@ -182,7 +182,10 @@ def test_fsdp2_mixed_precision_matches_gloo(runs, args):
     assert seen[("reduce_scatter_tensor", "AVG", "float32")] == 3 * 3 * WORLD
 
 
+# PREMUL_SUM under FSDP2: a variant of the nested test (the backend's
+# PREMUL_SUM values and trace: tests/integration/test_backend.py).
 @pytest.mark.slow
+@FULL
 def test_fsdp2_premul_sum_matches_the_gloo_sum_equivalent(runs):
     # set_gradient_divide_factor(2) at world 4 reduce-scatters under
     # PREMUL_SUM(1/2), which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with
