@@ -18,6 +18,7 @@ directory (``$PRISM_STATE`` or ``~/.cache/prism/daemon``).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from prism.shell.daemon import KeyFiles
 
 __all__ = [
     "DaemonConfig", "DaemonError", "Job", "JobList", "KeyFiles", "LogText", "cancel", "jobs", "logs",
-    "make_keys", "resume", "serve", "submit",
+    "make_keys", "resume", "serve", "submit", "wait",
 ]
 
 
@@ -156,6 +157,27 @@ def cancel(job_id: str, *, daemon: str | None = None, keys: str | os.PathLike[st
     reply = _request(J.Cancel(job_id), daemon, keys, timeout_s)
     assert isinstance(reply, J.JobList)
     return reply.jobs[0]
+
+
+def wait(job_id: str = "", *, daemon: str | None = None, keys: str | os.PathLike[str] | None = None,
+         timeout_s: float = 10.0, poll_s: float = 0.5, limit_s: float | None = None,
+         on_poll: Callable[[JobList], None] | None = None) -> JobList:
+    """Poll until ``job_id`` (default: every job the daemon knows) has ended
+    (done, failed, cancelled, interrupted) and return the listing then.
+    ``limit_s``: give up after that many seconds with a ``DaemonError``
+    naming the jobs still active; ``on_poll(listing)`` sees each poll."""
+    start = time.monotonic()
+    while True:
+        listing = jobs(job_id, daemon=daemon, keys=keys, timeout_s=timeout_s)
+        if on_poll is not None:
+            on_poll(listing)
+        active = [j for j in listing.jobs if j.state not in J.TERMINAL]
+        if not active:
+            return listing
+        if limit_s is not None and time.monotonic() - start > limit_s:
+            raise DaemonError(f"still active after {limit_s:g} s: " + ", ".join(f"job {j.id} ({j.state})"
+                                                                             for j in active))
+        time.sleep(poll_s)
 
 
 def resume(job_id: str, *, daemon: str | None = None, keys: str | os.PathLike[str] | None = None,

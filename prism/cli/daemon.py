@@ -103,6 +103,8 @@ def add_jobs_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("id", nargs="?", default="", help="one job (default: all)")
     p.add_argument("--json", action="store_true", help="JSON for scripts: {slots, slots_busy, gpus, jobs: [...]}")
     p.add_argument("--logs", action="store_true", help="print the job's log (needs ID)")
+    p.add_argument("--wait", action="store_true",
+                   help="wait until the job (default: every job) has ended, then list it; exit 0 only if all are done")
     p.set_defaults(func=run_jobs)
 
 
@@ -149,15 +151,23 @@ def run_jobs(args: argparse.Namespace) -> int:
                 print(f"[the first part of {text.path} is left out]", file=sys.stderr)
             sys.stdout.write(text.text)
             return 0
-        listing = app_daemon.jobs(args.id, daemon=args.daemon, keys=args.keys, timeout_s=args.timeout)
+        if args.wait:
+            listing = app_daemon.wait(args.id, daemon=args.daemon, keys=args.keys, timeout_s=args.timeout)
+        else:
+            listing = app_daemon.jobs(args.id, daemon=args.daemon, keys=args.keys, timeout_s=args.timeout)
     except PrismError as e:
         print(f"prism jobs: error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:
+        print("prism jobs: stopped waiting (the jobs go on)", file=sys.stderr)
+        return 130
     if args.json:
         print(orjson.dumps({"slots": listing.slots, "slots_busy": listing.slots_busy, "gpus": list(listing.gpus),
                             "jobs": [J.job_to_dict(j) for j in listing.jobs]}).decode())
     else:
         print(jobs_text(listing))
+    if args.wait:
+        return 0 if all(j.state == "done" for j in listing.jobs) else 1
     return 0
 
 

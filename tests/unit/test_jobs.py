@@ -216,3 +216,21 @@ def test_the_daemon_resumes_a_campaign_behind_the_queue(tmp_path):
     assert back.state == "queued" and back.seq > later.seq      # behind the queue, its id kept
     assert [j.id for j in daemon.handle(J.Jobs()).jobs] == [later.id, camp.id]
     assert back in D.read_jobs(tmp_path)[0]                   # on disk
+
+
+def test_wait_polls_until_every_job_has_ended(monkeypatch):
+    from prism.app import daemon as app_daemon
+
+    states = iter([("running", "queued"), ("done", "running"), ("done", "failed")])
+    seen = []
+
+    def fake_jobs(job_id="", **kw):
+        a, b = next(states)
+        return J.JobList((job(1, a), job(2, b)), 2, 0, ())
+
+    monkeypatch.setattr(app_daemon, "jobs", fake_jobs)
+    listing = app_daemon.wait(poll_s=0, on_poll=seen.append)
+    assert [j.state for j in listing.jobs] == ["done", "failed"] and len(seen) == 3
+    monkeypatch.setattr(app_daemon, "jobs", lambda job_id="", **kw: J.JobList((job(4, "running"),), 2, 1, ()))
+    with pytest.raises(app_daemon.DaemonError, match=r"still active after 0 s: job 4 \(running\)"):
+        app_daemon.wait(poll_s=0, limit_s=0)
