@@ -50,6 +50,7 @@ def two_captures(tmp_path_factory, shared_captures):
     return runs
 
 
+@pytest.mark.slow
 def test_every_received_tensor_is_recorded_with_sent_digests(two_captures):
     run = two_captures[0]
     assert T.validate_run(run) == [] and run.warnings == []
@@ -83,6 +84,7 @@ def test_every_received_tensor_is_recorded_with_sent_digests(two_captures):
                 assert tuple(p.shape) == tuple(shapes[ref]), (rank, ref)
 
 
+@pytest.mark.slow
 def test_stored_bytes_match_digests_and_the_ranks_own_values(two_captures):
     run = two_captures[0]
     compared = 0
@@ -99,6 +101,7 @@ def test_stored_bytes_match_digests_and_the_ranks_own_values(two_captures):
     assert compared >= 4  # the loss and grad-norm scalars at least
 
 
+@pytest.mark.slow
 def test_digests_equal_across_two_identical_captures(two_captures):
     a, b = two_captures
     for rank in RECORDED:
@@ -108,6 +111,7 @@ def test_digests_equal_across_two_identical_captures(two_captures):
         assert PL.first_divergence(rank, a.payloads[rank], db) is None
 
 
+@pytest.mark.slow
 def test_record_steps_and_the_size_cap(tmp_path):
     # Step 1 only, all ranks, a cap the first step of recording passes: a
     # warning names where it stopped; the capture itself succeeds.
@@ -123,6 +127,7 @@ def test_record_steps_and_the_size_cap(tmp_path):
     assert sum(p.nbytes for records in run.payloads.values() for p in records if p.role == "recv") == summary["bytes"]
 
 
+@pytest.mark.slow
 def test_damaged_payloads_are_reported(two_captures, tmp_path):
     import shutil
 

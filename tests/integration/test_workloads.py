@@ -125,6 +125,7 @@ def test_moe_top2_with_tp2_ep2_matches_one_rank(moe_one_rank):
     assert_close(got, moe_one_rank[2])
 
 
+@pytest.mark.slow
 def test_world_size_mismatch_names_the_values():
     with pytest.raises(WorldError, match=r"WORLD_SIZE=2 but --tp 4 x --pp 1 x --dp 1 = 4"):
         run_world(GPT + ["--tp", "4", "--heads", "4"], 2, cwd=str(ROOT))
