@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from prism.shell.daemon import KeyFiles
 
 __all__ = [
     "DaemonConfig", "DaemonError", "Job", "JobList", "KeyFiles", "LogText", "cancel", "jobs", "logs",
-    "make_keys", "resume", "serve", "submit", "wait",
+    "make_keys", "prism_env", "resume", "serve", "submit", "wait",
 ]
 
 
@@ -122,10 +122,11 @@ def _request(msg: object, daemon: str | None, keys: str | os.PathLike[str] | Non
 
 def submit(command: Sequence[str], *, daemon: str | None = None, keys: str | os.PathLike[str] | None = None,
            name: str = "", after: Sequence[str] = (), cwd: str | os.PathLike[str] | None = None,
-           timeout_s: float = 10.0) -> Job:
+           env: Sequence[str] = (), timeout_s: float = 10.0) -> Job:
     """Queue ``python -m prism COMMAND...`` (``command[0]`` one of
     ``prism.core.jobs.JOB_KINDS``) to run in ``cwd`` (default: here) once the
-    jobs ``after`` are done; returns its record (state ``queued``)."""
+    jobs ``after`` are done, with ``env`` (``NAME=VALUE``) on top of the
+    daemon's environment; returns its record (state ``queued``)."""
     command = list(command)
     if command and command[0] == "--":
         command = command[1:]
@@ -134,9 +135,27 @@ def submit(command: Sequence[str], *, daemon: str | None = None, keys: str | os.
     if command[0] not in J.JOB_KINDS:
         raise UsageError(f"{command[0]!r} is not a job: submit one of {', '.join(J.JOB_KINDS)}")
     where = os.path.abspath(cwd if cwd is not None else os.getcwd())
-    reply = _request(J.Submit(command[0], tuple(command[1:]), where, name, tuple(after)), daemon, keys, timeout_s)
+    try:
+        env = J.check_env(env)
+    except J.JobError as e:
+        raise UsageError(str(e)) from None
+    reply = _request(J.Submit(command[0], tuple(command[1:]), where, name, tuple(after), env), daemon, keys,
+                     timeout_s)
     assert isinstance(reply, J.Submitted)
     return reply.job
+
+
+#: The submitter's variables ``prism submit`` does not forward (they say
+#: where the daemon is, not how the job runs).
+_NOT_FORWARDED = ("PRISM_DAEMON", "PRISM_STATE")
+
+
+def prism_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The submitter's ``PRISM_*`` variables as ``NAME=VALUE`` (Prism's own
+    knobs, e.g. ``PRISM_DEVICE_REACH``): a job runs as it would from here."""
+    environ = os.environ if environ is None else environ
+    return tuple(f"{k}={v}" for k, v in sorted(environ.items())
+                 if k.startswith("PRISM_") and k not in _NOT_FORWARDED)
 
 
 def jobs(job_id: str = "", *, daemon: str | None = None, keys: str | os.PathLike[str] | None = None,

@@ -71,6 +71,9 @@ def add_submit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="", help="a name to show beside the job's id")
     p.add_argument("--after", default="", metavar="IDS",
                    help="start only once these jobs (e.g. 3 or 3,4) are done; cancelled if one of them fails")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set for the job on top of the daemon's environment (repeatable); the submitter's "
+                        "PRISM_* variables are sent too")
     p.add_argument("--json", action="store_true", help="print the job's record as JSON")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help=f"-- COMMAND ARGS: COMMAND one of {', '.join(J.JOB_KINDS)}, with the arguments "
@@ -82,7 +85,7 @@ def run_submit(args: argparse.Namespace) -> int:
     after = tuple(x.strip() for x in args.after.split(",") if x.strip())
     try:
         job = app_daemon.submit(args.command, daemon=args.daemon, keys=args.keys, name=args.name, after=after,
-                                timeout_s=args.timeout)
+                                env=(*app_daemon.prism_env(), *args.env), timeout_s=args.timeout)
     except PrismError as e:
         print(f"prism submit: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -31,6 +31,7 @@ behind it, so a large job is never starved by a stream of small ones.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,7 +41,7 @@ from prism.core import codec
 __all__ = [
     "ACTIVE", "JOB_KINDS", "blocked_by_failure", "job_from_dict", "job_to_dict", "STATES", "TERMINAL", "Cancel", "Capacity", "Job", "JobError", "JobList", "Jobs",
     "Logs", "LogText", "Need", "Refused", "Submit", "Submitted", "decode_message", "encode_message",
-    "need_of", "recover", "resume", "Resume", "RESUMABLE", "run_dir_of", "startable", "transition",
+    "check_env", "job_env", "need_of", "recover", "resume", "Resume", "RESUMABLE", "run_dir_of", "startable", "transition",
 ]
 
 #: The commands a job may run (``python -m prism KIND ARGS``).
@@ -113,6 +114,8 @@ class Job:
     run_dir: str = ""
     message: str = ""
     progress: str = ""
+    #: ``NAME=VALUE`` on top of the daemon's environment (``Submit.env``).
+    env: tuple[str, ...] = ()
 
     @property
     def need(self) -> Need:
@@ -329,6 +332,30 @@ def recover(jobs: Iterable[Job], now: float) -> list[Job]:
     return out
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def check_env(items: Iterable[str]) -> tuple[str, ...]:
+    """``items`` as ``NAME=VALUE`` strings; ``JobError`` naming a bad one."""
+    out = []
+    for item in items:
+        name, eq, _ = item.partition("=")
+        if not eq or not _ENV_NAME.match(name):
+            raise JobError(f"environment entry {item!r} is not NAME=VALUE (NAME: letters, digits, _)")
+        out.append(item)
+    return tuple(out)
+
+
+def job_env(base: Mapping[str, str], job: Job) -> dict[str, str]:
+    """The environment ``job`` runs with: ``base`` (the daemon's) with the
+    job's own entries on top."""
+    env = dict(base)
+    for item in job.env:
+        name, _, value = item.partition("=")
+        env[name] = value
+    return env
+
+
 def resume(job: Job, seq: int) -> Job:
     """``job`` queued again, behind everything queued (``seq``: the next
     submission number); ``JobError`` unless it is an interrupted or cancelled
@@ -354,6 +381,9 @@ class Submit:
     cwd: str
     name: str = ""
     after: tuple[str, ...] = ()
+    #: ``NAME=VALUE`` set for the job on top of the daemon's environment
+    #: (``prism submit`` sends the submitter's ``PRISM_*`` and its ``--env``).
+    env: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

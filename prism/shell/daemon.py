@@ -470,6 +470,7 @@ class Daemon:
         self._seq += 1
         job = J.Job(id=str(self._seq), seq=self._seq, kind=req.kind, argv=req.argv, cwd=req.cwd,
                     name=req.name, slots=need.slots, gpus=need.gpus, after=req.after, submitted_at=time.time(),
+                    env=J.check_env(req.env),
                     run_dir=J.run_dir_of(req.kind, req.argv, req.cwd))
         self._save(job)
         self._wake.set()
@@ -520,7 +521,8 @@ class Daemon:
         try:
             proc = await trio.lowlevel.open_process(
                 [sys.executable, "-m", "prism", *job.command], cwd=job.cwd, stdin=subprocess.DEVNULL,
-                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=_job_env())
+                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                env=J.job_env(_job_env(), job))
         except OSError as e:
             logf.write(f"prism daemon: cannot start the job: {e}\n".encode())
             logf.close()

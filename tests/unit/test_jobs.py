@@ -112,7 +112,7 @@ def test_recovery_interrupts_running_jobs_and_keeps_the_rest():
 
 def test_messages_round_trip_through_json():
     j = J.transition(job(1, gpus=(1,), after=["0"]), "running", pid=5, started_at=1.5)
-    for msg in (J.Submit("capture", ("-n", "2"), "/w", "a", ("1",)), J.Jobs(), J.Jobs("3"), J.Cancel("3"),
+    for msg in (J.Submit("capture", ("-n", "2"), "/w", "a", ("1",)), J.Submit("predict", ("r",), "/w", env=("A=1",)), J.Jobs(), J.Jobs("3"), J.Cancel("3"),
                 J.Logs("3", 10), J.Resume("3"), J.Submitted(j), J.JobList((j, job(2)), 4, 1, (0,)),
                 J.LogText("3", "x\n", "/s/log", True), J.Refused("no")):
         assert J.decode_message(orjson.loads(orjson.dumps(J.encode_message(msg)))) == msg
@@ -234,3 +234,20 @@ def test_wait_polls_until_every_job_has_ended(monkeypatch):
     monkeypatch.setattr(app_daemon, "jobs", lambda job_id="", **kw: J.JobList((job(4, "running"),), 2, 1, ()))
     with pytest.raises(app_daemon.DaemonError, match=r"still active after 0 s: job 4 \(running\)"):
         app_daemon.wait(poll_s=0, limit_s=0)
+
+
+def test_a_job_runs_with_its_own_environment_on_top_of_the_daemons(tmp_path):
+    from prism.app import daemon as app_daemon
+
+    daemon = D.Daemon(D.ServiceConfig(tmp_path, "inproc://x", J.Capacity(2)))
+    sub = daemon.handle(J.Submit("predict", ("r",), "/w", env=("PRISM_DEVICE_REACH=issue", "X=a=b")))
+    assert sub.job.env == ("PRISM_DEVICE_REACH=issue", "X=a=b")
+    assert D.read_jobs(tmp_path)[0] == [sub.job]                       # kept in job.json
+    env = J.job_env({"PATH": "/bin", "X": "old"}, sub.job)
+    assert env == {"PATH": "/bin", "X": "a=b", "PRISM_DEVICE_REACH": "issue"}
+    with pytest.raises(J.JobError, match="'1X=2' is not NAME=VALUE"):
+        daemon.handle(J.Submit("predict", ("r",), "/w", env=("1X=2",)))
+    assert app_daemon.prism_env({"PRISM_A": "1", "PRISM_DAEMON": "/s", "HOME": "/h"}) == ("PRISM_A=1",)
+    old = J.job_to_dict(sub.job)
+    del old["env"]                                                   # a record from before env existed
+    assert J.job_from_dict(old).env == ()
