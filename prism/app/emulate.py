@@ -432,7 +432,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         "groups": {"in_graph": len(graph.groups), "with_sandbox": groups_with_sandbox,
                    "instantiated": len(emu.stats.groups_created)},
         "calls": {"recorded": emu.stats.recorded_calls, "compensated": emu.stats.compensated_calls,
-                  "on_device": emu.stats.device_calls, "reached_on_gpu": emu.stats.reached_calls,
+                  "on_device": emu.stats.device_calls, "sends_on_device": emu.stats.device_sends,
+                  "reached_on_gpu": emu.stats.reached_calls,
                   "implicit_waits": emu.stats.implicit_waits, "deliveries": emu.stats.deliveries},
         "pacing": {"lead_ns": LEAD_NS,
                    "turnaround_p50_ns": int(np.percentile(turn, 50)), "turnaround_p99_ns": int(np.percentile(turn, 99)),
@@ -565,6 +566,8 @@ def format_summary(s: dict, out_dir: Path) -> str:
     c = s["calls"]
     lines.append(f"calls: {c['recorded']} answered from the recording, {c['compensated']} compensated"
                  + (f" ({c['on_device']} of them on the sandbox's GPU, no host round trip)" if c.get("on_device") else "")
+                 + (f"; {c['sends_on_device']} sends to virtual ranks kept on the GPU" if c.get("sends_on_device")
+                    else "")
                  + f"; {c['deliveries']} results released")
     lines.append(f"{'':<28}{'iteration time':>16}")
     lines.append(f"{'capture prediction':<28}{_ms(s['predicted_mean_ns']):>16}")

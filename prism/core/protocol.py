@@ -22,7 +22,7 @@ import orjson
 from prism.core import codec
 
 #: 2: results carry ``release_ns`` (emulation: when the call completes).
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 #: Largest message (all frames together) a peer may send. Tensors staged
 #: through the coordinator in phase 1 are gradient buckets and activations:
 #: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
@@ -113,7 +113,9 @@ class CollectiveArrive:
 class Reached:
     """Emulation, a GPU sandbox's device-path collective ``(gid, seq)``
     (``CollectiveArrive.reach_follows``): its stream reached the call at
-    ``reach_ns`` (the GPU's clock, converted to the rank's dilated clock)."""
+    ``reach_ns`` (the GPU's clock, converted to the rank's dilated clock).
+    For a device-path receive (``RecvPost.reach_follows``) ``gid`` is
+    ``recv_reach_gid(src, tag)`` and ``seq`` its ``pseq``."""
 
     TYPE: ClassVar[str] = "reached"
     rank: int
@@ -124,7 +126,9 @@ class Reached:
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """A send (eager: the payload travels with it)."""
+    """A send (eager: the payload travels with it). ``on_device``: a GPU
+    sandbox's send to a virtual rank; the data stays on its GPU (no payload,
+    no copy to the host, nothing queued on its stream)."""
 
     TYPE: ClassVar[str] = "send"
     rank: int
@@ -136,11 +140,15 @@ class Send:
     shape: tuple[int, ...]
     issue_ns: int = 0
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
+    on_device: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class RecvPost:
-    """The rank posted a receive; the coordinator answers with ``P2PData``."""
+    """The rank posted a receive; the coordinator answers with ``P2PData``.
+    ``on_device``: a GPU sandbox's receive from a virtual rank, formed on its
+    GPU behind a stream-ordered release (the answer carries no payload);
+    ``reach_follows`` as ``CollectiveArrive``'s (a ``Reached`` follows)."""
 
     TYPE: ClassVar[str] = "recv"
     rank: int
@@ -151,6 +159,14 @@ class RecvPost:
     dtype: str
     shape: tuple[int, ...]
     issue_ns: int = 0
+    on_device: bool = False
+    reach_follows: bool = False
+
+
+def recv_reach_gid(src: int, tag: int) -> str:
+    """The ``Reached.gid`` of a device-path receive from ``src`` with ``tag``
+    (no group id looks like it: they never hold a colon)."""
+    return f"recv:{src}:{tag}"
 
 
 @dataclass(frozen=True, slots=True)

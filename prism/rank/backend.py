@@ -745,15 +745,18 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> PrismWork:
         rt = _rt.current()
-        if rt.recorder.gpu is None:
+        peer = self.global_ranks[dst]
+        on_device = rt.hybrid and len(tensors) == 1 and devicepath.eligible_p2p(peer, tensors[0])
+        if rt.recorder.gpu is None and not on_device:
             _settle(tensors)
         blocking = _caller_is_blocking("send")
         rt.ensure_slot()
         t0 = rt.recorder.comm_enter()
         try:
             (t,) = tensors
-            peer = self.global_ranks[dst]
             pseq = rt.next_pseq(rt.rank, peer, tag)
+            if on_device:
+                return self._send_on_device(rt, t, peer, tag, pseq, blocking, t0)
             h = _host(t, copy=True)  # eager send: the caller may reuse t at once
             rt.send_call(protocol.Send(
                 rank=rt.rank, gid=self.gid, dst=peer, tag=tag, pseq=pseq, dtype=_dtype_name(t.dtype),
@@ -778,16 +781,19 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> PrismWork:
         rt = _rt.current()
-        if rt.recorder.gpu is None:
+        peer = self.global_ranks[src]
+        on_device = rt.hybrid and len(tensors) == 1 and devicepath.eligible_p2p(peer, tensors[0])
+        if rt.recorder.gpu is None and not on_device:
             _settle(tensors)
         blocking = _caller_is_blocking("recv")
         rt.ensure_slot()
         t0 = rt.recorder.comm_enter()
         try:
             (t,) = tensors
-            peer = self.global_ranks[src]
             pseq = rt.next_pseq(peer, rt.rank, tag)
             shape, dtype = _shape(t), _dtype_name(t.dtype)
+            if on_device:
+                return self._recv_on_device(rt, t, peer, tag, pseq, blocking, t0)
             pending = _Op(f"recv from rank {peer} tag {tag} (pseq {pseq})", [t], [t], t0, blocking, rt.recorder.step)
             pending.wait_key = wait_key_p2p(peer, rt.rank, tag, pseq)
             nbytes = t.numel() * t.element_size()
@@ -809,6 +815,69 @@ class PrismProcessGroup(dist.ProcessGroup):
             return self._issued(PrismWork(pending))
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
+
+    def _send_on_device(self, rt: Any, t: torch.Tensor, peer: int, tag: int, pseq: int, blocking: bool,
+                        t0: int) -> PrismWork:
+        """A GPU sandbox's send to a virtual rank (``prism.rank.devicepath``):
+        shapes only; nothing is copied off the GPU or queued on its stream."""
+        dtype, shape = _dtype_name(t.dtype), _shape(t)
+        rt.send_call(protocol.Send(rank=rt.rank, gid=self.gid, dst=peer, tag=tag, pseq=pseq, dtype=dtype,
+                                   shape=shape, issue_ns=rt.emu_ns(t0), on_device=True))
+        end = time.monotonic_ns()
+        pending = _Op(f"send to rank {peer} tag {tag}", [], [t], t0, True, rt.recorder.step)
+        pending.end_ns = end
+        rt.recorder.emit(trace.P2P(
+            op="send", gid=self.gid, peer=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape,
+            bytes=t.numel() * t.element_size(), async_op=not blocking, issue_ns=t0, wait_ns=t0, end_ns=end,
+            step=rt.recorder.step,
+        ))
+        rt.untrack(pending)
+        pending.done.set()
+        pending.settle_future()
+        work = self._issued(PrismWork(pending))
+        devicepath.count_issue(time.monotonic_ns() - t0)
+        return work
+
+    def _recv_on_device(self, rt: Any, t: torch.Tensor, peer: int, tag: int, pseq: int, blocking: bool,
+                        t0: int) -> PrismWork:
+        """A GPU sandbox's receive from a virtual rank (``prism.rank.devicepath``):
+        the stream waits for the release, then the tensor is zeroed (the
+        compensated receive); the CPU goes on at once."""
+        rel = devicepath.releaser()
+        slot, value = rel.reserve()
+        reach = rel.reports_reach and devicepath.reach_from_gpu()
+        dtype, shape = _dtype_name(t.dtype), _shape(t)
+        nbytes = t.numel() * t.element_size()
+        pending = _Op(f"recv from rank {peer} tag {tag} (pseq {pseq})", [], [t], t0, False, rt.recorder.step)
+        pending.wait_key = wait_key_p2p(peer, rt.rank, tag, pseq)
+        pending.release_flag = (rel, slot, value)
+        pending.hold_weakly()
+
+        def finish(p: _Op) -> list[Any]:
+            return [trace.P2P(
+                op="recv", gid=self.gid, peer=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape, bytes=nbytes,
+                async_op=not blocking, issue_ns=p.issue_ns, wait_ns=p.wait_ns or p.end_ns, end_ns=p.end_ns,
+                step=p.step,
+            )]
+
+        pending.finish_events = finish
+        fut = rt.client.future(("p2p", peer, rt.rank, tag, pseq))
+        # As a device-path collective: the call goes out before the wait is queued.
+        rt.send_call(protocol.RecvPost(rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype,
+                                       shape=shape, issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach))
+        rt.on_done(fut, lambda f: _complete_from_future(pending, f))
+        if reach:
+            rel.prepare(slot)
+        rel.enqueue_wait(slot, value)
+        if reach:
+            gid = protocol.recv_reach_gid(peer, tag)
+            rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, pseq, rt.emu_ns(at))),
+                      rt.add_dilation)
+        with torch.no_grad():
+            t.zero_()
+        work = self._issued(PrismWork(pending))
+        devicepath.count_issue(time.monotonic_ns() - t0)
+        return work
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> PrismWork:
         raise _unsupported("recv from any source (dist.recv/irecv without src)")

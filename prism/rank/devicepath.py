@@ -34,10 +34,15 @@ all_to_all_single        the chunk from a virtual member j is its own chunk
                          for j, cut or tiled to the rows j sends (uneven
                          splits too); its own chunk comes back as it is
 broadcast / barrier      nothing changes
+send to a virtual rank   nothing is queued: the data never leaves the GPU
+                         (no copy to the host, which would wait for the
+                         stream: NCCL's send does not hold the CPU either)
+recv from a virtual rank zeros, behind the release (the host path's
+                         compensation of a receive)
 =======================  ==============================================
 
-Other ops (gather, scatter, point-to-point, groups with
-two sandbox members) keep the host path.
+Other ops (gather, scatter, point-to-point with another sandbox, groups
+with two sandbox members) keep the host path.
 
 The hazard: while the GPU waits on a flag, anything that needs the whole
 GPU idle before it returns blocks the thread that asked, and if that thread
@@ -139,6 +144,16 @@ def eligible(op: str, members: Sequence[int], rank: int, tensors: Sequence[torch
     if tensors and not all((t.is_cuda or _cpu_test()) and t.is_contiguous() for t in tensors):
         return False
     if reduce_name and reduce_name not in ("SUM", "AVG", "PREMUL_SUM", "MIN", "MAX"):
+        return False
+    return releaser() is not None
+
+
+def eligible_p2p(peer: int, tensor: torch.Tensor) -> bool:
+    """Whether a send to or receive from ``peer`` takes the device path: the
+    peer is virtual (another sandbox needs the real data: the host path)."""
+    if not enabled() or peer in sandbox_ranks():
+        return False
+    if not ((tensor.is_cuda or _cpu_test()) and tensor.is_contiguous()):
         return False
     return releaser() is not None
 

@@ -97,6 +97,8 @@ class EmulationStats:
     compensated_calls: int = 0
     #: of the compensated, formed on a GPU sandbox's device (``CollectiveArrive.on_device``)
     device_calls: int = 0
+    #: sends to virtual ranks whose data stayed on a GPU sandbox's device (``Send.on_device``)
+    device_sends: int = 0
     #: rank -> the first call where it sent something other than the recording
     divergence: dict[int, str] = field(default_factory=dict)
     groups_created: set[str] = field(default_factory=set)
@@ -357,16 +359,28 @@ class Emulator(Coordinator):
         self._reach[(session.rank, msg.gid, msg.seq)] = msg.reach_ns
         await self._pump()
 
+    @staticmethod
+    def _reach_key(rank: int, msg: Any) -> tuple[int, str, int]:
+        """The ``Reached`` that gives a device-path call's arrival."""
+        if isinstance(msg, P.RecvPost):
+            return (rank, P.recv_reach_gid(msg.src, msg.tag), msg.pseq)
+        return (rank, msg.gid, msg.seq)
+
     async def _on_send(self, session: RankSession, msg: P.Send, now: int) -> None:
         rank = session.rank
-        self._check_sent(rank, "", msg.payloads, 1, lambda i, n: PL.p2p_ref(msg.rank, msg.dst, msg.tag, msg.pseq))
+        if msg.on_device:  # to a virtual rank, the data stayed on the sandbox's GPU: nothing to compare
+            self.stats.device_sends += 1
+        else:
+            self._check_sent(rank, "", msg.payloads, 1,
+                             lambda i, n: PL.p2p_ref(msg.rank, msg.dst, msg.tag, msg.pseq))
         if msg.dst in self.sandbox:
             self._sent[(msg.rank, msg.dst, msg.tag, msg.pseq)] = msg
         self._queue[rank].append(("send", msg, Call("send", peer=msg.dst, tag=msg.tag), msg.issue_ns or now))
         await self._pump()
 
     async def _on_recv(self, session: RankSession, msg: P.RecvPost, now: int) -> None:
-        self._queue[session.rank].append(("recv", msg, Call("recv", peer=msg.src, tag=msg.tag), msg.issue_ns or now))
+        t = None if msg.reach_follows else (msg.issue_ns or now)  # as a device-path collective's
+        self._queue[session.rank].append(("recv", msg, Call("recv", peer=msg.src, tag=msg.tag), t))
         await self._pump()
 
     async def _on_wait(self, session: RankSession, msg: P.Wait, now: int) -> None:
@@ -406,7 +420,7 @@ class Emulator(Coordinator):
         if not q:
             return False
         kind, msg, _, t = q[0]
-        return t is not None or (rank, msg.gid, msg.seq) in self._reach
+        return t is not None or self._reach_key(rank, msg) in self._reach
 
     def _drain(self, rank: int) -> int:
         """Feed ``rank``'s queued calls to the engine while it can take them; how many it took."""
@@ -417,7 +431,7 @@ class Emulator(Coordinator):
         while q and self._result is None:
             kind, msg, call, t = q[0]
             if t is None:  # a device-path call: its arrival is the stream's reach
-                t = self._reach.pop((rank, msg.gid, msg.seq), None)
+                t = self._reach.pop(self._reach_key(rank, msg), None)
                 if t is None:
                     break
                 self.stats.reached_calls += 1
@@ -590,6 +604,10 @@ class Emulator(Coordinator):
         if msg.src in self.sandbox:
             sent = self._sent.pop(key)
             payloads = tuple(sent.payloads)
+        elif msg.on_device:  # formed on the sandbox's GPU (zeros behind the release)
+            payloads = ()
+            self.stats.compensated_calls += 1
+            self.stats.device_calls += 1
         else:
             rec = self.recordings.get(rank)
             p = rec.index.get(("recv", PL.p2p_ref(*key))) if rec is not None else None

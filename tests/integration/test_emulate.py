@@ -113,6 +113,8 @@ def test_the_device_path_protocol_compensates_as_the_coordinator_does(gpt_run):
     d = summary(dev.stdout)
     host = json.loads((gpt_run / "emulation" / "comp" / "summary.json").read_text())
     assert d["calls"]["on_device"] > 0 and host["calls"]["on_device"] == 0
+    # the pipeline's sends and receives with virtual stages too (protocol 6)
+    assert d["calls"]["sends_on_device"] > 0 and host["calls"]["sends_on_device"] == 0
     # every device-path call's arrival came as a reach (protocol 5's Reached), none left waiting
     assert d["calls"]["reached_on_gpu"] == d["calls"]["on_device"]
     assert d["pacing"]["reach_lag_p50_ns"] is not None and host["pacing"]["reach_lag_p50_ns"] is None
