@@ -153,18 +153,21 @@ suite_calibration() {  # slice calibration vs truth on the host's cores: bare, c
   done
 }
 
-suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then GPT tp2 emulated with a GPU sandbox, both paths
+suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gpt-tp2) emulated with a GPU sandbox, both paths
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
   x "$R/cuda_ext-tests.txt" 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_cuda_ext_gpu.py
   x "$R/cuda_kernels.txt" 120 python3 bench/cuda_kernels.py --out "$R/cuda_kernels.json"
-  # shellcheck disable=SC2086 (the words split on purpose)
-  x "$R/capture-gpt-tp2.txt" 120 python3 -m prism capture -n 2 --gpus 0 --out "$R/cap-gpt" --progress off -- $GPT \
-    --tp 2 --pp 1 --dp 1
-  x "$R/emulate-device.txt" 120 env PRISM_STACK_DUMP_S=20 python3 -m prism emulate "$R/cap-gpt" --sandbox 0 \
-    --device-path --net "$NET" --warmup 3 --name device --quiet 25 --progress off
-  x "$R/emulate-host.txt" 200 python3 -m prism emulate "$R/cap-gpt" --sandbox 0 --net "$NET" --warmup 3 --name host \
-    --progress off
+  local w
+  for w in ${WL:-gpt-tp2}; do  # WL: workloads of workload_args (gpt-tp2 pp2 moe); HOST=0 skips the host path
+    # shellcheck disable=SC2046 (the words split on purpose)
+    x "$R/capture-$w.txt" 120 python3 -m prism capture -n 2 --gpus 0 --out "$R/cap-$w" --progress off -- \
+      $(workload_args "$w")
+    x "$R/emulate-$w-device.txt" 120 env PRISM_STACK_DUMP_S=20 python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
+      --device-path --net "$NET" --warmup 3 --name device --quiet 25 --progress off
+    [ "${HOST:-1}" = 0 ] || x "$R/emulate-$w-host.txt" 200 python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
+      --net "$NET" --warmup 3 --name host --progress off
+  done
 }
 
 suite_comm_share() {  # CPU truth vs replay split into communication and the rest, world 8 and 16
