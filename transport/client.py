@@ -163,6 +163,7 @@ class BlockingClient:
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         on_error: Callable[[Error | Shutdown], None] | None = None,
+        curve_keys: str | os.PathLike[str] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.max_message_bytes = max_message_bytes
@@ -175,6 +176,11 @@ class BlockingClient:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        if curve_keys is not None:
+            # A coordinator served through ``prism agent``: CURVE with the keys by path.
+            from .curve import connect_curve
+
+            connect_curve(sock, curve_keys)
         sock.connect(endpoint)
         self._sock = sock
         self._fd: int = sock.getsockopt(zmq.FD)
@@ -221,6 +227,7 @@ class BlockingClient:
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         on_error: Callable[[Error | Shutdown], None] | None = None,
+        curve_keys: str | os.PathLike[str] | None = None,
     ) -> tuple[BlockingClient, Welcome]:
         """Connect to the coordinator at ``endpoint``, send ``hello`` and wait
         up to ``timeout`` seconds for its ``Welcome``.
@@ -236,6 +243,7 @@ class BlockingClient:
             heartbeat_s=heartbeat_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
             on_error=on_error,
+            curve_keys=curve_keys,
         )
         try:
             welcome_future = client.future(_WELCOME_KEY)

@@ -126,7 +126,14 @@ class Interrupted:
     signum: int
 
 
-Event = Received | Malformed | RankExited | Tick | Interrupted
+@dataclass(frozen=True, slots=True)
+class NodeLost:
+    """The process handle lost a node (an agent): ``message`` names it and its ranks."""
+
+    message: str
+
+
+Event = Received | Malformed | RankExited | Tick | Interrupted | NodeLost
 
 
 # --- participants -----------------------------------------------------------------
@@ -347,6 +354,7 @@ class Coordinator:
         router: RouterSocket | None = None,
         processes: Processes | None = None,
         stop_signals: Sequence[int] = (),
+        curve_keys: str | os.PathLike[str] | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
@@ -366,7 +374,10 @@ class Coordinator:
         self.launch = launch
         self.on_listening = on_listening
         self.progress = progress
-        self.authenticated = authenticated
+        #: ``prism keys`` directory: the socket is a CURVE server letting in
+        #: only its authorized keys (ranks started by ``prism agent``).
+        self.curve_keys = Path(curve_keys) if curve_keys is not None else None
+        self.authenticated = authenticated or self.curve_keys is not None
         #: Signals that stop the run as a failure would (SIGTERM from ``prism
         #: cancel`` or a daemon stopping): every rank is told, flushes its
         #: trace and is killed; the trace stays valid. Main thread only (trio).
@@ -415,6 +426,7 @@ class Coordinator:
             RankExited: self._on_exit,
             Tick: self._on_tick,
             Interrupted: self._on_interrupted,
+            NodeLost: self._on_node_lost,
         }
         #: Messages a registered rank may send (Hello is the one that comes before a session).
         self._message_handlers: dict[type, _MessageHandler] = {
@@ -470,9 +482,14 @@ class Coordinator:
     async def _serve(self) -> None:
         sock = self._router if self._router is not None else AsyncSocket.create(zmq.ROUTER)
         self._sock = sock
+        auth = None
         try:
             if isinstance(sock, AsyncSocket):
                 sock.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                if self.curve_keys is not None:
+                    from transport.curve import serve_curve
+
+                    auth = serve_curve(sock.socket, self.curve_keys, log_name="prism.shell.coordinator.zap")
                 self.bound_endpoint = sock.bind(self.endpoint, authenticated=self.authenticated)
             else:
                 self.bound_endpoint = self.endpoint
@@ -497,6 +514,8 @@ class Coordinator:
         finally:
             self._close_traces()
             sock.close()
+            if auth is not None:
+                auth.stop()
             if self.bound_endpoint.startswith("ipc://"):
                 # libzmq leaves the socket file behind; a run directory should
                 # hold only files (copying one with it fails).
@@ -533,8 +552,16 @@ class Coordinator:
                 # Starting a world of processes blocks for seconds: not in the loop.
                 self._processes = await trio.to_thread.run_sync(launch, self.bound_endpoint)
             seen: set[int] = set()
+            # A handle over remote processes (``prism.shell.agent.AgentProcesses``)
+            # says when a whole node is lost; that is the run's report, before
+            # the exits of the ranks it took along.
+            lost = getattr(self._processes, "lost", None)
+            reported = False
             while True:
                 await trio.sleep(0.1)
+                if lost is not None and not reported and (why := lost()):
+                    reported = True
+                    await out.send(NodeLost(why))
                 for rank, code in enumerate(self._processes.poll()):
                     if code is not None and rank not in seen:
                         seen.add(rank)
@@ -867,6 +894,9 @@ class Coordinator:
         except ValueError:
             name = f"signal {ev.signum}"
         self._fail("interrupted", f"{self.what} stopped by {name} (the trace so far is kept)", EXIT_INTERRUPTED)
+
+    async def _on_node_lost(self, ev: NodeLost, now: int) -> None:
+        self._fail("node_lost", ev.message, 1)
 
     def _fail(self, status: str, message: str, code: int) -> None:
         if self._result is None:
