@@ -75,7 +75,7 @@ class CaptureResult:
     """How a capture ended. ``status`` is "ok", "mismatch", "deadlock", "oom"
     (exit code ``EXIT_OOM``), "rank_failed", "swap_failed", "invalid",
     "interrupted" (a stop signal, exit code ``EXIT_INTERRUPTED``) or
-    "internal"; ``exit_code`` is non-zero unless ok."""
+    "internal", or "node_lost" (an agent died); ``exit_code`` is non-zero unless ok."""
 
     status: str
     message: str
