@@ -76,7 +76,6 @@ def test_two_agents_capture_equals_one_machine(tmp_path, shared_captures):
     finally:
         reap(cap, *ags)
     text = (tmp_path / "cap.err").read_text()
-    assert "agent vm" in text or "ran ranks 0-1" in text, text
     assert "ran ranks 0-1" in text and "ran ranks 2-3" in text, text
     proc, plain = shared_captures.get(4, cmd, "--slots", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
