@@ -332,7 +332,9 @@ def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
     """Plan (unless given a plan) and run the capture."""
     plan = config if isinstance(config, CapturePlan) else plan_capture(config)
     c = plan.config
-    return capture_run(plan.run_dir, c.world_size, plan.command, slots=plan.slots, coordinator=c.coordinator,
+    # With agents and no --slots, the slots are the agents' (each says its own).
+    slots = 0 if c.agents and c.slots is None else plan.slots
+    return capture_run(plan.run_dir, c.world_size, plan.command, slots=slots, coordinator=c.coordinator,
                        nproc_per_node=c.nproc_per_node, show_ranks=c.show_ranks, quiet_s=c.quiet_s,
                        progress=c.progress, gpu=plan.gpu, record=plan.record,
                        small_tensor_limit=c.small_tensor_limit, agents=c.agents, listen=c.listen, keys=c.keys,
@@ -363,6 +365,11 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
     from transport.endpoints import default_endpoint
 
     runfolder.make_run_dir(run_dir)
+    agent_procs = agent_endpoint = None
+    if agents:
+        agent_procs, agent_endpoint, agent_slots = _join_agents(listen, agents, world_size, keys, insecure,
+                                                                agent_wait_s)
+        slots = slots or agent_slots
     # A GPU plan means the ranks drive GPUs, whether or not the command says
     # so (scripts that take CUDA when it is there); simulated swaps run on CPU.
     kind = "cuda" if gpu is not None and not getattr(gpu, "simulated", False) else device_kind_of(cmd)
@@ -396,9 +403,8 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         return launch_ranks(world_size, endpoint, run_dir, cmd, nproc_per_node=nproc_per_node,
                             show_ranks=show_ranks, env=env)
 
-    agent_procs = None
-    if agents:
-        agent_procs, endpoint, slots = _join_agents(listen, agents, world_size, keys, insecure, agent_wait_s)
+    if agent_procs is not None:
+        endpoint = agent_endpoint
 
         def launch(endpoint: str) -> Any:
             return agent_procs.launch(_advertised(endpoint, listen), run_dir, cmd, gang=_gang_of(cmd),
