@@ -922,7 +922,21 @@ class Coordinator:
         stopped = "stopped by Prism: " + self._result.message.splitlines()[0] if self._result else ""
         for member in self.ranks.values():
             member.close(now, stopped)
+        if self._result is not None and not self.hybrid:
+            self._close_unregistered(now, stopped)
         self._close_payloads()
+
+    def _close_unregistered(self, now: int, stopped: str) -> None:
+        """A capture stopped before some ranks said Hello (a node lost while
+        they started): each still gets a file, a ``rank_start`` with what is
+        known and a ``rank_end`` "killed", so the run stays valid."""
+        for rank in range(self.world_size):
+            if rank in self.ranks or runfolder.rank_path(self.run_dir, rank).exists():
+                continue
+            writer = runfolder.TraceWriter(self.run_dir, rank)
+            writer.write(T.RankStart(rank, self.world_size, -1, 0, "", "", "", 0, self._t0))
+            writer.write(T.RankEnd(now, "killed", f"never registered; {stopped}"[:4000]))
+            writer.close()
 
 
 def default_stop_signals() -> tuple[int, ...]:
