@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import types
+from pathlib import Path
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -52,6 +53,7 @@ from ._frames import EVENTS as _EVENTS
 from ._frames import POLLIN as _POLLIN
 from ._frames import POLLOUT as _POLLOUT
 from ._frames import recv_frames, send_frames
+from .curve import HANDSHAKE_FAILED_EVENTS
 
 __all__ = [
     "BlockingClient",
@@ -175,7 +177,9 @@ class BlockingClient:
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._curve_keys = curve_keys
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                                | HANDSHAKE_FAILED_EVENTS)
         if curve_keys is not None:
             # A coordinator served through ``prism agent``: CURVE with the keys by path.
             from .curve import connect_curve
@@ -512,6 +516,15 @@ class BlockingClient:
                 return handshaken
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 handshaken = True
+            elif event["event"] & HANDSHAKE_FAILED_EVENTS and not handshaken and not self._closing:
+                # A CURVE server that refuses our keys (or wants some): say so
+                # now instead of waiting out the Welcome's timeout.
+                from .curve import handshake_text
+
+                keys = self._curve_keys
+                text = handshake_text("the coordinator", self.endpoint, event["event"],
+                                      None if keys is None else Path(keys))
+                self._fail(CoordinatorLost(Error(code="unreachable", message=text), self.endpoint))
             elif event["event"] == zmq.EVENT_DISCONNECTED and handshaken and not self._closing:
                 self._fail(
                     CoordinatorLost(

@@ -145,3 +145,32 @@ def test_an_agent_with_other_keys_is_refused_clearly(tmp_path):
             run_agent(AgentConfig(ep, None, insecure=True, wait_s=10))
     finally:
         procs.close()
+
+
+def test_a_rank_without_the_right_keys_is_refused_at_once(tmp_path):
+    import zmq
+
+    from prism.core.protocol import PROTOCOL_VERSION, Hello
+    from transport.client import BlockingClient, CoordinatorLost
+    from transport.curve import serve_curve
+
+    make_keys(tmp_path / "keys")
+    make_keys(tmp_path / "other")
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    shutil.copy(tmp_path / "keys" / "server.key", stranger)
+    shutil.copy(tmp_path / "other" / "client.key_secret", stranger)
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    auth = serve_curve(sock, tmp_path / "keys")
+    try:
+        sock.bind("tcp://127.0.0.1:*")
+        ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        hello = Hello(PROTOCOL_VERSION, 0, 2, 0, os.getpid(), "h", "cpu", time.monotonic_ns())
+        for keys, match in [(stranger, "refused your key"), (None, "requires CURVE keys: pass --keys")]:
+            t0 = time.monotonic()
+            with pytest.raises(CoordinatorLost, match=match):
+                BlockingClient.connect(ep, hello, timeout=20, curve_keys=keys)
+            assert time.monotonic() - t0 < 5
+    finally:
+        sock.close(linger=0)
+        auth.stop()
