@@ -369,6 +369,8 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
     if agents:
         agent_procs, agent_endpoint, agent_slots = _join_agents(listen, agents, world_size, keys, insecure,
                                                                 agent_wait_s)
+        agent_procs.place(_gang_of(cmd))
+        # --slots caps the run as a whole; each node computes on its own slots.
         slots = slots or agent_slots
     # A GPU plan means the ranks drive GPUs, whether or not the command says
     # so (scripts that take CUDA when it is there); simulated swaps run on CPU.
@@ -407,13 +409,13 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         endpoint = agent_endpoint
 
         def launch(endpoint: str) -> Any:
-            return agent_procs.launch(_advertised(endpoint, listen), run_dir, cmd, gang=_gang_of(cmd),
-                                      nproc_per_node=nproc_per_node,
+            return agent_procs.launch(_advertised(endpoint, listen), run_dir, cmd, nproc_per_node=nproc_per_node,
                                       show_ranks=show_ranks if show_ranks != "all" else range(world_size))
     coord = Coordinator(run_dir, world_size, slots=slots, endpoint=endpoint,
                         quiet_s=quiet_s, progress=Progress(world_size, mode=progress),
                         launch=launch, curve_keys=None if insecure else keys,
                         authenticated=bool(agents),
+                        node_slots=agent_procs.node_slots() if agent_procs is not None else None,
                         policy=gpu.policy if gpu is not None else None,
                         swapper=gpu.executor if gpu is not None else None, record=record,
                         small_tensor_limit=small_tensor_limit, stop_signals=default_stop_signals())

@@ -210,15 +210,31 @@ class AgentProcesses:
     def _ordered(self) -> list[_Peer]:
         return sorted(self._peers.values(), key=lambda p: (p.hello.node_rank, p.hello.host, p.hello.pid))
 
-    def launch(self, rank_endpoint: str, run_dir: str | os.PathLike[str], command: Sequence[str], *,
-               gang: int = 1, nproc_per_node: int = 8, show_ranks: Sequence[int] = (),
-               env: dict[str, str] | None = None, cwd: str | None = None) -> AgentProcesses:
-        """Place the world on the agents and send each its ``Launch``."""
+    def place(self, gang: int = 1) -> list[tuple[A.AgentHello, list[int]]]:
+        """Place the world on the agents (``assign_blocks``, in node order):
+        each agent and its ranks."""
         peers = self._ordered()
         blocks = A.assign_blocks(self.world_size, len(peers), gang)
-        for peer, block in zip(peers, blocks):
-            with self._cond:
+        with self._cond:
+            for peer, block in zip(peers, blocks):
                 peer.ranks = block
+                peer.last_seen = time.monotonic()
+        return self.placement()
+
+    def node_slots(self) -> tuple[dict[int, int], list[int]]:
+        """``(rank -> node index, each node's slots)`` of the placement, for
+        the coordinator's scheduler: a node computes only on its own cores."""
+        placed = self.placement()
+        nodes = {r: i for i, (_, ranks) in enumerate(placed) for r in ranks}
+        return nodes, [h.slots for h, _ in placed]
+
+    def launch(self, rank_endpoint: str, run_dir: str | os.PathLike[str], command: Sequence[str], *,
+               nproc_per_node: int = 8, show_ranks: Sequence[int] = (),
+               env: dict[str, str] | None = None, cwd: str | None = None) -> AgentProcesses:
+        """Send each agent its ``Launch`` (after ``place``)."""
+        for peer in self._ordered():
+            block = peer.ranks
+            with self._cond:
                 peer.last_seen = time.monotonic()
             msg = A.Launch(tuple(block), self.world_size, rank_endpoint, os.path.abspath(os.fspath(run_dir)),
                            tuple(command), cwd or os.getcwd(), nproc_per_node, dict(env or {}),

@@ -355,6 +355,7 @@ class Coordinator:
         processes: Processes | None = None,
         stop_signals: Sequence[int] = (),
         curve_keys: str | os.PathLike[str] | None = None,
+        node_slots: tuple[dict[int, int], list[int]] | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
@@ -388,7 +389,9 @@ class Coordinator:
         self.what = "capture"
         self.rank_word = "rank"
         self.matcher = M.Matcher(world_size)
-        self.scheduler = S.Scheduler(slots, range(world_size), policy)
+        #: ``(rank -> node, each node's slots)`` for ranks served by agents.
+        nodes, per_node = node_slots if node_slots is not None else (None, None)
+        self.scheduler = S.Scheduler(slots, range(world_size), policy, nodes=nodes, node_slots=per_node)
         self.policy: S.SwapPolicy = self.scheduler.policy
         self.swapper = swapper
         #: ``--record``: what the chosen ranks receive and send (None: nothing recorded).

@@ -106,3 +106,20 @@ def test_capture_options_for_agents_are_checked(tmp_path):
     ]:
         with pytest.raises(UsageError, match=match):
             plan_capture(CaptureConfig(4, cmd, out=tmp_path / "run", **kw))
+
+
+def test_each_node_computes_on_its_own_slots():
+    from prism.core import scheduler as S
+
+    # Ranks 0-3 on node 0 (1 slot), 4-7 on node 1 (2 slots); 8 slots in all.
+    sched = S.Scheduler(8, range(8), nodes={r: r // 4 for r in range(8)}, node_slots=[1, 2])
+    grants = [a.rank for r in (0, 1, 2, 4, 5, 6) for a in sched.request(r)]
+    assert grants == [0, 4, 5]
+    assert sched.waiting == (1, 2, 6)
+    assert [a.rank for a in sched.release(5)] == [6]  # node 1's slot goes to node 1's rank
+    assert [a.rank for a in sched.finish(0)] == [1]
+    assert sched.running == [4, 6, 1]
+    with pytest.raises(ValueError, match="both nodes"):
+        S.Scheduler(2, range(2), nodes={0: 0, 1: 0})
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        S.Scheduler(2, range(2), nodes={0: 0, 1: 1}, node_slots=[1, 0])
