@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import types
+from pathlib import Path
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -52,6 +53,7 @@ from ._frames import EVENTS as _EVENTS
 from ._frames import POLLIN as _POLLIN
 from ._frames import POLLOUT as _POLLOUT
 from ._frames import recv_frames, send_frames
+from .curve import HANDSHAKE_FAILED_EVENTS
 
 __all__ = [
     "BlockingClient",
@@ -163,6 +165,7 @@ class BlockingClient:
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         on_error: Callable[[Error | Shutdown], None] | None = None,
+        curve_keys: str | os.PathLike[str] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.max_message_bytes = max_message_bytes
@@ -174,7 +177,14 @@ class BlockingClient:
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._curve_keys = curve_keys
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                                | HANDSHAKE_FAILED_EVENTS)
+        if curve_keys is not None:
+            # A coordinator served through ``prism agent``: CURVE with the keys by path.
+            from .curve import connect_curve
+
+            connect_curve(sock, curve_keys)
         sock.connect(endpoint)
         self._sock = sock
         self._fd: int = sock.getsockopt(zmq.FD)
@@ -221,6 +231,7 @@ class BlockingClient:
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         on_error: Callable[[Error | Shutdown], None] | None = None,
+        curve_keys: str | os.PathLike[str] | None = None,
     ) -> tuple[BlockingClient, Welcome]:
         """Connect to the coordinator at ``endpoint``, send ``hello`` and wait
         up to ``timeout`` seconds for its ``Welcome``.
@@ -236,6 +247,7 @@ class BlockingClient:
             heartbeat_s=heartbeat_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
             on_error=on_error,
+            curve_keys=curve_keys,
         )
         try:
             welcome_future = client.future(_WELCOME_KEY)
@@ -504,6 +516,15 @@ class BlockingClient:
                 return handshaken
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 handshaken = True
+            elif event["event"] & HANDSHAKE_FAILED_EVENTS and not handshaken and not self._closing:
+                # A CURVE server that refuses our keys (or wants some): say so
+                # now instead of waiting out the Welcome's timeout.
+                from .curve import handshake_text
+
+                keys = self._curve_keys
+                text = handshake_text("the coordinator", self.endpoint, event["event"],
+                                      None if keys is None else Path(keys))
+                self._fail(CoordinatorLost(Error(code="unreachable", message=text), self.endpoint))
             elif event["event"] == zmq.EVENT_DISCONNECTED and handshaken and not self._closing:
                 self._fail(
                     CoordinatorLost(

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from prism import __version__
-from prism.app.errors import UsageError
+from prism.app.errors import PrismError, UsageError
 from prism.app.trace import compact_ranks
 from prism.core import payloads as PL
 from prism.core import trace as T
@@ -37,7 +37,7 @@ from prism.shell import runfolder
 #: with ``memory_overhead_gib`` for a job that uses NCCL.
 DEFAULT_MEMORY_OVERHEAD_GIB = 0.6
 
-__all__ = ["CaptureConfig", "CapturePlan", "CaptureOutcome", "capture", "plan_capture", "capture_run",
+__all__ = ["AgentsError", "CaptureConfig", "CapturePlan", "CaptureOutcome", "capture", "plan_capture", "capture_run",
            "serve_coordinator", "default_out", "layout_of", "device_kind_of", "manifest_for"]
 
 
@@ -79,6 +79,17 @@ class CaptureConfig:
     record_limit_gib: float = PL.DEFAULT_RECORD_LIMIT / 2**30
     #: ``--value-limit``: tensors up to this many bytes have their values in the trace (0: none).
     small_tensor_limit: int = T.DEFAULT_SMALL_TENSOR_LIMIT
+    # Agents (``prism agent`` on each node; prism.shell.agent)
+    #: Serve the ranks through this many agents (0: launch them here).
+    agents: int = 0
+    #: Where the agents join: ``tcp://HOST:PORT`` (the ranks get a port of their own on HOST).
+    listen: str | None = None
+    #: ``prism keys`` directory (CURVE for agents and ranks); None only with ``insecure``.
+    keys: str | os.PathLike[str] | None = None
+    #: Plaintext tcp (a private network only).
+    insecure: bool = False
+    #: How long to wait for the agents to join.
+    agent_wait_s: float = 60.0
 
 
 @dataclass
@@ -115,6 +126,8 @@ class CaptureOutcome:
     world_size: int = 0
     #: ``--record``'s summary (``payloads/summary.json``), None when nothing was recorded.
     record: dict | None = None
+    #: With agents: (node, host, ranks) of each.
+    placement: list[tuple[str, str, list[int]]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -136,6 +149,8 @@ class CaptureOutcome:
                          f"{compact_ranks(rec['ranks'])}, steps {rec['steps']}, into {run_dir / runfolder.PAYLOADS_DIR}")
             if rec["stopped"]:
                 lines.append(f"prism: warning: {rec['stopped']}")
+        for node, host, ranks in self.placement:
+            lines.append(f"prism: agent {node} on {host} ran ranks {compact_ranks(ranks)}")
         r = self.result
         if r.status == "ok":
             lines.append(f"prism: captured {r.steps_done} steps of {run_dir} in {r.wall_s:.1f} s; "
@@ -218,6 +233,39 @@ def _record_plan(config: CaptureConfig) -> PL.RecordPlan | None:
     return PL.RecordPlan(ranks, steps, int(config.record_limit_gib * 2**30))
 
 
+def _check_agents(config: CaptureConfig) -> None:
+    if not config.agents:
+        if config.listen is not None or config.keys is not None or config.insecure:
+            raise UsageError("--listen, --keys and --insecure are for a capture served by agents: add --agents N")
+        return
+    if config.agents < 0:
+        raise UsageError(f"--agents must be at least 1, got {config.agents}")
+    if config.coordinator is not None:
+        raise UsageError("--agents serves the ranks from this capture's coordinator; --coordinator joins another: "
+                         "drop one of the two")
+    if config.gpus is not None or config.simulate_swaps is not None or config.memory_limit_gib is not None:
+        raise UsageError("--agents does not yet drive GPUs (--gpus, --simulate-swaps, --memory-limit): capture on "
+                         "one machine for those")
+    if config.listen is None:
+        raise UsageError("--agents needs --listen tcp://HOST:PORT, the address the agents join")
+    if config.keys is None and not config.insecure:
+        raise UsageError("--agents talks tcp with CURVE: pass --keys DIR (made by `prism keys DIR`), or --insecure "
+                         "on a private network")
+    from prism.core.agents import assign_blocks
+
+    try:
+        assign_blocks(config.world_size, config.agents, _gang_of(config.command))
+    except ValueError as e:
+        raise UsageError(f"--agents {config.agents}: {e}") from None
+
+
+def _gang_of(cmd: Sequence[str]) -> int:
+    """Ranks that stay on one node: the TP group (the ``--tp`` flag), as a
+    real job's placement keeps it on a node's NVLink (pipeline stages and
+    data-parallel replicas may span nodes)."""
+    return dict(layout_of(list(cmd))).get("tp", 1)
+
+
 def plan_capture(config: CaptureConfig) -> CapturePlan:
     """Check ``config``; raises ``UsageError`` naming the bad option."""
     if config.world_size < 1:
@@ -226,6 +274,7 @@ def plan_capture(config: CaptureConfig) -> CapturePlan:
         raise UsageError(f"--value-limit must be 0 or more bytes, got {config.small_tensor_limit}")
     cmd = _check_command(config.command)
     record = _record_plan(config)
+    _check_agents(config)
     run_dir = Path(config.out) if config.out else default_out("capture")
     if (run_dir / runfolder.RANKS_DIR).exists() and any((run_dir / runfolder.RANKS_DIR).iterdir()):
         raise UsageError(f"run directory {run_dir} already holds a capture; choose another --out")
@@ -283,21 +332,28 @@ def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
     """Plan (unless given a plan) and run the capture."""
     plan = config if isinstance(config, CapturePlan) else plan_capture(config)
     c = plan.config
-    return capture_run(plan.run_dir, c.world_size, plan.command, slots=plan.slots, coordinator=c.coordinator,
+    # With agents and no --slots, the slots are the agents' (each says its own).
+    slots = 0 if c.agents and c.slots is None else plan.slots
+    return capture_run(plan.run_dir, c.world_size, plan.command, slots=slots, coordinator=c.coordinator,
                        nproc_per_node=c.nproc_per_node, show_ranks=c.show_ranks, quiet_s=c.quiet_s,
                        progress=c.progress, gpu=plan.gpu, record=plan.record,
-                       small_tensor_limit=c.small_tensor_limit)
+                       small_tensor_limit=c.small_tensor_limit, agents=c.agents, listen=c.listen, keys=c.keys,
+                       insecure=c.insecure, agent_wait_s=c.agent_wait_s)
 
 
 def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[str], *, slots: int,
                 coordinator: str | None = None, nproc_per_node: int = 8, show_ranks: str | tuple[int, ...] = (),
                 quiet_s: float = 30.0, progress: str = "off", gpu: Any = None,
                 record: PL.RecordPlan | None = None,
-                small_tensor_limit: int = T.DEFAULT_SMALL_TENSOR_LIMIT) -> CaptureOutcome:
+                small_tensor_limit: int = T.DEFAULT_SMALL_TENSOR_LIMIT, agents: int = 0,
+                listen: str | None = None, keys: str | os.PathLike[str] | None = None, insecure: bool = False,
+                agent_wait_s: float = 60.0) -> CaptureOutcome:
     """Capture ``cmd`` as ``world_size`` ranks into ``run_dir``. ``gpu`` is a
     ``prism.shell.gpu_plan.GpuPlan`` (None: CPU); ``record`` what to keep of
-    the chosen ranks' payloads. Raises ``UsageError`` only when a GPU swap
-    cannot be set up."""
+    the chosen ranks' payloads. ``agents``: serve the ranks through that many
+    ``prism agent`` processes joining ``listen`` (CURVE with ``keys`` unless
+    ``insecure``). Raises ``UsageError`` when a GPU swap cannot be set up,
+    ``AgentsError`` when the agents do not join."""
     run_dir = Path(run_dir)
     cmd = list(cmd)
     if show_ranks == "none":
@@ -309,6 +365,13 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
     from transport.endpoints import default_endpoint
 
     runfolder.make_run_dir(run_dir)
+    agent_procs = agent_endpoint = None
+    if agents:
+        agent_procs, agent_endpoint, agent_slots = _join_agents(listen, agents, world_size, keys, insecure,
+                                                                agent_wait_s)
+        agent_procs.place(_gang_of(cmd))
+        # --slots caps the run as a whole; each node computes on its own slots.
+        slots = slots or agent_slots
     # A GPU plan means the ranks drive GPUs, whether or not the command says
     # so (scripts that take CUDA when it is there); simulated swaps run on CPU.
     kind = "cuda" if gpu is not None and not getattr(gpu, "simulated", False) else device_kind_of(cmd)
@@ -336,11 +399,23 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
             gpu.setup(run_dir)
         except SwapError as e:
             raise UsageError(f"cannot swap ranks on the GPU: {e}") from None
-    coord = Coordinator(run_dir, world_size, slots=slots, endpoint=default_endpoint(run_dir),
+    endpoint = default_endpoint(run_dir)
+
+    def launch(endpoint: str) -> Any:
+        return launch_ranks(world_size, endpoint, run_dir, cmd, nproc_per_node=nproc_per_node,
+                            show_ranks=show_ranks, env=env)
+
+    if agent_procs is not None:
+        endpoint = agent_endpoint
+
+        def launch(endpoint: str) -> Any:
+            return agent_procs.launch(_advertised(endpoint, listen), run_dir, cmd, nproc_per_node=nproc_per_node,
+                                      show_ranks=show_ranks if show_ranks != "all" else range(world_size))
+    coord = Coordinator(run_dir, world_size, slots=slots, endpoint=endpoint,
                         quiet_s=quiet_s, progress=Progress(world_size, mode=progress),
-                        launch=lambda endpoint: launch_ranks(world_size, endpoint, run_dir, cmd,
-                                                             nproc_per_node=nproc_per_node,
-                                                             show_ranks=show_ranks, env=env),
+                        launch=launch, curve_keys=None if insecure else keys,
+                        authenticated=bool(agents),
+                        node_slots=agent_procs.node_slots() if agent_procs is not None else None,
                         policy=gpu.policy if gpu is not None else None,
                         swapper=gpu.executor if gpu is not None else None, record=record,
                         small_tensor_limit=small_tensor_limit, stop_signals=default_stop_signals())
@@ -352,8 +427,12 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         result = trio.run(coord.run)
     finally:
         sampler.stop()
+        if agent_procs is not None:
+            agent_procs.close()
     outcome = CaptureOutcome(run_dir, result.exit_code, result, world_size=world_size,
                              record=coord.payloads.summary() if coord.payloads is not None else None)
+    if agent_procs is not None:
+        outcome.placement = [(h.node, h.host, ranks) for h, ranks in agent_procs.placement()]
     if gpu is not None:
         from prism.shell import swap
 
@@ -365,6 +444,42 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         outcome.swap_line = (swap.format_summary(outcome.swaps)
                              + f" [resident {gpu.resident}/GPU {where}, gang {gpu.gang}]")
     return outcome
+
+
+class AgentsError(PrismError):
+    """The agents did not join, or their keys or address are wrong (exit status 1)."""
+
+    exit_code = 1
+
+
+def _join_agents(listen: str | None, agents: int, world_size: int, keys: Any, insecure: bool,
+                 wait_s: float) -> tuple[Any, str, int]:
+    """Listen for the agents and wait until all joined: their handle, the
+    ranks' endpoint (a port of its own on the same host) and their slots."""
+    from prism.shell.agent import AgentError, AgentProcesses
+
+    if listen is None:
+        raise UsageError("--agents needs --listen tcp://HOST:PORT, the address the agents join")
+    try:
+        procs = AgentProcesses(listen, agents, world_size, keys=keys, insecure=insecure)
+    except AgentError as e:
+        raise AgentsError(str(e)) from None
+    try:
+        hellos = procs.wait_agents(wait_s)
+    except AgentError as e:
+        procs.close()
+        raise AgentsError(str(e)) from None
+    host = listen.removeprefix("tcp://").rpartition(":")[0]
+    return procs, f"tcp://{host}:*", sum(h.slots for h in hellos)
+
+
+def _advertised(bound: str, listen: str | None) -> str:
+    """The ranks' endpoint as other nodes reach it: a wildcard host
+    (``0.0.0.0``, ``*``) becomes this machine's name."""
+    host, _, port = bound.removeprefix("tcp://").rpartition(":")
+    if host in ("0.0.0.0", "*", "[::]", "::"):
+        host = socket.getfqdn()
+    return f"tcp://{host}:{port}"
 
 
 def serve_coordinator(run_dir: str | os.PathLike[str], world_size: int, endpoint: str, *, slots: int | None = None,

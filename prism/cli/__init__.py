@@ -109,6 +109,12 @@ def _build_keys(p: argparse.ArgumentParser) -> None:
     daemon.add_keys_arguments(p)
 
 
+def _build_agent(p: argparse.ArgumentParser) -> None:
+    from prism.cli import agent
+
+    agent.add_arguments(p)
+
+
 def _build_campaign(p: argparse.ArgumentParser) -> None:
     from prism.cli import campaign
 
@@ -132,7 +138,10 @@ _COMMANDS: tuple[_Command, ...] = (
     _Command("cancel", "cancel a queued or running job of the job daemon", build=_build_cancel),
     _Command("resume", "queue an interrupted or cancelled campaign job again (it skips finished points)",
              build=_build_resume),
-    _Command("keys", "write CURVE keypairs for the job daemon and a client", build=_build_keys),
+    _Command("keys", "write CURVE keypairs for the job daemon (or a capture's agents) and a client",
+             build=_build_keys),
+    _Command("agent", "serve a capture's ranks on this node (one per node, under srun or torchrun)",
+             build=_build_agent),
     _Command("trace", "inspect a PrismTrace run: summary, validate", build=_build_trace),
     _Command("predict", "predict iteration time and breakdown from a captured run", build=_build_predict),
     _Command("calibrate", "run the ranks slice by slice against the bare graph and store their measured durations",

@@ -63,6 +63,16 @@ def add_capture_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default=None, metavar="ENDPOINT",
                    help="join a coordinator started with `prism coordinator` instead of an embedded one")
     _add_common(p)
+    a = p.add_argument_group("agents", "serve the ranks through `prism agent` on each node (a shared run directory)")
+    a.add_argument("--agents", type=_positive("--agents"), default=0, metavar="N",
+                   help="wait for N agents and spread the ranks over them in contiguous blocks (whole TP groups "
+                        "per node)")
+    a.add_argument("--listen", default=None, metavar="tcp://HOST:PORT",
+                   help="where the agents join (e.g. tcp://0.0.0.0:29431); the ranks get another port on HOST")
+    a.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys made by `prism keys DIR`")
+    a.add_argument("--insecure", action="store_true", help="plaintext tcp, without CURVE: a private network only")
+    a.add_argument("--agent-wait", type=float, default=60.0, metavar="S",
+                   help="how long to wait for the agents to join (default 60)")
     g = p.add_argument_group("GPUs", "ranks share physical GPUs; logical devices 0..nproc-per-node-1 map onto them")
     g.add_argument("--gpus", default=None, metavar="LIST",
                    help="physical GPUs to use, e.g. 0 or 0,1 (default: all, when the command uses cuda)")
@@ -133,7 +143,8 @@ def run_capture(args: argparse.Namespace) -> int:
         quiet_s=args.quiet_period, progress=args.progress, gpus=args.gpus, resident=args.resident, gang=args.gang,
         rank_memory_gib=args.rank_memory, simulate_swaps=args.simulate_swaps, memory_limit_gib=args.memory_limit,
         memory_overhead_gib=args.memory_overhead, record=args.record, record_steps=args.record_steps,
-        record_limit_gib=args.record_limit, small_tensor_limit=args.value_limit)
+        record_limit_gib=args.record_limit, small_tensor_limit=args.value_limit, agents=args.agents,
+        listen=args.listen, keys=args.keys, insecure=args.insecure, agent_wait_s=args.agent_wait)
     try:
         plan = app_capture.plan_capture(config)
     except PrismError as e:

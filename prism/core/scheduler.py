@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -242,10 +242,20 @@ class ResidentLimit(NoSwap):
 class Scheduler:
     """``slots`` slots shared by ``ranks``; see the module docstring."""
 
-    def __init__(self, slots: int, ranks: Iterable[int], policy: SwapPolicy | None = None):
+    def __init__(self, slots: int, ranks: Iterable[int], policy: SwapPolicy | None = None,
+                 nodes: Mapping[int, int] | None = None, node_slots: Sequence[int] | None = None):
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
+        if (nodes is None) != (node_slots is None):
+            raise ValueError("give both nodes (rank -> node) and node_slots, or neither")
+        if node_slots is not None and (min(node_slots, default=0) < 1):
+            raise ValueError(f"every node needs at least 1 slot, got {list(node_slots)}")
         self.slots = slots
+        #: Ranks served by agents: rank -> node, and each node's own slots
+        #: (a node's cores are its own; a free slot elsewhere does not help).
+        self.nodes = dict(nodes) if nodes is not None else None
+        self.node_slots = list(node_slots) if node_slots is not None else None
+        self._node_busy = [0] * len(self.node_slots or ())
         self.policy: SwapPolicy = policy if policy is not None else NoSwap()
         self._state: dict[int, RankState] = {r: RankState.STARTING for r in ranks}
         self._queue: deque[int] = deque()
@@ -299,7 +309,7 @@ class Scheduler:
         if st != RankState.RUNNING:
             raise SchedulerError(f"rank {rank} released a slot it does not hold (state "
                                  f"{st.value}); this is a Prism bug, please report it")
-        self.running.remove(rank)
+        self._leave(rank)
         self._state[rank] = RankState.BLOCKED
         return self.policy.on_release(rank, self) + self._fill()
 
@@ -309,7 +319,7 @@ class Scheduler:
         if st == RankState.FINISHED:
             return []
         if st == RankState.RUNNING:
-            self.running.remove(rank)
+            self._leave(rank)
         elif st == RankState.WAITING:
             self._queue.remove(rank)
         self._state[rank] = RankState.FINISHED
@@ -320,7 +330,35 @@ class Scheduler:
         the GPU for no longer needs it)."""
         return self._fill()
 
+    def _leave(self, rank: int) -> None:
+        self.running.remove(rank)
+        if self.nodes is not None:
+            self._node_busy[self.nodes[rank]] -= 1
+
+    def _fill_nodes(self) -> list[Action]:
+        """Grant in FIFO order, each rank only from its own node's slots (a
+        rank whose node is full lets the ones behind it from other nodes by)."""
+        actions: list[Action] = []
+        assert self.nodes is not None and self.node_slots is not None
+        i = 0
+        while i < len(self._queue) and len(self.running) < self.slots:
+            rank = self._queue[i]
+            node = self.nodes[rank]
+            if self._node_busy[node] >= self.node_slots[node]:
+                i += 1
+                continue
+            del self._queue[i]
+            actions += self.policy.before_grant(rank, self)
+            self._state[rank] = RankState.RUNNING
+            self.running.append(rank)
+            self._node_busy[node] += 1
+            self.started.add(rank)
+            actions.append(Grant(rank))
+        return actions
+
     def _fill(self) -> list[Action]:
+        if self.nodes is not None:
+            return self._fill_nodes()
         actions: list[Action] = []
         while self._queue and len(self.running) < self.slots:
             # A policy may grant out of FIFO order (GangResidency: resident ranks first, bounded).

@@ -65,9 +65,11 @@ def connect(endpoint: str, hello: protocol.Hello, *, timeout: float = CONNECT_TI
         fn = getattr(importlib.import_module(module), name)
     else:
         from transport.client import BlockingClient
+        from transport.curve import KEYS_ENV
 
         return BlockingClient.connect(endpoint, hello, timeout=timeout,
-                                      heartbeat_timeout_s=heartbeat_timeout_s(hello.world_size))
+                                      heartbeat_timeout_s=heartbeat_timeout_s(hello.world_size),
+                                      curve_keys=os.environ.get(KEYS_ENV) or None)
     return fn(endpoint, hello, timeout=timeout)
 
 

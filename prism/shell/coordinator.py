@@ -75,7 +75,7 @@ class CaptureResult:
     """How a capture ended. ``status`` is "ok", "mismatch", "deadlock", "oom"
     (exit code ``EXIT_OOM``), "rank_failed", "swap_failed", "invalid",
     "interrupted" (a stop signal, exit code ``EXIT_INTERRUPTED``) or
-    "internal"; ``exit_code`` is non-zero unless ok."""
+    "internal", or "node_lost" (an agent died); ``exit_code`` is non-zero unless ok."""
 
     status: str
     message: str
@@ -126,7 +126,14 @@ class Interrupted:
     signum: int
 
 
-Event = Received | Malformed | RankExited | Tick | Interrupted
+@dataclass(frozen=True, slots=True)
+class NodeLost:
+    """The process handle lost a node (an agent): ``message`` names it and its ranks."""
+
+    message: str
+
+
+Event = Received | Malformed | RankExited | Tick | Interrupted | NodeLost
 
 
 # --- participants -----------------------------------------------------------------
@@ -347,6 +354,8 @@ class Coordinator:
         router: RouterSocket | None = None,
         processes: Processes | None = None,
         stop_signals: Sequence[int] = (),
+        curve_keys: str | os.PathLike[str] | None = None,
+        node_slots: tuple[dict[int, int], list[int]] | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
@@ -366,7 +375,10 @@ class Coordinator:
         self.launch = launch
         self.on_listening = on_listening
         self.progress = progress
-        self.authenticated = authenticated
+        #: ``prism keys`` directory: the socket is a CURVE server letting in
+        #: only its authorized keys (ranks started by ``prism agent``).
+        self.curve_keys = Path(curve_keys) if curve_keys is not None else None
+        self.authenticated = authenticated or self.curve_keys is not None
         #: Signals that stop the run as a failure would (SIGTERM from ``prism
         #: cancel`` or a daemon stopping): every rank is told, flushes its
         #: trace and is killed; the trace stays valid. Main thread only (trio).
@@ -377,7 +389,9 @@ class Coordinator:
         self.what = "capture"
         self.rank_word = "rank"
         self.matcher = M.Matcher(world_size)
-        self.scheduler = S.Scheduler(slots, range(world_size), policy)
+        #: ``(rank -> node, each node's slots)`` for ranks served by agents.
+        nodes, per_node = node_slots if node_slots is not None else (None, None)
+        self.scheduler = S.Scheduler(slots, range(world_size), policy, nodes=nodes, node_slots=per_node)
         self.policy: S.SwapPolicy = self.scheduler.policy
         self.swapper = swapper
         #: ``--record``: what the chosen ranks receive and send (None: nothing recorded).
@@ -415,6 +429,7 @@ class Coordinator:
             RankExited: self._on_exit,
             Tick: self._on_tick,
             Interrupted: self._on_interrupted,
+            NodeLost: self._on_node_lost,
         }
         #: Messages a registered rank may send (Hello is the one that comes before a session).
         self._message_handlers: dict[type, _MessageHandler] = {
@@ -470,9 +485,14 @@ class Coordinator:
     async def _serve(self) -> None:
         sock = self._router if self._router is not None else AsyncSocket.create(zmq.ROUTER)
         self._sock = sock
+        auth = None
         try:
             if isinstance(sock, AsyncSocket):
                 sock.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                if self.curve_keys is not None:
+                    from transport.curve import serve_curve
+
+                    auth = serve_curve(sock.socket, self.curve_keys, log_name="prism.shell.coordinator.zap")
                 self.bound_endpoint = sock.bind(self.endpoint, authenticated=self.authenticated)
             else:
                 self.bound_endpoint = self.endpoint
@@ -497,6 +517,8 @@ class Coordinator:
         finally:
             self._close_traces()
             sock.close()
+            if auth is not None:
+                auth.stop()
             if self.bound_endpoint.startswith("ipc://"):
                 # libzmq leaves the socket file behind; a run directory should
                 # hold only files (copying one with it fails).
@@ -533,8 +555,16 @@ class Coordinator:
                 # Starting a world of processes blocks for seconds: not in the loop.
                 self._processes = await trio.to_thread.run_sync(launch, self.bound_endpoint)
             seen: set[int] = set()
+            # A handle over remote processes (``prism.shell.agent.AgentProcesses``)
+            # says when a whole node is lost; that is the run's report, before
+            # the exits of the ranks it took along.
+            lost = getattr(self._processes, "lost", None)
+            reported = False
             while True:
                 await trio.sleep(0.1)
+                if lost is not None and not reported and (why := lost()):
+                    reported = True
+                    await out.send(NodeLost(why))
                 for rank, code in enumerate(self._processes.poll()):
                     if code is not None and rank not in seen:
                         seen.add(rank)
@@ -868,6 +898,9 @@ class Coordinator:
             name = f"signal {ev.signum}"
         self._fail("interrupted", f"{self.what} stopped by {name} (the trace so far is kept)", EXIT_INTERRUPTED)
 
+    async def _on_node_lost(self, ev: NodeLost, now: int) -> None:
+        self._fail("node_lost", ev.message, 1)
+
     def _fail(self, status: str, message: str, code: int) -> None:
         if self._result is None:
             self._result = CaptureResult(status, message, code)
@@ -892,7 +925,21 @@ class Coordinator:
         stopped = "stopped by Prism: " + self._result.message.splitlines()[0] if self._result else ""
         for member in self.ranks.values():
             member.close(now, stopped)
+        if self._result is not None and not self.hybrid:
+            self._close_unregistered(now, stopped)
         self._close_payloads()
+
+    def _close_unregistered(self, now: int, stopped: str) -> None:
+        """A capture stopped before some ranks said Hello (a node lost while
+        they started): each still gets a file, a ``rank_start`` with what is
+        known and a ``rank_end`` "killed", so the run stays valid."""
+        for rank in range(self.world_size):
+            if rank in self.ranks or runfolder.rank_path(self.run_dir, rank).exists():
+                continue
+            writer = runfolder.TraceWriter(self.run_dir, rank)
+            writer.write(T.RankStart(rank, self.world_size, -1, 0, "", "", "", 0, self._t0))
+            writer.write(T.RankEnd(now, "killed", f"never registered; {stopped}"[:4000]))
+            writer.close()
 
 
 def default_stop_signals() -> tuple[int, ...]:

@@ -39,7 +39,6 @@ import fcntl
 import logging
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +53,7 @@ import trio
 import zmq
 
 from prism.core import jobs as J
+from transport import curve as C
 from transport.endpoints import MAX_IPC_PATH_BYTES
 
 log = logging.getLogger("prism.shell.daemon")
@@ -65,10 +65,11 @@ SOCKET_FILE = "daemon.sock"
 JOBS_DIR = "jobs"
 JOB_FILE = "job.json"
 LOG_FILE = "log"
-#: Key files of ``make_keys`` (``zmq.auth`` certificate format).
-SERVER_PUBLIC, SERVER_SECRET = "server.key", "server.key_secret"
-CLIENT_PUBLIC, CLIENT_SECRET = "client.key", "client.key_secret"
-AUTHORIZED_DIR = "authorized"
+#: Key files of ``make_keys`` (``transport.curve``).
+SERVER_PUBLIC, SERVER_SECRET = C.SERVER_PUBLIC, C.SERVER_SECRET
+CLIENT_PUBLIC, CLIENT_SECRET = C.CLIENT_PUBLIC, C.CLIENT_SECRET
+AUTHORIZED_DIR = C.AUTHORIZED_DIR
+KeyFiles = C.KeyFiles
 #: A job's leader gets this long after SIGTERM before its group is killed.
 DEFAULT_GRACE_S = 20.0
 MAX_REQUEST_BYTES = 1 << 20
@@ -220,56 +221,15 @@ def _job_env() -> dict[str, str]:
 # --- CURVE keys -------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class KeyFiles:
-    """What ``make_keys`` wrote: the daemon's pair, the client's pair, and
-    the client's public key among those the daemon lets in."""
-
-    dir: Path
-    server_public: Path
-    server_secret: Path
-    client_public: Path
-    client_secret: Path
-    authorized: Path
-
-
 def make_keys(directory: str | os.PathLike[str]) -> KeyFiles:
     """Write a CURVE keypair for the daemon and one for a client into
-    ``directory`` (mode 0700, files 0600), the client's public key also into
-    ``authorized/``. The daemon needs ``server.key_secret`` and
-    ``authorized/``; a client needs ``server.key`` and ``client.key_secret``
-    (copy those two to another machine). Refuses to overwrite keys."""
-    import zmq.auth
-
-    d = Path(directory)
-    existing = [n for n in (SERVER_SECRET, CLIENT_SECRET) if (d / n).exists()]
-    if existing:
-        raise DaemonError(f"{d} already holds keys ({', '.join(existing)}); remove them or choose another directory")
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(d, 0o700)
-    (d / AUTHORIZED_DIR).mkdir(exist_ok=True, mode=0o700)
-    zmq.auth.create_certificates(d, "server")
-    zmq.auth.create_certificates(d, "client")
-    shutil.copyfile(d / CLIENT_PUBLIC, d / AUTHORIZED_DIR / CLIENT_PUBLIC)
-    for p in (d / SERVER_PUBLIC, d / SERVER_SECRET, d / CLIENT_PUBLIC, d / CLIENT_SECRET,
-              d / AUTHORIZED_DIR / CLIENT_PUBLIC):
-        os.chmod(p, 0o600)
-    return KeyFiles(d, d / SERVER_PUBLIC, d / SERVER_SECRET, d / CLIENT_PUBLIC, d / CLIENT_SECRET,
-                    d / AUTHORIZED_DIR)
-
-
-def _load_key(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
-    import zmq.auth
-
-    if not path.is_file():
-        raise DaemonError(f"key file {path} does not exist: make keys with `prism keys DIR` and pass --keys DIR")
+    ``directory`` (``transport.curve.make_keys``: the daemon needs
+    ``server.key_secret`` and ``authorized/``; a client ``server.key`` and
+    ``client.key_secret``). Refuses to overwrite keys."""
     try:
-        public, sec = zmq.auth.load_certificate(path)
-    except (ValueError, OSError) as e:
-        raise DaemonError(f"key file {path} cannot be read as a CURVE certificate: {e}") from None
-    if secret and sec is None:
-        raise DaemonError(f"key file {path} holds no secret key")
-    return public, sec
+        return C.make_keys(directory)
+    except C.CurveKeyError as e:
+        raise DaemonError(str(e)) from None
 
 
 # --- the service --------------------------------------------------------------------
@@ -356,19 +316,10 @@ class Daemon:
         sock = AsyncSocket.create(zmq.ROUTER, context=ctx, max_message_bytes=MAX_REQUEST_BYTES)
         try:
             if self.config.keys is not None:
-                from zmq.auth.thread import ThreadAuthenticator
-
-                public, secret = _load_key(self.config.keys / SERVER_SECRET, secret=True)
-                allowed = self.config.keys / AUTHORIZED_DIR
-                if not allowed.is_dir() or not any(allowed.glob("*.key")):
-                    raise DaemonError(f"{allowed} holds no client public keys (*.key): the daemon would let "
-                                      "nobody in; make keys with `prism keys DIR`")
-                auth = ThreadAuthenticator(ctx, log=logging.getLogger("prism.shell.daemon.zap"))
-                auth.start()
-                auth.configure_curve(domain="*", location=str(allowed))
-                sock.socket.curve_secretkey = secret
-                sock.socket.curve_publickey = public
-                sock.socket.curve_server = True
+                try:
+                    auth = C.serve_curve(sock.socket, self.config.keys, ctx, "prism.shell.daemon.zap")
+                except C.CurveKeyError as e:
+                    raise DaemonError(str(e).replace("the server", "the daemon")) from None
             try:
                 self.bound_endpoint = sock.bind(self.config.endpoint, authenticated=auth is not None)
             except zmq.ZMQError as e:
@@ -631,13 +582,11 @@ def request(endpoint: str, msg: Any, *, keys: Path | None = None, timeout_s: flo
     mon = None
     try:
         if keys is not None:
-            server_public, _ = _load_key(keys / SERVER_PUBLIC, secret=False)
-            public, secret = _load_key(keys / CLIENT_SECRET, secret=True)
-            sock.curve_serverkey = server_public
-            sock.curve_publickey = public
-            sock.curve_secretkey = secret
-        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+            try:
+                C.connect_curve(sock, keys)
+            except C.CurveKeyError as e:
+                raise DaemonError(str(e)) from None
+        mon = sock.get_monitor_socket(C.HANDSHAKE_FAILED_EVENTS)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as e:
@@ -670,14 +619,4 @@ def request(endpoint: str, msg: Any, *, keys: Path | None = None, timeout_s: flo
 
 
 def _handshake_text(endpoint: str, event: int, keys: Path | None) -> str:
-    if keys is None:
-        return (f"the daemon at {endpoint} requires CURVE keys: pass --keys DIR with the keys made by "
-                "`prism keys DIR` (its server.key and client.key_secret)")
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (f"the daemon at {endpoint} refused your key ({keys / CLIENT_SECRET}): its public key is not in "
-                f"the daemon's {AUTHORIZED_DIR}/ directory")
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        return (f"the daemon at {endpoint} does not use CURVE (or speaks another protocol): drop --keys, or "
-                "restart it with --keys DIR")
-    return (f"the CURVE handshake with the daemon at {endpoint} failed: {keys / SERVER_PUBLIC} is not that "
-            "daemon's public key")
+    return C.handshake_text("the daemon", endpoint, event, keys).replace("the server's", "the daemon's")

@@ -18,8 +18,8 @@ def test_help_lists_every_command(capsys):
 
 def test_unbuilt_command_refuses_and_names_its_issue(capsys, monkeypatch):
     # Every command is built today: an unbuilt one is put in for the test.
-    monkeypatch.setattr(cli, "_COMMANDS", (*cli._COMMANDS, cli._Command("agent", "x", pending_issue=21)))
-    assert cli.main(["agent", "--whatever"]) == 2
+    monkeypatch.setattr(cli, "_COMMANDS", (*cli._COMMANDS, cli._Command("fleet", "x", pending_issue=21)))
+    assert cli.main(["fleet", "--whatever"]) == 2
     err = capsys.readouterr().err
     assert "not built yet" in err and "issue #21" in err
 

@@ -1,0 +1,42 @@
+"""``python -m prism agent``: argument parsing and printing over ``prism.app.agent``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prism.app import agent as app_agent
+from prism.app.errors import PrismError
+from prism.core.agents import DEFAULT_AGENT_PORT
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", default=None, metavar="tcp://HOST:PORT",
+                   help="where the capture listens (`prism capture --agents N --listen ...`); default: node 0 of "
+                        "SLURM's or torchrun's environment, at --port")
+    p.add_argument("--port", type=int, default=DEFAULT_AGENT_PORT,
+                   help=f"the coordinator's port when it comes from the environment (default {DEFAULT_AGENT_PORT})")
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="CURVE keys made by `prism keys DIR` (server.key, client.key_secret), on a shared path")
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext tcp, without CURVE: a private network only")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="this node's rank (agents are placed in this order); default from the environment")
+    p.add_argument("--slots", type=int, default=None, help="ranks that may compute at once here (default: cores)")
+    p.add_argument("--wait", type=float, default=120.0, metavar="S",
+                   help="how long to wait for the capture's launch (default 120)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = app_agent.AgentRunConfig(args.coordinator, args.keys, args.insecure, args.port, args.node_rank,
+                                      args.slots, args.wait)
+    try:
+        outcome = app_agent.serve_agent(config, on_note=lambda t: print(f"prism agent: {t}", file=sys.stderr))
+    except PrismError as e:
+        print(f"prism agent: error: {e}", file=sys.stderr)
+        return e.exit_code
+    bad = {r: c for r, c in outcome.codes.items() if c != 0}
+    why = f"; {outcome.stopped}" if outcome.stopped else ""
+    print(f"prism agent: {len(outcome.ranks)} ranks ended, {len(bad)} failed{why}", file=sys.stderr)
+    return 0 if outcome.ok else 1

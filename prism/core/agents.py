@@ -1,0 +1,245 @@
+"""Agents: one ``prism agent`` per node serves a capture's coordinator
+(sans-IO: the messages, the placement of ranks on agents, and discovery from
+a launcher's environment).
+
+An agent says ``AgentHello`` (its node, host, slots, GPUs, pid, protocol
+version); once the coordinator has every agent it expects it sends each a
+``Launch`` with its block of ranks. The agent starts them with its own fork
+server and reports ``Exits`` as they end, with an ``AgentBeat`` every
+``BEAT_S``; the coordinator beats back (``CoordinatorBeat``) and may send
+``KillAll``. Messages are plain dicts (``encode``/``decode``; the shell
+serialises them with orjson) tagged ``"t"`` and carrying ``"v"``: another
+version is refused at the hello with both versions named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = ["AGENT_PROTOCOL_VERSION", "BEAT_S", "AgentProtocolError", "AgentHello", "Launch", "Exits",
+           "AgentBeat", "CoordinatorBeat", "KillAll", "Refused", "encode", "decode", "assign_blocks",
+           "Discovery", "discover", "expand_nodelist", "rank_span"]
+
+AGENT_PROTOCOL_VERSION = 1
+#: How often agents and the coordinator beat; an agent silent for
+#: ``LOST_AFTER_S`` counts as lost (its node died or its process was killed).
+BEAT_S = 0.5
+LOST_AFTER_S = 5.0
+
+
+class AgentProtocolError(ValueError):
+    """Bytes from an agent or coordinator that are no valid message."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentHello:
+    node: str
+    host: str
+    slots: int
+    gpus: tuple[int, ...]
+    pid: int
+    #: The launcher's node rank (-1: none given); agents are placed in its order.
+    node_rank: int = -1
+    version: int = AGENT_PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Start ``ranks`` of a world of ``world_size``: ``command`` in ``cwd``,
+    ranks connect to ``endpoint`` (CURVE with the agent's keys unless
+    ``insecure``), logs and trace paths under ``run_dir`` (a shared path)."""
+
+    ranks: tuple[int, ...]
+    world_size: int
+    endpoint: str
+    run_dir: str
+    command: tuple[str, ...]
+    cwd: str
+    nproc_per_node: int
+    env: dict[str, str] = field(default_factory=dict)
+    show_ranks: tuple[int, ...] = ()
+    insecure: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Exits:
+    """Ranks that ended since the last ``Exits``: rank -> exit code (``-signal`` if killed)."""
+
+    codes: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class AgentBeat:
+    running: int
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorBeat:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class KillAll:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The coordinator will not use this agent (``reason`` says why)."""
+
+    reason: str
+
+
+_TYPES: dict[str, type] = {c.__name__: c for c in (AgentHello, Launch, Exits, AgentBeat, CoordinatorBeat,
+                                                    KillAll, Refused)}
+_TUPLES = {"gpus", "ranks", "command", "show_ranks"}
+
+
+def encode(msg: Any) -> dict[str, Any]:
+    """The dict form of ``msg`` (JSON-ready: int keys become strings)."""
+    d = asdict(msg)
+    if isinstance(msg, Exits):
+        d["codes"] = {str(k): v for k, v in msg.codes.items()}
+    return {"t": type(msg).__name__, "v": AGENT_PROTOCOL_VERSION, **d}
+
+
+def decode(d: Any) -> Any:
+    """The message of ``encode``'s dict; ``AgentProtocolError`` if it is none
+    (another version is named as such)."""
+    if not isinstance(d, dict) or not isinstance(d.get("t"), str):
+        raise AgentProtocolError(f"not an agent message: {str(d)[:200]}")
+    if d.get("v") != AGENT_PROTOCOL_VERSION:
+        raise AgentProtocolError(f"agent protocol version {d.get('v')!r}, this side speaks "
+                                 f"{AGENT_PROTOCOL_VERSION}: run the same Prism version on every node")
+    cls = _TYPES.get(d["t"])
+    if cls is None:
+        raise AgentProtocolError(f"unknown agent message type {d['t']!r}")
+    args: dict[str, Any] = {}
+    try:
+        for f in fields(cls):
+            if f.name in d:
+                v = d[f.name]
+                if f.name in _TUPLES:
+                    v = tuple(v)
+                elif f.name == "codes":
+                    v = {int(k): int(c) for k, c in v.items()}
+                args[f.name] = v
+        return cls(**args)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise AgentProtocolError(f"bad {d['t']} message: {e}") from None
+
+
+def assign_blocks(world_size: int, agents: int, gang: int = 1) -> list[list[int]]:
+    """Contiguous blocks of ranks, one per agent, as a real job's placement:
+    whole gangs (``gang`` ranks: a TP group, or TP*PP) stay on one node, and
+    the blocks differ by at most one gang. ``ValueError`` when the world does
+    not split into whole gangs or there are more agents than gangs."""
+    if agents < 1:
+        raise ValueError(f"--agents must be at least 1, got {agents}")
+    if gang < 1 or world_size % gang:
+        raise ValueError(f"a world of {world_size} ranks does not split into gangs of {gang}")
+    gangs = world_size // gang
+    if agents > gangs:
+        raise ValueError(f"{agents} agents for {gangs} gang(s) of {gang} rank(s): some agent would get no ranks; "
+                         "use fewer agents")
+    out, start = [], 0
+    for a in range(agents):
+        n = (gangs // agents + (1 if a < gangs % agents else 0)) * gang
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def rank_span(ranks: Sequence[int]) -> str:
+    """``"8-15"`` for a contiguous block, else the list."""
+    rs = sorted(ranks)
+    if rs and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}" if len(rs) > 1 else str(rs[0])
+    return ",".join(map(str, rs))
+
+
+# --- discovery ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Discovery:
+    """What the launcher's environment says: this node's rank among
+    ``nnodes``, and the host the coordinator runs on (node 0)."""
+
+    node_rank: int
+    nnodes: int
+    coordinator_host: str
+    port: int | None
+    source: str
+
+
+#: The coordinator's port when the launcher names none (SLURM).
+DEFAULT_AGENT_PORT = 29431
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """SLURM's compact host list (``node[01-03,07],gpu5``) as host names."""
+    hosts, depth, cur = [], 0, ""
+    parts = []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur:
+        parts.append(cur)
+    for part in parts:
+        if "[" not in part:
+            hosts.append(part)
+            continue
+        prefix, _, rest = part.partition("[")
+        body, _, suffix = rest.partition("]")
+        for item in body.split(","):
+            lo, dash, hi = item.partition("-")
+            if not dash:
+                hosts.append(prefix + lo + suffix)
+                continue
+            width = len(lo)
+            for n in range(int(lo), int(hi) + 1):
+                hosts.append(f"{prefix}{n:0{width}d}{suffix}")
+    return hosts
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(f"{name}={env[name]!r} is not a whole number") from None
+
+
+def discover(env: Mapping[str, str]) -> Discovery:
+    """Read the node rank and the coordinator's host from torchrun's
+    (``NODE_RANK``/``GROUP_RANK``, ``NNODES``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) or SLURM's (``SLURM_NODEID``, ``SLURM_NNODES``,
+    ``SLURM_JOB_NODELIST``: the first node is the coordinator's) variables;
+    ``ValueError`` naming what is missing."""
+    if "MASTER_ADDR" in env:
+        rank_var = "NODE_RANK" if "NODE_RANK" in env else "GROUP_RANK" if "GROUP_RANK" in env else None
+        if rank_var is None:
+            raise ValueError("MASTER_ADDR is set but neither NODE_RANK nor GROUP_RANK: launch with torchrun "
+                             "--nnodes N --node-rank R (or pass --node-rank)")
+        nnodes_text = env.get("NNODES") or env.get("GROUP_WORLD_SIZE") or env.get("PET_NNODES") or ""
+        nnodes = int(nnodes_text.split(":")[-1]) if nnodes_text.split(":")[-1].isdigit() else 0
+        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else None
+        return Discovery(_int(env, rank_var), nnodes, env["MASTER_ADDR"], port, "torchrun")
+    if "SLURM_NODEID" in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodelist:
+            raise ValueError("SLURM_NODEID is set but SLURM_JOB_NODELIST is not: run `prism agent` under srun")
+        hosts = expand_nodelist(nodelist)
+        nnodes = _int(env, "SLURM_NNODES") if "SLURM_NNODES" in env else len(hosts)
+        return Discovery(_int(env, "SLURM_NODEID"), nnodes, hosts[0], None, "slurm")
+    raise ValueError("no launcher environment found (SLURM_NODEID or MASTER_ADDR/NODE_RANK): pass "
+                     "--coordinator tcp://HOST:PORT")

@@ -1,0 +1,432 @@
+"""``prism agent`` and the coordinator's handle on agents.
+
+``AgentProcesses`` is the capture side: a ROUTER socket (CURVE unless
+``insecure``) where ``prism agent`` processes say hello, a thread that owns
+it, and the coordinator's ``Processes`` protocol over the ranks the agents
+run (``poll`` from their ``Exits``, ``kill_all`` as ``KillAll``). An agent
+whose beats stop for ``LOST_AFTER_S`` (its node died, its process was
+killed) is *lost*: ``lost()`` names it and its ranks, which count as killed,
+so the coordinator stops the run with that report instead of waiting out a
+deadlock's quiet period.
+
+``run_agent`` is the node side: connect, say hello, wait for a ``Launch``,
+start the assigned ranks with this node's own fork server
+(``prism.shell.launcher.launch_ranks``), report their exits and beat until
+they have all ended; a ``KillAll``, or a coordinator silent for
+``LOST_AFTER_S``, kills them. One agent serves one run.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import zmq
+
+from prism.core import agents as A
+
+__all__ = ["AgentError", "AgentProcesses", "AgentConfig", "AgentOutcome", "run_agent"]
+
+_POLL_MS = 50
+
+
+class AgentError(Exception):
+    """An agent or the agents' coordinator cannot go on (a refused handshake,
+    missing agents, a bad endpoint): the message says what to do."""
+
+
+@dataclass
+class _Peer:
+    identity: bytes
+    hello: A.AgentHello
+    ranks: list[int] = field(default_factory=list)
+    last_seen: float = 0.0
+    lost: bool = False
+
+    def describe(self) -> str:
+        return f"agent {self.hello.node} (host {self.hello.host}, pid {self.hello.pid}, ranks {A.rank_span(self.ranks)})"
+
+
+class AgentProcesses:
+    """Listen on ``endpoint`` for ``agents`` agents of a world of ``world_size``.
+
+    ``wait_agents`` blocks until all have said hello; ``launch(...)`` places
+    the ranks (``assign_blocks``) and sends each agent its ``Launch``; then it
+    is the coordinator's ``Processes``. ``keys``: a ``prism keys`` directory
+    (CURVE); ``insecure`` allows plaintext tcp (a private network only)."""
+
+    def __init__(self, endpoint: str, agents: int, world_size: int, *, keys: str | os.PathLike[str] | None,
+                 insecure: bool = False, lost_after_s: float = A.LOST_AFTER_S) -> None:
+        from transport.endpoints import UnsafeEndpointError, check_listen_endpoint
+
+        if keys is None and not insecure:
+            raise AgentError("agents connect over tcp with CURVE: pass --keys DIR (made by `prism keys DIR`), or "
+                             "--insecure on a private network")
+        if not endpoint.startswith("tcp://"):
+            raise AgentError(f"--listen {endpoint}: agents on other nodes need a tcp://HOST:PORT address")
+        try:
+            check_listen_endpoint(endpoint, authenticated=True)
+        except UnsafeEndpointError as e:
+            raise AgentError(str(e)) from None
+        self.agents = agents
+        self.world_size = world_size
+        self.keys = Path(keys).resolve() if keys is not None else None
+        self.insecure = insecure
+        self.lost_after_s = lost_after_s
+        self.returncodes: list[int | None] = [None] * world_size
+        self._peers: dict[bytes, _Peer] = {}
+        self._cond = threading.Condition()
+        self._outbox: queue.SimpleQueue[tuple[bytes, dict]] = queue.SimpleQueue()
+        self._lost_text = ""
+        self._stop = threading.Event()
+        self._refused: list[str] = []
+        ctx = zmq.Context.instance()
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.linger = 1000
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._auth = None
+        try:
+            if self.keys is not None:
+                from transport.curve import CurveKeyError, serve_curve
+
+                try:
+                    self._auth = serve_curve(self._sock, self.keys, ctx, "prism.shell.agent.zap")
+                except CurveKeyError as e:
+                    raise AgentError(str(e)) from None
+            try:
+                self._sock.bind(endpoint)
+            except zmq.ZMQError as e:
+                raise AgentError(f"cannot listen for agents on {endpoint}: {e}") from None
+        except BaseException:
+            self._close_socket()
+            raise
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._thread = threading.Thread(target=self._serve, name="prism-agents", daemon=True)
+        self._thread.start()
+
+    # --- the socket's thread -----------------------------------------------------
+
+    def _send(self, identity: bytes, msg: object) -> None:
+        try:
+            self._sock.send_multipart([identity, orjson.dumps(A.encode(msg))], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the agent is gone; its beats tell
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        last_beat = 0.0
+        while not self._stop.is_set():
+            if poller.poll(_POLL_MS):
+                while True:
+                    try:
+                        identity, data = self._sock.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ValueError:
+                        continue
+                    self._on_message(identity, data)
+            while True:
+                try:
+                    identity, out = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    self._sock.send_multipart([identity, orjson.dumps(out)], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the agent is gone; its beats tell
+            now = time.monotonic()
+            if now - last_beat >= A.BEAT_S:
+                last_beat = now
+                for peer in list(self._peers.values()):
+                    if not peer.lost:
+                        self._send(peer.identity, A.CoordinatorBeat())
+            self._check_lost(now)
+
+    def _on_message(self, identity: bytes, data: bytes) -> None:
+        try:
+            msg = A.decode(orjson.loads(data))
+        except (orjson.JSONDecodeError, A.AgentProtocolError) as e:
+            with self._cond:
+                self._refused.append(f"an agent sent a message this coordinator cannot read: {e}")
+            self._send(identity, A.Refused(str(e)))
+            return
+        with self._cond:
+            peer = self._peers.get(identity)
+            if isinstance(msg, A.AgentHello):
+                if len(self._peers) >= self.agents:
+                    self._send(identity, A.Refused(f"this run has its {self.agents} agents already"))
+                    return
+                self._peers[identity] = _Peer(identity, msg, last_seen=time.monotonic())
+                self._cond.notify_all()
+                return
+            if peer is None:
+                self._send(identity, A.Refused("say AgentHello first"))
+                return
+            peer.last_seen = time.monotonic()
+            if isinstance(msg, A.Exits):
+                for rank, code in msg.codes.items():
+                    if rank in peer.ranks and self.returncodes[rank] is None:
+                        self.returncodes[rank] = code
+                self._cond.notify_all()
+
+    def _check_lost(self, now: float) -> None:
+        with self._cond:
+            for peer in self._peers.values():
+                if peer.lost or not peer.ranks or all(self.returncodes[r] is not None for r in peer.ranks):
+                    continue
+                if now - peer.last_seen > self.lost_after_s:
+                    peer.lost = True
+                    if not self._lost_text:
+                        self._lost_text = (f"{peer.describe()} lost: no word from it for {self.lost_after_s:g} s "
+                                           "(its node died or its process was killed); its ranks count as killed")
+                    for r in peer.ranks:
+                        if self.returncodes[r] is None:
+                            self.returncodes[r] = -9
+                    self._cond.notify_all()
+
+    # --- the capture's side ------------------------------------------------------------
+
+    def wait_agents(self, timeout_s: float) -> list[A.AgentHello]:
+        """Block until every agent said hello (sorted by node rank, then host
+        and pid); ``AgentError`` naming how many came after ``timeout_s``."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: len(self._peers) >= self.agents, timeout_s)
+            if not ok:
+                seen = ", ".join(p.hello.node for p in self._peers.values()) or "none"
+                extra = f"; {self._refused[0]}" if self._refused else ""
+                raise AgentError(f"{len(self._peers)} of {self.agents} agents joined {self.endpoint} within "
+                                 f"{timeout_s:g} s (joined: {seen}){extra}: start `python -m prism agent "
+                                 f"--coordinator {self.endpoint} --keys DIR` on each node")
+            return [p.hello for p in self._ordered()]
+
+    def _ordered(self) -> list[_Peer]:
+        return sorted(self._peers.values(), key=lambda p: (p.hello.node_rank, p.hello.host, p.hello.pid))
+
+    def place(self, gang: int = 1) -> list[tuple[A.AgentHello, list[int]]]:
+        """Place the world on the agents (``assign_blocks``, in node order):
+        each agent and its ranks."""
+        peers = self._ordered()
+        blocks = A.assign_blocks(self.world_size, len(peers), gang)
+        with self._cond:
+            for peer, block in zip(peers, blocks):
+                peer.ranks = block
+                peer.last_seen = time.monotonic()
+        return self.placement()
+
+    def node_slots(self) -> tuple[dict[int, int], list[int]]:
+        """``(rank -> node index, each node's slots)`` of the placement, for
+        the coordinator's scheduler: a node computes only on its own cores."""
+        placed = self.placement()
+        nodes = {r: i for i, (_, ranks) in enumerate(placed) for r in ranks}
+        return nodes, [h.slots for h, _ in placed]
+
+    def launch(self, rank_endpoint: str, run_dir: str | os.PathLike[str], command: Sequence[str], *,
+               nproc_per_node: int = 8, show_ranks: Sequence[int] = (),
+               env: dict[str, str] | None = None, cwd: str | None = None) -> AgentProcesses:
+        """Send each agent its ``Launch`` (after ``place``)."""
+        for peer in self._ordered():
+            block = peer.ranks
+            with self._cond:
+                peer.last_seen = time.monotonic()
+            msg = A.Launch(tuple(block), self.world_size, rank_endpoint, os.path.abspath(os.fspath(run_dir)),
+                           tuple(command), cwd or os.getcwd(), nproc_per_node, dict(env or {}),
+                           tuple(int(r) for r in show_ranks), self.insecure)
+            self._outbox.put((peer.identity, A.encode(msg)))
+        return self
+
+    def placement(self) -> list[tuple[A.AgentHello, list[int]]]:
+        """Each agent and its ranks."""
+        with self._cond:
+            return [(p.hello, list(p.ranks)) for p in self._ordered()]
+
+    # --- Processes ------------------------------------------------------------------
+
+    def poll(self) -> list[int | None]:
+        with self._cond:
+            return list(self.returncodes)
+
+    def lost(self) -> str:
+        """The report of the first agent lost ("" while none is)."""
+        with self._cond:
+            return self._lost_text
+
+    def kill_all(self) -> None:
+        for peer in self._ordered():
+            if not peer.lost:
+                self._outbox.put((peer.identity, A.encode(A.KillAll("the coordinator stops the run"))))
+
+    def wait(self, timeout: float | None = None) -> list[int | None]:
+        with self._cond:
+            self._cond.wait_for(lambda: all(c is not None for c in self.returncodes), timeout)
+        return self.poll()
+
+    def close(self) -> None:
+        """Kill what still runs, wait for the agents' last exits (a lost agent's
+        ranks count as killed after ``lost_after_s``) and close the socket."""
+        with self._cond:
+            launched = any(p.ranks for p in self._peers.values())
+        if not launched:
+            for peer in self._ordered():
+                self._outbox.put((peer.identity, A.encode(A.Refused("the run ended before it launched any rank"))))
+            time.sleep(3 * _POLL_MS / 1000)
+        elif any(c is None for c in self.poll()):
+            self.kill_all()
+            self.wait(timeout=self.lost_after_s + 10)
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._close_socket()
+
+    def _close_socket(self) -> None:
+        self._sock.close(linger=500)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+# --- the node's side -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """``prism agent``'s options: where the coordinator listens, the keys
+    (None only with ``insecure``), this node's name and rank, its slots."""
+
+    coordinator: str
+    keys: str | os.PathLike[str] | None = None
+    insecure: bool = False
+    node: str = ""
+    node_rank: int = -1
+    slots: int | None = None
+    gpus: tuple[int, ...] = ()
+    #: How long to wait for the coordinator's Launch.
+    wait_s: float = 120.0
+
+
+@dataclass
+class AgentOutcome:
+    """What an agent ran: its ranks and their exit codes, and why it stopped early ("" if it did not)."""
+
+    ranks: list[int]
+    codes: dict[int, int]
+    stopped: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.stopped and all(c == 0 for c in self.codes.values())
+
+
+def run_agent(config: AgentConfig, on_note: Callable[[str], None] = lambda _: None) -> AgentOutcome:
+    """Serve one run of the coordinator at ``config.coordinator``; raises
+    ``AgentError`` when it cannot join (refused keys, no coordinator)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    from transport import curve as C
+
+    if config.keys is None and not config.insecure:
+        raise AgentError("pass --keys DIR (the `prism keys DIR` directory, on a shared path) or --insecure on a "
+                         "private network")
+    keys = Path(config.keys).resolve() if config.keys is not None else None
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 2000
+    if keys is not None:
+        try:
+            C.connect_curve(sock, keys)
+        except C.CurveKeyError as e:
+            sock.close(linger=0)
+            raise AgentError(str(e)) from None
+    mon = sock.get_monitor_socket(C.HANDSHAKE_FAILED_EVENTS)
+    host = socket.gethostname()
+    hello = A.AgentHello(config.node or f"{host}:{os.getpid()}", host, config.slots or os.cpu_count() or 1,
+                         tuple(config.gpus), os.getpid(), node_rank=config.node_rank)
+    procs = None
+    try:
+        try:
+            sock.connect(config.coordinator)
+        except zmq.ZMQError as e:
+            raise AgentError(f"cannot connect to {config.coordinator}: {e}") from None
+        send = lambda m: sock.send(orjson.dumps(A.encode(m)))  # noqa: E731
+        send(hello)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
+        launch = None
+        deadline = time.monotonic() + config.wait_s
+        while launch is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AgentError(f"no Launch from the coordinator at {config.coordinator} within "
+                                 f"{config.wait_s:g} s: is `prism capture --agents N --listen "
+                                 f"{config.coordinator}` running?")
+            ready = dict(poller.poll(min(int(left * 1000) + 1, 500)))
+            if mon in ready:
+                event = recv_monitor_message(mon)["event"]
+                raise AgentError(C.handshake_text("the coordinator", config.coordinator, event, keys))
+            if sock in ready:
+                msg = _recv(sock)
+                if isinstance(msg, A.Refused):
+                    raise AgentError(f"the coordinator at {config.coordinator} refused this agent: {msg.reason}")
+                if isinstance(msg, A.Launch):
+                    launch = msg
+        on_note(f"ranks {A.rank_span(launch.ranks)} of {launch.world_size}: {' '.join(launch.command)}")
+        from prism.shell.launcher import launch_ranks
+
+        env = dict(launch.env)
+        if keys is not None and not launch.insecure:
+            env[C.KEYS_ENV] = str(keys)
+        procs = launch_ranks(launch.world_size, launch.endpoint, launch.run_dir, list(launch.command),
+                             nproc_per_node=launch.nproc_per_node, show_ranks=list(launch.show_ranks), env=env,
+                             cwd=launch.cwd, ranks=list(launch.ranks))
+        return _watch(sock, poller, procs, list(launch.ranks), send, on_note)
+    finally:
+        if procs is not None:
+            procs.close()
+        sock.disable_monitor()
+        mon.close(linger=0)
+        sock.close()
+
+
+def _recv(sock: zmq.Socket) -> object:
+    try:
+        return A.decode(orjson.loads(sock.recv()))
+    except (orjson.JSONDecodeError, A.AgentProtocolError) as e:
+        raise AgentError(f"the coordinator sent a message this agent cannot read: {e}") from None
+
+
+def _watch(sock: zmq.Socket, poller: zmq.Poller, procs, ranks: list[int], send, on_note) -> AgentOutcome:
+    """Report exits and beat until every rank ended; obey ``KillAll``; kill the
+    ranks when the coordinator falls silent."""
+    codes: dict[int, int] = {}
+    stopped = ""
+    last_beat = 0.0
+    heard = time.monotonic()
+    while len(codes) < len(ranks):
+        ready = dict(poller.poll(_POLL_MS * 2))
+        if sock in ready:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                msg = _recv(sock)
+                heard = time.monotonic()
+                if isinstance(msg, A.KillAll) and not stopped:
+                    stopped = f"killed by the coordinator: {msg.reason}"
+                    procs.kill_all()
+        now = time.monotonic()
+        if now - heard > A.LOST_AFTER_S and not stopped:
+            stopped = f"the coordinator fell silent for {A.LOST_AFTER_S:g} s: killing this node's ranks"
+            on_note(stopped)
+            procs.kill_all()
+        new = {r: c for r in ranks if r not in codes and (c := procs.poll(r)) is not None}
+        if new:
+            codes.update(new)
+            send(A.Exits(new))
+        if now - last_beat >= A.BEAT_S:
+            last_beat = now
+            send(A.AgentBeat(len(ranks) - len(codes)))
+    return AgentOutcome(ranks, codes, stopped)

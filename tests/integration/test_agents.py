@@ -1,0 +1,176 @@
+"""``prism capture --agents N`` served by ``prism agent`` processes: separate
+process trees on one machine, tcp on loopback with CURVE (issue 23)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prism.core import trace as T
+from prism.shell.agent import AgentConfig, AgentError, AgentProcesses, run_agent
+from prism.shell import runfolder
+from prism.workloads import harness
+from tests.integration.test_emulate import forkservers
+from tests.support.captures import gpt_tiny
+from transport.curve import make_keys
+from transport.endpoints import free_tcp_endpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def start(cwd: Path, *args: str, out: str) -> subprocess.Popen:
+    """``python -m prism ARGS`` in its own session (the test kills its whole tree if it must)."""
+    with open(cwd / out, "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "prism", *args], cwd=cwd, env=ENV, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=err)
+
+
+def reap(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+
+
+def served(tmp_path: Path, world: int, command: list[str], agents: int, *extra: str):
+    """The capture (started first) and its agents, each on loopback tcp with CURVE."""
+    make_keys(tmp_path / "keys")
+    ep = free_tcp_endpoint()
+    cap = start(tmp_path, "capture", "-n", str(world), "--agents", str(agents), "--listen", ep, "--keys", "keys",
+                "--out", "run", "--progress", "off", "--show-ranks", "none", *extra, "--", *command, out="cap.err")
+    ags = [start(tmp_path, "agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i), out=f"agent{i}.err")
+           for i in range(agents)]
+    return cap, ags
+
+
+def timeless(events: list[T.Event]) -> list[str]:
+    """A rank's trace without what a run's timing and processes change: no
+    times, pids or hosts, and in no order (async calls are written as they
+    complete, which is timing too)."""
+    out = []
+    for ev in events:
+        if isinstance(ev, (T.Memory, T.Compute)):
+            continue
+        d = dataclasses.asdict(ev)
+        out.append((type(ev).__name__, sorted((k, v) for k, v in d.items()
+                                              if not k.endswith("_ns") and k not in ("pid", "hostname"))))
+    return sorted(map(repr, out))
+
+
+@pytest.mark.slow
+def test_two_agents_capture_equals_one_machine(tmp_path, shared_captures):
+    cmd = gpt_tiny(1)
+    cap, ags = served(tmp_path, 4, cmd, 2, "--slots", "2")
+    try:
+        assert cap.wait(timeout=120) == 0, (tmp_path / "cap.err").read_text()
+        assert [a.wait(timeout=30) for a in ags] == [0, 0]
+    finally:
+        reap(cap, *ags)
+    text = (tmp_path / "cap.err").read_text()
+    assert "ran ranks 0-1" in text and "ran ranks 2-3" in text, text
+    proc, plain = shared_captures.get(4, cmd, "--slots", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = runfolder.read_run(tmp_path / "run"), runfolder.read_run(plain)
+    assert not got.warnings
+    assert sorted(got.ranks) == sorted(want.ranks) == [0, 1, 2, 3]
+    reported = []
+    for r in range(4):
+        assert timeless(got.ranks[r]) == timeless(want.ranks[r]), f"rank {r}"
+        assert sum(isinstance(e, T.Collective) for e in got.ranks[r]) > 0
+        losses = harness.parse_losses(runfolder.log_path(tmp_path / "run", r).read_text())
+        assert losses == harness.parse_losses(runfolder.log_path(plain, r).read_text()), f"rank {r}"
+        reported += losses
+    assert len(reported) >= 2  # the reporting rank's two steps
+    assert not forkservers(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_lost_agent_ends_the_run_naming_it_and_its_ranks(tmp_path):
+    cmd = [*gpt_tiny(1)[:-1], "400"]
+    cap, ags = served(tmp_path, 4, cmd, 2, "--slots", "2", "--quiet-period", "30")
+    try:
+        # Kill node 1 once its ranks compute (their trace files have records).
+        deadline = time.monotonic() + 60
+        while not all(runfolder.rank_path(tmp_path / "run", r).exists() and
+                      runfolder.rank_path(tmp_path / "run", r).stat().st_size > 0 for r in (2, 3)):
+            assert time.monotonic() < deadline and cap.poll() is None, (tmp_path / "cap.err").read_text()
+            time.sleep(0.2)
+        time.sleep(0.5)
+        os.kill(ags[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = cap.wait(timeout=30)
+        took = time.monotonic() - killed
+        assert ags[0].wait(timeout=30) == 1
+    finally:
+        reap(cap, *ags)
+    text = (tmp_path / "cap.err").read_text()
+    assert code == 1, text
+    assert took < 15, took
+    assert "capture FAILED (node_lost)" in text and "ranks 2-3) lost" in text and "#1" in text, text
+    assert "Traceback" not in text
+    deadline = time.monotonic() + 10
+    while forkservers(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not forkservers(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "prism", "trace", "validate", "run"], cwd=tmp_path, env=ENV,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_an_agent_with_other_keys_is_refused_clearly(tmp_path):
+    make_keys(tmp_path / "keys")
+    make_keys(tmp_path / "other")
+    ep = free_tcp_endpoint()
+
+    procs = AgentProcesses(ep, 1, 2, keys=tmp_path / "keys")
+    try:
+        with pytest.raises(AgentError, match="server.key is not its public key"):
+            run_agent(AgentConfig(ep, tmp_path / "other", wait_s=10))
+        stranger = tmp_path / "stranger"  # the right server key, a client key it does not know
+        stranger.mkdir()
+        shutil.copy(tmp_path / "keys" / "server.key", stranger)
+        shutil.copy(tmp_path / "other" / "client.key_secret", stranger)
+        with pytest.raises(AgentError, match=r"refused your key .*client.key_secret.*authorized/"):
+            run_agent(AgentConfig(ep, stranger, wait_s=10))
+        with pytest.raises(AgentError, match="requires CURVE keys"):
+            run_agent(AgentConfig(ep, None, insecure=True, wait_s=10))
+    finally:
+        procs.close()
+
+
+def test_a_rank_without_the_right_keys_is_refused_at_once(tmp_path):
+    import zmq
+
+    from prism.core.protocol import PROTOCOL_VERSION, Hello
+    from transport.client import BlockingClient, CoordinatorLost
+    from transport.curve import serve_curve
+
+    make_keys(tmp_path / "keys")
+    make_keys(tmp_path / "other")
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    shutil.copy(tmp_path / "keys" / "server.key", stranger)
+    shutil.copy(tmp_path / "other" / "client.key_secret", stranger)
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    auth = serve_curve(sock, tmp_path / "keys")
+    try:
+        sock.bind("tcp://127.0.0.1:*")
+        ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        hello = Hello(PROTOCOL_VERSION, 0, 2, 0, os.getpid(), "h", "cpu", time.monotonic_ns())
+        for keys, match in [(stranger, "refused your key"), (None, "requires CURVE keys: pass --keys")]:
+            t0 = time.monotonic()
+            with pytest.raises(CoordinatorLost, match=match):
+                BlockingClient.connect(ep, hello, timeout=20, curve_keys=keys)
+            assert time.monotonic() - t0 < 5
+    finally:
+        sock.close(linger=0)
+        auth.stop()

@@ -1,0 +1,125 @@
+"""The agents' sans-IO pieces: messages, placement, discovery (issue 23)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prism.core import agents as A
+
+
+@pytest.mark.parametrize("msg", [
+    A.AgentHello("n1#1", "n1", 16, (0, 1), 123, node_rank=1),
+    A.Launch((4, 5, 6, 7), 8, "tcp://h:1", "/shared/run", ("-m", "x", "--tp", "2"), "/w", 8, {"A": "1"}, (4,)),
+    A.Exits({3: 0, 7: -9}),
+    A.AgentBeat(2), A.CoordinatorBeat(), A.KillAll("why"), A.Refused("no"),
+])
+def test_messages_round_trip_through_json(msg):
+    import orjson
+
+    assert A.decode(orjson.loads(orjson.dumps(A.encode(msg)))) == msg
+
+
+def test_another_version_or_a_bad_message_is_named():
+    d = A.encode(A.AgentBeat(1))
+    with pytest.raises(A.AgentProtocolError, match="version 99, this side speaks 1: run the same Prism"):
+        A.decode({**d, "v": 99})
+    with pytest.raises(A.AgentProtocolError, match="unknown agent message type 'Nope'"):
+        A.decode({**d, "t": "Nope"})
+    with pytest.raises(A.AgentProtocolError, match="bad Exits"):
+        A.decode({"t": "Exits", "v": 1, "codes": {"x": 1}})
+    with pytest.raises(A.AgentProtocolError, match="not an agent message"):
+        A.decode([1])
+
+
+@pytest.mark.parametrize("world, agents, gang, want", [
+    (16, 2, 2, [list(range(8)), list(range(8, 16))]),
+    (8, 3, 2, [[0, 1, 2, 3], [4, 5], [6, 7]]),
+    (4, 4, 1, [[0], [1], [2], [3]]),
+    (6, 1, 3, [list(range(6))]),
+])
+def test_blocks_are_contiguous_whole_gangs(world, agents, gang, want):
+    got = A.assign_blocks(world, agents, gang)
+    assert got == want
+    assert sorted(r for b in got for r in b) == list(range(world))
+
+
+def test_impossible_placements_say_why():
+    with pytest.raises(ValueError, match="2 agents for 1 gang"):
+        A.assign_blocks(4, 2, 4)
+    with pytest.raises(ValueError, match="does not split into gangs of 4"):
+        A.assign_blocks(6, 1, 4)
+    with pytest.raises(ValueError, match="at least 1"):
+        A.assign_blocks(6, 0)
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("node01", ["node01"]),
+    ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
+    ("a[9-10]b,c", ["a9b", "a10b", "c"]),
+])
+def test_slurm_nodelists_expand(text, hosts):
+    assert A.expand_nodelist(text) == hosts
+
+
+def test_discovery_reads_slurm_and_torchrun():
+    d = A.discover({"SLURM_NODEID": "2", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "gpu[05-08]"})
+    assert (d.node_rank, d.nnodes, d.coordinator_host, d.source) == (2, 4, "gpu05", "slurm")
+    d = A.discover({"MASTER_ADDR": "head", "MASTER_PORT": "29500", "NODE_RANK": "1", "NNODES": "2"})
+    assert (d.node_rank, d.nnodes, d.coordinator_host, d.port, d.source) == (1, 2, "head", 29500, "torchrun")
+    d = A.discover({"MASTER_ADDR": "head", "GROUP_RANK": "3", "GROUP_WORLD_SIZE": "4"})
+    assert (d.node_rank, d.nnodes) == (3, 4)
+
+
+@pytest.mark.parametrize("env, match", [
+    ({}, "no launcher environment found .* pass --coordinator"),
+    ({"MASTER_ADDR": "h"}, "neither NODE_RANK nor GROUP_RANK"),
+    ({"SLURM_NODEID": "0"}, "SLURM_JOB_NODELIST is not"),
+    ({"SLURM_NODEID": "x", "SLURM_JOB_NODELIST": "a"}, "SLURM_NODEID='x' is not a whole number"),
+])
+def test_discovery_says_what_is_missing(env, match):
+    with pytest.raises(ValueError, match=match):
+        A.discover(env)
+
+
+def test_agent_options_resolve_from_the_environment():
+    from prism.app.agent import AgentRunConfig, resolve
+    from prism.app.errors import UsageError
+
+    env = {"SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n2"}
+    assert resolve(AgentRunConfig(keys="k", port=4000), env) == ("tcp://n1:4000", 1, "n2")
+    assert resolve(AgentRunConfig("tcp://x:5", node_rank=3), env) == ("tcp://x:5", 3, "n2")
+    with pytest.raises(UsageError, match="expected tcp://HOST:PORT"):
+        resolve(AgentRunConfig("ipc:///x"), env)
+
+
+def test_capture_options_for_agents_are_checked(tmp_path):
+    from prism.app.capture import CaptureConfig, plan_capture
+    from prism.app.errors import UsageError
+
+    cmd = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--dp", "1"]
+    for kw, match in [
+        (dict(agents=2), "needs --listen tcp://HOST:PORT"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1"), "pass --keys DIR .* or --insecure"),
+        (dict(agents=3, listen="tcp://127.0.0.1:1", insecure=True), "3 agents for 2 gang"),
+        (dict(keys="k"), "add --agents N"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, gpus="0"), "does not yet drive GPUs"),
+    ]:
+        with pytest.raises(UsageError, match=match):
+            plan_capture(CaptureConfig(4, cmd, out=tmp_path / "run", **kw))
+
+
+def test_each_node_computes_on_its_own_slots():
+    from prism.core import scheduler as S
+
+    # Ranks 0-3 on node 0 (1 slot), 4-7 on node 1 (2 slots); 8 slots in all.
+    sched = S.Scheduler(8, range(8), nodes={r: r // 4 for r in range(8)}, node_slots=[1, 2])
+    grants = [a.rank for r in (0, 1, 2, 4, 5, 6) for a in sched.request(r)]
+    assert grants == [0, 4, 5]
+    assert sched.waiting == (1, 2, 6)
+    assert [a.rank for a in sched.release(5)] == [6]  # node 1's slot goes to node 1's rank
+    assert [a.rank for a in sched.finish(0)] == [1]
+    assert sched.running == [4, 6, 1]
+    with pytest.raises(ValueError, match="both nodes"):
+        S.Scheduler(2, range(2), nodes={0: 0, 1: 0})
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        S.Scheduler(2, range(2), nodes={0: 0, 1: 1}, node_slots=[1, 0])
