@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.captures import GPT_W8_SMALL, RECORD_045
+from tests.support.full import FULL
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +56,9 @@ def test_a_scaled_emulation_runs_the_sandbox_at_the_full_world(gpt_run):
     assert s["pacing"]["lag_p99_ns"] is not None and s["coordinator"]["peak_rss_bytes"] > 0
 
 
+# A variant of test_a_scaled_emulation_runs_the_sandbox_at_the_full_world on real
+# processes; the matching itself: tests/unit/test_scale_emulation.py.
+@FULL
 def test_groups_created_out_of_nested_order_are_matched_by_members(tmp_path):
     # TP groups for the last replica first: the scaled plan numbers them otherwise than the
     # script at dp 4 does, so the sandbox's ids differ from the graph's for the same members.

@@ -261,8 +261,12 @@ def test_fsdp2_over_tp_on_a_2d_mesh_matches_gloo(runs):
 # --- pipelining ------------------------------------------------------------------------
 
 
+# Both schedules are variants (PRISM_FULL_TESTS=1) of the pipelines the default suite
+# captures through Prism's point-to-point path: the bundled GPT's stages in
+# test_calibrate.py::test_pipelines_calibrate_although_their_waits_move and
+# test_emulate.py's tp2 pp2 dp2 capture.
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=FULL)])
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=FULL), pytest.param("gpipe", marks=FULL)])
 def test_pipeline_schedules_match_gloo(runs, schedule):
     _, run_dir, logs, _ = runs.prism("pipeline_1f1b.py", "--schedule", schedule)
     assert_same_outputs(logs, runs.gloo("pipeline_1f1b.py", "--schedule", schedule))

@@ -251,7 +251,7 @@ def test_checkpoint_driver_round_trip_keeps_data():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gang", ["1", "tpxpp"])
+@pytest.mark.parametrize("gang", ["1", pytest.param("tpxpp", marks=FULL)])  # gangs of TP x PP: a variant
 def test_simulated_swaps_on_cpu_finish_without_rescues(tmp_path, gang):
     # World 8 on "one GPU" holding 4: gang 1 hung until the rescue (rank
     # stopped between its release and the result it had already been sent),

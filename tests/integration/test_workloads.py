@@ -89,6 +89,10 @@ def test_dp2_with_the_global_batch_split_matches_one_rank(dense_one_rank):
 
 
 @pytest.mark.slow
+# A variant: the numerics of each axis are checked alone (pp3 here, MoE tp2 ep2
+# below); the three axes together under Prism, their groups and calls:
+# test_capture.py::test_gpt_world16_groups_and_collective_counts_follow_the_layout.
+@FULL
 def test_world8_tp2_pp2_dp2_matches_one_rank(dense_one_rank):
     # As a script path (gpt.py's own directory first on sys.path), as tp2's test.
     got, results = losses(GPT_SCRIPT + ["--tp", "2", "--pp", "2", "--dp", "2", "--batch", "1"], 8)
@@ -211,6 +215,9 @@ def test_ddp_world4_matches_one_rank_with_the_same_global_batch():
 
 
 @pytest.mark.slow
+# A variant of test_frameworks.py::test_api_tour_prints_what_gloo_prints_on_every_rank
+# (every collective's values on every rank, gloo against Prism).
+@FULL
 def test_collectives_example_world4_values():
     world = 4
     # test_capture's ground truth too (one run a session)
