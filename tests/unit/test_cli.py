@@ -47,3 +47,40 @@ def test_calibrate_and_predict_name_what_is_wrong(tmp_path, capsys):
     assert f"prism calibrate: {tmp_path} has no graph to calibrate" in capsys.readouterr().err
     assert cli.main(["predict", str(tmp_path), "--calibration", "on"]) != 0
     assert "prism predict:" in capsys.readouterr().err
+
+
+def test_run_passes_the_scale_out_to_predict_and_emulate(monkeypatch, tmp_path, capsys):
+    import prism.app.capture as app_capture
+    import prism.app.emulate as app_emulate
+    import prism.app.predict as app_predict
+
+    seen = {}
+
+    class Captured:
+        ok, exit_code = True, 0
+
+        class result:
+            steps_done, wall_s = 3, 1.0
+
+        def text(self):
+            return "captured"
+
+    class Predicted:
+        def text(self):
+            return "predicted"
+
+    class Emulated:
+        exit_code, summary = 0, {}
+
+        def text(self):
+            return "emulated"
+
+    monkeypatch.setattr(app_capture, "capture", lambda plan: seen.setdefault("plan", plan) and Captured())
+    monkeypatch.setattr(app_predict, "predict", lambda config: seen.setdefault("predict", config) and Predicted())
+    monkeypatch.setattr(app_emulate, "emulate", lambda config: seen.setdefault("emulate", config) and Emulated())
+    argv = ["run", "-n", "4", "--out", str(tmp_path / "r"), "--sandbox", "0", "--scale-dp", "64",
+            "--layout", "tp=2,pp=1,dp=2", "--", "-m", "prism.workloads.gpt", "--tp", "2", "--dp", "2"]
+    assert cli.main(argv) == 0
+    assert (seen["predict"].scale_dp, seen["predict"].layout) == (64, "tp=2,pp=1,dp=2")
+    assert (seen["emulate"].scale_dp, seen["emulate"].layout, seen["emulate"].sandbox) == (64, "tp=2,pp=1,dp=2", "0")
+    assert seen["plan"].config.world_size == 4 and "emulating at dp 64" in capsys.readouterr().err
