@@ -43,6 +43,18 @@ __all__ = ["MemoryRouter", "MemorySocket", "memory_pair"]
 _Item = list[bytes] | Message
 
 
+
+def _decoded(identity: bytes | None, item: _Item, max_bytes: int) -> tuple[bytes | None, Message]:
+    """A received item as (identity, message): frames are decoded (a
+    ``ProtocolError`` carries ``identity``), a message object passes."""
+    if not isinstance(item, list):
+        return identity, item
+    try:
+        return identity, protocol.decode(item, max_bytes=max_bytes)
+    except ProtocolError as e:
+        e.identity = identity
+        raise
+
 class MemorySocket:
     """One end of ``memory_pair``. With ``identity`` set on the pair, the first
     end behaves as a ROUTER: it receives ``(identity, msg)`` and must name that
@@ -156,14 +168,7 @@ class MemorySocket:
         ``ProtocolError`` (with ``identity``) for malformed frames."""
         with self._recv_owner:
             item = await self._get()
-        identity = self._routed_identity
-        if not isinstance(item, list):
-            return identity, item
-        try:
-            return identity, protocol.decode(item, max_bytes=self.max_message_bytes)
-        except ProtocolError as e:
-            e.identity = identity
-            raise
+        return _decoded(self._routed_identity, item, self.max_message_bytes)
 
     def close(self) -> None:
         """Close this end; the peer's receives then raise ``BrokenResourceError``."""
@@ -327,13 +332,7 @@ class MemoryRouter:
         (with ``identity``) for malformed frames."""
         with self._recv_owner:
             identity, item = await self._get()
-        if not isinstance(item, list):
-            return identity, item
-        try:
-            return identity, protocol.decode(item, max_bytes=self.max_message_bytes)
-        except ProtocolError as e:
-            e.identity = identity
-            raise
+        return _decoded(identity, item, self.max_message_bytes)
 
     async def recv_multipart(self, copy: bool = False) -> list[bytes]:
         """The next message's frames, the sender's identity first."""

@@ -62,12 +62,9 @@ def _gpus(text: str | None) -> tuple[int, ...]:
     if not text:
         return ()
     try:
-        gpus = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise UsageError(f"--gpus {text!r}: give GPU indices like 0 or 0,1") from None
-    if any(g < 0 for g in gpus):
-        raise UsageError(f"--gpus {text!r}: GPU indices are 0 or more")
-    return gpus
+        return J.gpu_list(text, "coordinator --daemon")
+    except J.JobError as e:
+        raise UsageError(str(e)) from None
 
 
 def service_config(config: DaemonConfig) -> D.ServiceConfig:

@@ -41,7 +41,7 @@ from prism.core import codec
 __all__ = [
     "ACTIVE", "JOB_KINDS", "blocked_by_failure", "job_from_dict", "job_to_dict", "STATES", "TERMINAL", "Cancel", "Capacity", "Job", "JobError", "JobList", "Jobs",
     "Logs", "LogText", "Need", "Refused", "Submit", "Submitted", "decode_message", "encode_message",
-    "check_env", "job_env", "need_of", "recover", "resume", "Resume", "RESUMABLE", "run_dir_of", "startable", "transition",
+    "check_env", "gpu_list", "job_env", "need_of", "recover", "resume", "Resume", "RESUMABLE", "run_dir_of", "startable", "transition",
 ]
 
 #: The commands a job may run (``python -m prism KIND ARGS``).
@@ -191,7 +191,8 @@ def _int_option(opts: Mapping[str, str], names: Iterable[str], kind: str) -> int
     return None
 
 
-def _gpu_list(text: str, kind: str) -> tuple[int, ...]:
+def gpu_list(text: str, kind: str) -> tuple[int, ...]:
+    """``"1,0"`` as sorted GPU indices; ``JobError`` naming ``kind`` for bad text."""
     try:
         gpus = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
@@ -240,7 +241,7 @@ def need_of(kind: str, argv: Sequence[str], capacity: Capacity) -> Need:
             slots = capacity.slots
         else:
             slots = 1
-    gpus = _gpu_list(opts["--gpus"], kind) if opts.get("--gpus") else ()
+    gpus = gpu_list(opts["--gpus"], kind) if opts.get("--gpus") else ()
     if slots > capacity.slots:
         raise JobError(f"{kind} --slots {slots}: the daemon owns {capacity.slots} slots; ask for at most "
                        f"{capacity.slots} or start the daemon with more (--slots)")
@@ -459,8 +460,17 @@ def job_from_dict(d: Mapping[str, Any], where: str = "job record") -> Job:
     is not a valid record (unknown fields are ignored: newer daemons may add)."""
     if not isinstance(d, Mapping):
         raise JobError(f"{where}: expected a JSON object, got {type(d).__name__}")
-    kw = {}
-    for f in _JOB_SCHEMA.fields:
+    kw = _decode_fields(_JOB_SCHEMA, d, where)
+    if kw.get("state", "queued") not in STATES:
+        raise JobError(f"{where}: state {kw['state']!r} is not one of {', '.join(STATES)}")
+    return Job(**kw)
+
+
+def _decode_fields(schema: Any, d: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The fields of ``schema`` that ``d`` holds, decoded; ``JobError``
+    naming ``where`` and the field for a missing or invalid one."""
+    kw: dict[str, Any] = {}
+    for f in schema.fields:
         if f.name not in d:
             if f.required:
                 raise JobError(f"{where}: field {f.name!r} is missing")
@@ -469,9 +479,7 @@ def job_from_dict(d: Mapping[str, Any], where: str = "job record") -> Job:
             kw[f.name] = f.decode(d[f.name])
         except codec.Mismatch as e:
             raise JobError(f"{where}: field {f.name}{e.path} = {e.value!r} is not a valid {e.hint}") from None
-    if kw.get("state", "queued") not in STATES:
-        raise JobError(f"{where}: state {kw['state']!r} is not one of {', '.join(STATES)}")
-    return Job(**kw)
+    return kw
 
 
 def encode_message(msg: Any) -> dict[str, Any]:
@@ -499,16 +507,7 @@ def decode_message(d: Any) -> Any:
     cls = _BY_NAME.get(d["t"])
     if cls is None:
         raise JobError(f"unknown daemon message type {d['t']!r}")
-    kw: dict[str, Any] = {}
-    for f in _SCHEMAS[cls].fields:
-        if f.name not in d:
-            if f.required:
-                raise JobError(f"{cls.__name__}: field {f.name!r} is missing")
-            continue
-        try:
-            kw[f.name] = f.decode(d[f.name])
-        except codec.Mismatch as e:
-            raise JobError(f"{cls.__name__}: field {f.name}{e.path} = {e.value!r} is not a valid {e.hint}") from None
+    kw = _decode_fields(_SCHEMAS[cls], d, cls.__name__)
     if cls in _JOB_FIELDS:
         name = _JOB_FIELDS[cls]
         value = d.get(name)

@@ -161,17 +161,23 @@ class FakeRank:
         if key in self._early:
             return self._early.pop(key)
         while True:
-            try:
-                _, msg = await self.sock.recv_message()
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                self.killed = True
-                raise RankKilled(f"rank {self.rank} was killed") from None
+            msg = await self._recv()
             got = P.routing_key(msg)
             if got is None:
                 raise RankStopped(self.rank, msg)
             if got == key:
                 return msg
             self._early[got] = msg
+
+    async def _recv(self) -> P.Message:
+        """The next message from the coordinator; ``RankKilled`` once this
+        rank's connection is gone."""
+        try:
+            _, msg = await self.sock.recv_message()
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            self.killed = True
+            raise RankKilled(f"rank {self.rank} was killed") from None
+        return msg
 
     async def trace(self, *events: T.Event) -> None:
         """Ship trace records (what ``prism.rank.recorder`` batches)."""
@@ -196,11 +202,7 @@ class FakeRank:
         await self.send_message(P.Hello(protocol_version, self.rank, self.world_size, self.rank, os.getpid(),
                                  self.hostname, self.device, time.monotonic_ns()))
         while True:
-            try:
-                _, msg = await self.sock.recv_message()
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                self.killed = True
-                raise RankKilled(f"rank {self.rank} was killed") from None
+            msg = await self._recv()
             if isinstance(msg, P.Welcome):
                 self.welcome = msg
                 self._base_ns = msg.t_ns - round(trio.current_time() * 1e9)
