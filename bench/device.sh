@@ -154,20 +154,39 @@ suite_calibration() {  # slice calibration vs truth on the host's cores: bare, c
 }
 
 suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gpt-tp2) emulated with a GPU sandbox, both paths
+  # WL: workloads of workload_args (gpt-tp2 pp2 moe); HOST=0 skips the host path; KERNELS=0 skips the
+  # GPU tests and kernel bench; REC=1 records rank 0 in the capture (the device path then delivers the
+  # recording from its prefetch pool), COMP=1 adds a device-path run without it; OOM=GIB adds a capture
+  # and a device-path emulation of the first workload under --memory-limit GIB.
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
-  x "$R/cuda_ext-tests.txt" 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_cuda_ext_gpu.py
-  x "$R/cuda_kernels.txt" 120 python3 bench/cuda_kernels.py --out "$R/cuda_kernels.json"
-  local w
-  for w in ${WL:-gpt-tp2}; do  # WL: workloads of workload_args (gpt-tp2 pp2 moe); HOST=0 skips the host path
+  if [ "${KERNELS:-1}" != 0 ]; then
+    x "$R/cuda_ext-tests.txt" 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_cuda_ext_gpu.py
+    x "$R/cuda_kernels.txt" 120 python3 bench/cuda_kernels.py --out "$R/cuda_kernels.json"
+  fi
+  local w rec=() first=
+  [ "${REC:-0}" = 1 ] && rec=(--record 0)
+  for w in ${WL:-gpt-tp2}; do
+    first=${first:-$w}
     # shellcheck disable=SC2046 (the words split on purpose)
-    x "$R/capture-$w.txt" 120 python3 -m prism capture -n 2 --gpus 0 --out "$R/cap-$w" --progress off -- \
+    x "$R/capture-$w.txt" 120 python3 -m prism capture -n 2 --gpus 0 "${rec[@]}" --out "$R/cap-$w" --progress off -- \
       $(workload_args "$w")
     x "$R/emulate-$w-device.txt" 120 env PRISM_STACK_DUMP_S=20 python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
       --device-path --net "$NET" --warmup 3 --name device --quiet 25 --progress off
+    [ "${COMP:-0}" = 1 ] && x "$R/emulate-$w-device-comp.txt" 120 env PRISM_STACK_DUMP_S=20 python3 -m prism emulate \
+      "$R/cap-$w" --sandbox 0 --device-path --no-recording --net "$NET" --warmup 3 --name device-comp --quiet 25 \
+      --progress off
     [ "${HOST:-1}" = 0 ] || x "$R/emulate-$w-host.txt" 200 python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
       --net "$NET" --warmup 3 --name host --progress off
   done
+  if [ -n "${OOM:-}" ] && [ -n "$first" ]; then
+    # shellcheck disable=SC2046
+    x "$R/capture-$first-oom.txt" 120 python3 -m prism capture -n 2 --gpus 0 --memory-limit "$OOM" \
+      --out "$R/cap-$first-oom" --progress off -- $(workload_args "$first")
+    x "$R/emulate-$first-oom.txt" 120 python3 -m prism emulate "$R/cap-$first" --sandbox 0 --device-path \
+      --memory-limit "$OOM" --net "$NET" --name device-oom --quiet 25 --progress off
+  fi
+  [ -n "${DRY:-}" ] || find "$R" \( -name '*.bin' -o -name timeline.json \) -delete  # the bundle stays small
 }
 
 suite_comm_share() {  # CPU truth vs replay split into communication and the rest, world 8 and 16

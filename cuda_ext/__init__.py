@@ -245,14 +245,23 @@ class PrefetchPool:
     stream (see the module docstring). Keys are the caller's (e.g. a
     collective's ``(gid, seq)``)."""
 
-    def __init__(self, nbytes: int, device: torch.device | str) -> None:
+    def __init__(self, nbytes: int, device: torch.device | str, *, host_mirror: bool = False) -> None:
         self.pool = DevicePool(nbytes, device)
         self.device = self.pool.device
         cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if cuda else None
-        self._items: dict[Any, tuple[int, torch.Tensor, Any, torch.Tensor]] = {}
+        self._items: dict[Any, tuple[int, torch.Tensor, Any, torch.Tensor | None]] = {}
         self._retired: collections.deque[tuple[int, Any]] = collections.deque()
+        self._reserved: dict[Any, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self.staged_bytes = 0
+        #: ``host_mirror``: pinned host memory as large as the pool, allocated
+        #: once here (``reserve`` hands out the block at the device block's
+        #: offset), so filling never allocates pinned memory later, when a
+        #: stream may be waiting on a release (cudaHostAlloc may synchronise).
+        self.host: torch.Tensor | None = None
+        if host_mirror:
+            self.host = (torch.empty(self.pool.nbytes, dtype=torch.uint8, pin_memory=True) if cuda
+                         else self.pool.slab)
 
     @property
     def nbytes(self) -> int:
@@ -271,10 +280,11 @@ class PrefetchPool:
             self._retired.popleft()
             self.pool.free(bid)
 
-    def stage(self, key: Any, data: torch.Tensor) -> None:
+    def stage(self, key: Any, data: torch.Tensor, *, block: bool = True) -> None:
         """Copy ``data`` (a CPU tensor) into the pool on the side stream;
         returns once the copy is queued. Raises ``PoolFull`` only when even the
-        deliveries already consumed cannot make room."""
+        deliveries already consumed cannot make room (``block=False``: when
+        the consumers have not passed them yet, instead of waiting)."""
         if key in self._items:
             raise KeyError(f"prefetch: {key!r} is already staged")
         src = data.detach().reshape(-1).contiguous().view(torch.uint8)
@@ -284,7 +294,7 @@ class PrefetchPool:
                 bid, view = self.pool.alloc(src.numel())
                 break
             except PoolFull:
-                if not self._retired:
+                if not self._retired or not block:
                     raise
                 self._reclaim(block=True)
         if self.stream is None:
@@ -300,6 +310,36 @@ class PrefetchPool:
                 ev.record(self.stream)
             self._items[key] = (bid, view, ev, pinned)  # pinned kept alive until the copy is done
         self.staged_bytes += src.numel()
+
+    def reserve(self, key: Any, nbytes: int) -> torch.Tensor:
+        """Room for ``key`` in a ``host_mirror`` pool: the pinned host block to
+        fill (any thread, no lock of the pool's held), then ``commit(key)``.
+        Raises ``PoolFull`` (never blocks) while the deliveries in the way
+        are not yet consumed or their consumers have not passed them."""
+        if self.host is None:
+            raise RuntimeError("prefetch: reserve needs a pool made with host_mirror=True")
+        if key in self._items or key in self._reserved:
+            raise KeyError(f"prefetch: {key!r} is already staged")
+        self._reclaim()
+        bid, view = self.pool.alloc(nbytes)
+        off = view.data_ptr() - self.pool.slab.data_ptr()
+        hview = self.host[off:off + int(nbytes)]
+        self._reserved[key] = (bid, view, hview)
+        return hview
+
+    def commit(self, key: Any) -> None:
+        """The host block of ``key`` is filled: queue its copy to the device on
+        the side stream (on a CPU pool the host block is the device block)."""
+        bid, view, hview = self._reserved.pop(key)
+        ev = None
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                view.copy_(hview, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+        # the host block is reused only with its device block, after the consumer passed it
+        self._items[key] = (bid, view, ev, None)
+        self.staged_bytes += hview.numel()
 
     def take(self, key: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The staged data as ``dtype``/``shape``, ordered after its fill on the

@@ -87,6 +87,13 @@ class EmulateConfig:
     #: GPT tp2 within 2% on an H200, pp2 and MoE not); False stages every call
     #: through host memory (the capture's path, which works on GPUs).
     device_path: bool = False
+    #: Device path with a recording: each sandbox's prefetch pool (MiB of
+    #: device memory outside torch's allocator, plus as much pinned host
+    #: memory) that the capture's recorded outputs are staged into ahead of
+    #: their calls (``prism.rank.devicepath.RecordedFeed``). It counts
+    #: against ``memory_limit_gib``: torch's allocator gets the limit less
+    #: the larger of ``memory_overhead_gib`` and the pool.
+    prefetch_pool_mib: int = 256
     #: A stored slice calibration for the virtual ranks' durations: "off",
     #: "on" (the newest) or its name (``prism.app.calibrate``).
     calibration: str = "off"
@@ -127,9 +134,11 @@ def _read_text(path: Path) -> str:
         return ""
 
 
-def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[int]) -> dict[str, str]:
+def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[int],
+             pool_gib: float = 0.0) -> dict[str, str]:
     """The sandbox ranks' GPU environment (``prism.rank.devices``: the
-    logical-device mode; ``prism.rank.oom``: the memory limit), or {} on CPU."""
+    logical-device mode; ``prism.rank.oom``: the memory limit, less
+    ``pool_gib`` of prefetch pool where that is more than the overhead), or {} on CPU."""
     from prism.rank import envnames as D  # not prism.rank.devices: it would bring torch into the coordinator
     from prism.shell.gpu_plan import visible_gpus
 
@@ -159,10 +168,12 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
     if config.memory_limit_gib is not None:
         from prism.rank.oom import MEMORY_LIMIT_ENV
 
-        budget = config.memory_limit_gib - config.memory_overhead_gib
+        outside = max(config.memory_overhead_gib, pool_gib)
+        budget = config.memory_limit_gib - outside
         if budget <= 0:
             raise UsageError(f"--memory-limit {config.memory_limit_gib} GiB leaves nothing for torch's allocator "
-                             f"after --memory-overhead {config.memory_overhead_gib} GiB")
+                             f"after --memory-overhead {config.memory_overhead_gib} GiB"
+                             + (f" and the {pool_gib:.2f} GiB prefetch pool (--prefetch-pool)" if pool_gib else ""))
         env[MEMORY_LIMIT_ENV] = str(int(budget * 2**30))
     return env
 
@@ -306,7 +317,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         model, why = resolve_profile(config.net, manifest, device_kind)
     except ProfileError as e:
         raise UsageError(str(e)) from None
-    env = _gpu_env(config, manifest.device_kind, sandbox)
+    if config.prefetch_pool_mib <= 0:
+        raise UsageError(f"--prefetch-pool must be a positive number of MiB, got {config.prefetch_pool_mib}")
     t_setup = time.perf_counter()
     batch = replay_batch(graph, cost_model=model)
     # Scaled out, folding leaves a few ranks to step whatever the world: simulate, exact, costs no more.
@@ -325,6 +337,15 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         for r in sandbox:
             if payloads.get(r):
                 recordings[r] = Recording(index(payloads[r]), _PayloadCache(run).load)
+    # A device-path sandbox delivers its recorded outputs itself, from a
+    # prefetch pool it fills from the capture's side files.
+    pool = config.prefetch_pool_mib << 20 if recordings and config.device_path else 0
+    env = _gpu_env(config, manifest.device_kind, sandbox, pool / 2**30)
+    if recordings:
+        from prism.rank.envnames import POOL_ENV, RECORDING_ENV
+
+        env[RECORDING_ENV] = runfolder.payload_index_template(run.resolve())
+        env[POOL_ENV] = str(config.prefetch_pool_mib << 20)
     setup_s = time.perf_counter() - t_setup
     load_s = t_setup - t_load
     rss["engine"] = _peak_rss()
@@ -423,6 +444,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         "recording": ("used" if recordings else "not used: the run is scaled out, its recorded values are the "
                       "small world's; every virtual contribution is compensated" if scaled and config.use_recording
                       else "none"),
+        "prefetch_pool_bytes": pool or None,
         "cost_model": model.name, "cost_model_choice": why, "warmup": config.warmup,
         "predicted_iteration_ns": batch.iteration_times.tolist(),
         "predicted_mean_ns": _mean(batch.iteration_times.tolist(), config.warmup),
@@ -569,6 +591,9 @@ def format_summary(s: dict, out_dir: Path) -> str:
                  + (f"; {c['sends_on_device']} sends to virtual ranks kept on the GPU" if c.get("sends_on_device")
                     else "")
                  + f"; {c['deliveries']} results released")
+    if s.get("prefetch_pool_bytes"):
+        lines.append(f"prefetch pool: {s['prefetch_pool_bytes'] / 2**20:.0f} MiB of device memory per sandbox rank "
+                     "(Prism's own, outside torch's allocator; each rank's log ends with its use)")
     lines.append(f"{'':<28}{'iteration time':>16}")
     lines.append(f"{'capture prediction':<28}{_ms(s['predicted_mean_ns']):>16}")
     lines.append(f"{'emulated job':<28}{_ms(s['emulated_mean_ns']):>16}")

@@ -55,6 +55,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-path", action="store_true",
                    help="GPU sandboxes (experimental): keep the data of calls answered by virtual ranks only on the "
                         "GPU, behind a stream-ordered release, instead of staging every call through host memory")
+    p.add_argument("--prefetch-pool", type=int, default=256, metavar="MIB",
+                   help="--device-path with a recording: each sandbox's pool of device memory (outside torch's "
+                        "allocator, reported apart, counted against --memory-limit) that the recorded outputs are "
+                        "staged into ahead of their calls (default: 256)")
     p.add_argument("--memory-overhead", type=float, default=None, metavar="GIB",
                    help="of --memory-limit, what the GPU holds outside torch's allocator (default: as capture)")
     p.add_argument("--calibration", default="off", metavar="off|on|NAME",
@@ -64,7 +68,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _gpu_kw(args: argparse.Namespace) -> dict:
     kw = {"gpus": args.gpus, "memory_limit_gib": args.memory_limit, "device_path": args.device_path,
-          "calibration": args.calibration}
+          "calibration": args.calibration, "prefetch_pool_mib": args.prefetch_pool}
     if args.memory_overhead is not None:
         kw["memory_overhead_gib"] = args.memory_overhead
     return kw

@@ -22,7 +22,7 @@ import orjson
 from prism.core import codec
 
 #: 2: results carry ``release_ns`` (emulation: when the call completes).
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 #: Largest message (all frames together) a peer may send. Tensors staged
 #: through the coordinator in phase 1 are gradient buckets and activations:
 #: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
@@ -106,6 +106,10 @@ class CollectiveArrive:
     #: a ``Reached`` follows with the moment the rank's stream got there,
     #: the call's arrival in the emulated job.
     reach_follows: bool = False
+    #: With ``on_device``: the rank delivers the capture's recorded outputs
+    #: from its prefetch pool (``prism.rank.devicepath.RecordedFeed``), not
+    #: compensated ones (protocol 7).
+    recorded: bool = False
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
 
 
@@ -161,6 +165,8 @@ class RecvPost:
     issue_ns: int = 0
     on_device: bool = False
     reach_follows: bool = False
+    #: As ``CollectiveArrive.recorded``: the recorded data, not zeros, behind the release.
+    recorded: bool = False
 
 
 def recv_reach_gid(src: int, tag: int) -> str:

@@ -46,6 +46,7 @@ counts as complete.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -60,7 +61,7 @@ import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d  # the option types (2.11 does not re-export all in dist)
 from torch._C._distributed_c10d import ReduceOp
 
-from prism.core import protocol, trace
+from prism.core import payloads as PL, protocol, trace
 from prism.core.matcher import wait_key_coll, wait_key_p2p
 from prism.rank import devicepath
 from prism.rank import runtime as _rt
@@ -533,6 +534,14 @@ class PrismProcessGroup(dist.ProcessGroup):
             out_splits=tuple(int(x) for x in out_splits), premul=premul, async_op=async_op,
             issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach)
         what = f"{op} on group {self.gid} (seq {seq})"
+        # The capture's recorded outputs, where this rank has them (its
+        # prefetch pool, ``devicepath.RecordedFeed``); else compensated.
+        anyt = [*outputs, *inputs]
+        feed = devicepath.recorded_feed(rt.rank, anyt[0].device if anyt else None)
+        refs = [PL.coll_ref(self.gid, seq, "out", i, len(outputs)) for i in range(len(outputs))]
+        recorded = feed is not None and all(feed.can_deliver(r, o) for r, o in zip(refs, outputs))
+        if recorded:
+            msg = dataclasses.replace(msg, recorded=True)
         pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
         pending.release_flag = (rel, slot, value)
@@ -561,8 +570,13 @@ class PrismProcessGroup(dist.ProcessGroup):
             gid = self.gid
             rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, seq, rt.emu_ns(at))),
                       rt.add_dilation)
-        devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs,
-                                in_splits, out_splits)
+        if recorded:
+            with torch.no_grad():
+                for r, o in zip(refs, outputs):
+                    feed.deliver(r, o)  # type: ignore[union-attr]
+        else:
+            devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs,
+                                    in_splits, out_splits)
         work = self._issued(PrismWork(pending))
         devicepath.count_issue(time.monotonic_ns() - t0)
         return work
@@ -862,9 +876,13 @@ class PrismProcessGroup(dist.ProcessGroup):
 
         pending.finish_events = finish
         fut = rt.client.future(("p2p", peer, rt.rank, tag, pseq))
+        feed = devicepath.recorded_feed(rt.rank, t.device)
+        ref = PL.p2p_ref(peer, rt.rank, tag, pseq)
+        recorded = feed is not None and feed.can_deliver(ref, t)
         # As a device-path collective: the call goes out before the wait is queued.
         rt.send_call(protocol.RecvPost(rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype,
-                                       shape=shape, issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach))
+                                       shape=shape, issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach,
+                                       recorded=recorded))
         rt.on_done(fut, lambda f: _complete_from_future(pending, f))
         if reach:
             rel.prepare(slot)
@@ -874,7 +892,10 @@ class PrismProcessGroup(dist.ProcessGroup):
             rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, pseq, rt.emu_ns(at))),
                       rt.add_dilation)
         with torch.no_grad():
-            t.zero_()
+            if recorded:
+                feed.deliver(ref, t)  # type: ignore[union-attr]
+            else:
+                t.zero_()
         work = self._issued(PrismWork(pending))
         devicepath.count_issue(time.monotonic_ns() - t0)
         return work

@@ -299,6 +299,11 @@ def child_main(command: Sequence[str], *, rank: int, world_size: int, local_rank
             status, message = "oom", report + "\n\n" + message
             print(f"prism: {report}", file=sys.stderr)
     finally:
+        if "prism.rank.devicepath" in sys.modules:
+            try:
+                sys.modules["prism.rank.devicepath"].report()
+            except BaseException:  # noqa: BLE001 (a report, never the rank's outcome)
+                traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
     if rt is not None:

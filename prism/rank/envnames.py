@@ -8,3 +8,9 @@ SANDBOX_ENV = "PRISM_SANDBOX_RANKS"
 GPU_SANDBOX_ENV = "PRISM_GPU_SANDBOX"
 #: Comma-separated physical GPUs shared by the run (``prism.rank.devices``).
 GPUS_ENV = "PRISM_GPUS"
+#: The capture's payload records for any rank (``RUN/payloads/rank-{rank:06d}.jsonl``),
+#: whose recorded outputs a device-path sandbox delivers from its prefetch
+#: pool (``prism.rank.devicepath.RecordedFeed``).
+RECORDING_ENV = "PRISM_DEVICE_RECORDING"
+#: That prefetch pool's size in bytes (``prism emulate --prefetch-pool MIB``).
+POOL_ENV = "PRISM_PREFETCH_POOL_BYTES"

@@ -604,9 +604,12 @@ class Emulator(Coordinator):
         if msg.src in self.sandbox:
             sent = self._sent.pop(key)
             payloads = tuple(sent.payloads)
-        elif msg.on_device:  # formed on the sandbox's GPU (zeros behind the release)
+        elif msg.on_device:  # formed on the sandbox's GPU (the recording or zeros, behind the release)
             payloads = ()
-            self.stats.compensated_calls += 1
+            if msg.recorded:
+                self.stats.recorded_calls += 1
+            else:
+                self.stats.compensated_calls += 1
             self.stats.device_calls += 1
         else:
             rec = self.recordings.get(rank)
@@ -643,11 +646,16 @@ class Emulator(Coordinator):
             else:
                 self.stats.recorded_calls += 1
                 return out
-        self.stats.compensated_calls += 1
         if any(m.on_device for m in calls.values()):
-            # a GPU sandbox alone in its group formed its outputs on its device
+            # a GPU sandbox alone in its group formed its outputs on its
+            # device: the capture's recorded ones from its prefetch pool, or compensated
+            if all(m.recorded for m in calls.values()):
+                self.stats.recorded_calls += 1
+            else:
+                self.stats.compensated_calls += 1
             self.stats.device_calls += 1
             return {g: [] for g in calls}
+        self.stats.compensated_calls += 1
         _, ranks = self._group_rank(gid, next(iter(calls.values())).rank)
         inputs = {g: self.matcher._arrays(msg, g) for g, msg in calls.items()}
         try:

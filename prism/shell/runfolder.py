@@ -169,6 +169,12 @@ def payload_index_path(run_dir: PathLike, rank: int) -> Path:
     return Path(run_dir) / PAYLOADS_DIR / _RANK_FILE_NAME.format(rank=rank)
 
 
+def payload_index_template(run_dir: PathLike) -> str:
+    """``payload_index_path`` for any rank: ``RUN/payloads/rank-{rank:06d}.jsonl``
+    (``str.format(rank=N)`` gives rank N's; for processes that do not import the shell)."""
+    return str(Path(run_dir) / PAYLOADS_DIR / _RANK_FILE_NAME)
+
+
 def payload_data_name(rank: int) -> str:
     """``payloads/rank-000012.bin``, relative to the run directory, as payload records name it."""
     return f"{PAYLOADS_DIR}/{_PAYLOAD_NAME.format(rank=rank)}"

@@ -102,6 +102,33 @@ def test_without_recording_compensates_and_says_how_far_losses_moved(gpt_run):
     assert "losses" in proc.stdout and "compensated" in proc.stdout
 
 
+def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
+    # PRISM_GPU_SANDBOX=cpu-test runs the GPU sandbox's path (on_device calls,
+    # outputs formed by the rank behind the release) on CPU tensors. With the
+    # recording, the rank delivers the capture's recorded outputs itself from
+    # its prefetch pool (protocol 7's recorded calls): its losses are the
+    # capture's, digit for digit, with no payload through the coordinator.
+    env = dict(ENV, PRISM_GPU_SANDBOX="cpu-test")
+    dev = prism("emulate", str(gpt_run), "--sandbox", "4", "--name", "devrec", "--progress", "off", "--json",
+                "--prefetch-pool", "1", cwd=gpt_run.parent, env=env)
+    assert dev.returncode == 0, dev.stderr[-3000:]
+    d = summary(dev.stdout)
+    c = d["calls"]
+    assert c["on_device"] > 0 and c["compensated"] == 0 and c["recorded"] >= c["on_device"]
+    # the pipeline's sends and receives with virtual stages too (protocol 6)
+    assert c["sends_on_device"] > 0
+    # every device-path call's arrival came as a reach (protocol 5's Reached), none left waiting
+    assert c["reached_on_gpu"] == c["on_device"]
+    assert d["pacing"]["reach_lag_p50_ns"] is not None
+    r4 = d["ranks"]["4"]
+    assert r4["losses"] and r4["losses_equal"] is True, (r4["losses"], r4["capture_losses"])
+    log = (gpt_run / "emulation" / "devrec" / runfolder.LOGS_DIR / "rank-000004.log").read_text()
+    assert "prism: prefetch pool: 1 MiB" in log and "recorded outputs delivered" in log, log[-2000:]
+
+
+# A variant of test_the_device_path_delivers_the_recording_from_the_prefetch_pool
+# (the in-place compensation rules: tests/unit/test_devicepath.py).
+@FULL
 def test_the_device_path_protocol_compensates_as_the_coordinator_does(gpt_run):
     # PRISM_GPU_SANDBOX=cpu-test runs the GPU sandbox's path (on_device calls,
     # outputs formed in place by the rank) on CPU tensors: the losses equal the

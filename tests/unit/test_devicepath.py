@@ -12,6 +12,7 @@ import torch
 from prism.core import protocol as P
 from prism.core.compensation import hybrid_outputs
 from prism.rank import devicepath
+from prism.shell.runfolder import payload_index_path
 
 
 def _arrive(op, dtype, x_shape, out_shape, reduce_op="", premul=None, splits=()):
@@ -127,3 +128,66 @@ def test_the_reach_watcher_reports_reaches_in_order_and_carries_only_the_latenes
     flags._st[4] = 9100
     assert done.wait(5), got
     assert got == [("reach", 0, 1000), ("late", 2000), ("reach", 1, 8000), ("late", 100), ("reach", 2, 9100)]
+
+
+def _recording(tmp_path, tensors):
+    """A run folder whose rank 0 recorded ``tensors`` (ref -> tensor), in that order."""
+    from prism.core.payloads import digest
+    from prism.core.trace.records import Payload
+    from prism.shell.runfolder import PayloadWriter, payload_data_name
+
+    w = PayloadWriter(tmp_path, 0)
+    off = 0
+    for ref, t in tensors.items():
+        data = t.numpy().tobytes()
+        rec = Payload(ref=ref, role="recv", dtype="float32", shape=tuple(t.shape), nbytes=len(data),
+                      digest=digest(data), step=0, file=payload_data_name(0), offset=off)
+        w.received([(rec, memoryview(data))])
+        off += len(data)
+    w.sent([Payload(ref="coll:g:0:in", role="sent", dtype="float32", shape=(4,), nbytes=16, digest="0" * 32,
+                    step=0)])
+    w.close()
+    return tmp_path
+
+
+@pytest.mark.parametrize("pool_bytes", [1 << 20, 1024])
+@pytest.mark.parametrize("host_budget", [None, 0], ids=["preloaded", "streamed"])
+def test_recorded_outputs_come_from_the_prefetch_pool_in_any_order(tmp_path, pool_bytes, host_budget):
+    # 1 MiB holds every block (all staged ahead); 1 KiB holds one at a time
+    # (staging waits for room; a call whose block is not staged copies from the host).
+    gen = torch.Generator().manual_seed(3)
+    tensors = {f"coll:g:{i}:out": torch.randn(64 + i, generator=gen) for i in range(6)}
+    feed = devicepath.RecordedFeed(str(payload_index_path(_recording(tmp_path, tensors), 0)), pool_bytes, torch.device("cpu"),
+                                   host_budget=host_budget)
+    assert feed.preloaded is (host_budget is None)
+    order = ["coll:g:0:out", "coll:g:2:out", "coll:g:1:out", "coll:g:3:out", "coll:g:5:out", "coll:g:4:out"]
+    for ref in order:
+        out = torch.zeros_like(tensors[ref])
+        assert feed.can_deliver(ref, out)
+        assert feed.deliver(ref, out)
+        assert torch.equal(out, tensors[ref]), ref
+    s = feed.stats()
+    assert s["delivered"] == 6 and s["missing"] == 0
+    assert s["pool_peak_bytes"] <= pool_bytes
+    # nothing recorded, or recorded at another size: the caller compensates
+    assert not feed.can_deliver("coll:g:9:out", torch.zeros(4))
+    assert not feed.deliver("coll:g:9:out", torch.zeros(4)) and feed.stats()["missing"] == 1
+
+
+@pytest.mark.parametrize("host_budget", [None, 0], ids=["preloaded", "streamed"])
+def test_a_recorded_output_of_another_size_is_refused_and_its_block_returned(tmp_path, host_budget):
+    tensors = {"coll:g:0:out": torch.ones(8), "p2p:1:0:0:0": torch.full((8,), 2.0)}
+    feed = devicepath.RecordedFeed(str(payload_index_path(_recording(tmp_path, tensors), 0)), 1 << 16, torch.device("cpu"),
+                                   host_budget=host_budget)
+    wrong = torch.zeros(4)
+    assert not feed.can_deliver("coll:g:0:out", wrong)
+    assert not feed.deliver("coll:g:0:out", wrong) and torch.equal(wrong, torch.zeros(4))
+    out = torch.zeros(8)
+    assert feed.deliver("p2p:1:0:0:0", out) and torch.equal(out, torch.full((8,), 2.0))
+    import time
+
+    for _ in range(100):  # the reader ends once nothing is left to stage
+        if feed.pool.pool.used == 0:
+            break
+        time.sleep(0.01)
+    assert feed.pool.pool.used == 0
