@@ -259,9 +259,16 @@ suite_cpu_scale() {  # CPU capture of the bundled GPT at 1,024 ranks, 16 slots
     --only cpu_scale --cpu-worlds 1024 --cpu-slots 16 --cpu-timeout 500 --runs-dir /tmp/cs
 }
 
+suite_campaigns() {  # the GPU example campaigns (bench/campaigns: dp_oom, moe_ep), tables and plots
+  local c
+  for c in ${CAMPAIGNS:-dp_oom moe_ep}; do
+    x "$R/campaign-$c.txt" ${TC:-280} python3 -m prism campaign "bench/campaigns/$c.toml" --out "$R/campaign-$c"
+  done
+}
+
 SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
 emulate-accuracy-16 comm-share calibration gpu-sandbox truth-segments
-truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale"
+truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale campaigns"
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then
   for s in $SUITES; do
