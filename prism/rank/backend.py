@@ -46,6 +46,7 @@ counts as complete.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -205,6 +206,12 @@ class _Op:
         #: ``release_flag`` (releaser, slot, value), flipped at the release;
         #: a wait from the host returns at once, as NCCL's does.
         self.release_flag: tuple[Any, int, int] | None = None
+        #: An async device-path call on the side stream (``devicepath.SideStream``):
+        #: the event after its outputs, which a wait (or the future) orders
+        #: the consumer's stream behind; its tensors, held until then (NCCL's
+        #: stash: the caller's stream must not reuse their memory before).
+        self.stream_done: Any = None
+        self.stash: list[torch.Tensor] = []
         self.step = step
         self.done = threading.Event()
         self._error: BaseException | None = None
@@ -235,7 +242,13 @@ class _Op:
 
     def wait(self) -> None:
         if self.release_flag is not None:
-            return  # the caller's stream already waits for the release (NCCL's semantics)
+            # The caller's stream already waits for the release (NCCL's
+            # semantics), or, for an async call on the side stream, is ordered
+            # behind it now.
+            if self.stream_done is not None:
+                torch.cuda.current_stream(self.stream_done.device).wait_event(self.stream_done.event)
+                self.stash = []
+            return
         if not self.done.is_set():
             rt = _rt.current()
             t = rt.recorder.comm_enter()
@@ -295,7 +308,14 @@ class _Op:
         """
         fut = self.torch_future
         if self._error is None:
-            fut.set_result(self.result)
+            if self.stream_done is not None:
+                # A CUDA future orders its consumers behind the streams current
+                # when it completes: here, one that waits for the side stream's
+                # event (not the completion thread's default stream).
+                with torch.cuda.stream(self.stream_done.follower()):
+                    fut.set_result(self.result)
+            else:
+                fut.set_result(self.result)
         else:
             fut.set_exception(self._error)
         fut._op = None
@@ -563,20 +583,22 @@ class PrismProcessGroup(dist.ProcessGroup):
         # is queued lets it pass at once).
         rt.send_call(msg)
         rt.on_done(fut, lambda f: _complete_from_future(pending, f))
-        if reach:
-            rel.prepare(slot)
-        rel.enqueue_wait(slot, value)
-        if reach:
-            gid = self.gid
-            rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, seq, rt.emu_ns(at))),
-                      rt.add_dilation)
-        if recorded:
-            with torch.no_grad():
-                for r, o in zip(refs, outputs):
-                    feed.deliver(r, o)  # type: ignore[union-attr]
-        else:
-            devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs,
-                                    in_splits, out_splits)
+        side = devicepath.side_stream(anyt[0].device) if async_op and anyt else None
+        with side.run(pending, anyt) if side is not None else contextlib.nullcontext():
+            if reach:
+                rel.prepare(slot)
+            rel.enqueue_wait(slot, value)
+            if reach:
+                gid = self.gid
+                rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, seq, rt.emu_ns(at))),
+                          rt.add_dilation)
+            if recorded:
+                with torch.no_grad():
+                    for r, o in zip(refs, outputs):
+                        feed.deliver(r, o)  # type: ignore[union-attr]
+            else:
+                devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs,
+                                        in_splits, out_splits)
         work = self._issued(PrismWork(pending))
         devicepath.count_issue(time.monotonic_ns() - t0)
         return work

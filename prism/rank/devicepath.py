@@ -59,6 +59,7 @@ depends on what the main thread does after it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Sequence
@@ -673,6 +674,80 @@ def recorded_feed(rank: int, device: torch.device | None) -> RecordedFeed | None
                 size = int(os.environ.get(POOL_ENV) or DEFAULT_POOL_BYTES)
                 _feed = RecordedFeed(path, size, device)
         return _feed or None
+
+
+# --- async calls on a side stream ---------------------------------------------------------
+
+#: "0": async device-path calls wait on the caller's stream, as before (for comparison).
+SIDE_STREAM_ENV = "PRISM_DEVICE_SIDE_STREAM"
+_sides: dict[Any, "SideStream"] = {}
+
+
+class StreamDone:
+    """The event after an async call's outputs on the side stream, and a
+    stream that waits for it (``follower``: for the torch future's
+    completion, on the completion thread)."""
+
+    __slots__ = ("event", "device", "_follower")
+
+    def __init__(self, event: Any, device: torch.device) -> None:
+        self.event, self.device, self._follower = event, device, None
+
+    def follower(self) -> Any:
+        s = _follower_stream(self.device)
+        s.wait_event(self.event)
+        return s
+
+
+_followers: dict[Any, Any] = {}
+
+
+def _follower_stream(device: torch.device) -> Any:
+    key = (threading.get_ident(), device)
+    s = _followers.get(key)
+    if s is None:
+        s = _followers[key] = torch.cuda.Stream(device=device)
+    return s
+
+
+class SideStream:
+    """An async device-path collective runs as NCCL's does: on a stream of
+    its own (one per device, like NCCL's communicator stream), which first
+    waits for the caller's stream to reach the call, then for the release,
+    then forms the outputs; the caller's stream goes on computing (the
+    overlap of DDP's buckets and FSDP's prefetch). ``Work.wait()`` (or the
+    torch future) orders the consumer's stream behind the call's event, and
+    the call's tensors are held until then so that the caller's stream
+    cannot reuse their memory early (NCCL's stash, its default without
+    ``recordStream``). The wait kernel's reach is the side stream's: when
+    the caller's stream had got to the call and the calls before it on the
+    side stream were done, as NCCL's kernel starts."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    @contextlib.contextmanager
+    def run(self, pending: Any, tensors: Sequence[torch.Tensor]):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        pending.stream_done = StreamDone(ev, self.device)
+        pending.stash = list(tensors)
+
+
+def side_stream(device: torch.device) -> SideStream | None:
+    """The side stream for ``device``'s async device-path calls; None on
+    CPU tensors (``cpu-test``) or with ``PRISM_DEVICE_SIDE_STREAM=0``."""
+    if device.type != "cuda" or os.environ.get(SIDE_STREAM_ENV, "1") == "0":
+        return None
+    with _lock:
+        s = _sides.get(device)
+        if s is None:
+            s = _sides[device] = SideStream(device)
+        return s
 
 
 def describe() -> dict[str, Any]:

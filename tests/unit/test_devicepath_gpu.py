@@ -1,0 +1,69 @@
+"""prism.rank.devicepath on a GPU: an async device-path call on the side
+stream holds neither the CPU nor the caller's stream until its release,
+and a wait (or the torch future) orders the consumer behind its outputs.
+Skips without a CUDA device."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import cuda_ext
+from prism.rank import devicepath
+
+pytestmark = pytest.mark.gpu(reason="streams and the release flags on a GPU")
+
+
+class _Pending:
+    stream_done = None
+    stash: list = []
+
+
+def test_an_async_call_on_the_side_stream_lets_the_callers_stream_compute():
+    flags = cuda_ext.ReleaseFlags(8, "cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    side = devicepath.SideStream(dev)
+    x = torch.ones(1 << 20, device=dev)
+    pending = _Pending()
+    with side.run(pending, [x]):
+        flags.wait(2, 1, mode=flags.default_mode())
+        x.mul_(3)  # the call's outputs, behind the release
+    assert pending.stream_done is not None and pending.stash == [x]
+    y = torch.full((1 << 20,), 2.0, device=dev)
+    y.mul_(5)  # the caller's compute goes on
+    computed = torch.cuda.Event()
+    computed.record()
+    deadline = time.monotonic() + 5
+    while not computed.query() and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    assert computed.query()  # the caller's stream did not wait for the release
+    assert not pending.stream_done.event.query()  # the call still waits for it
+    threading.Timer(0.05, flags.release, (2, 1)).start()
+    torch.cuda.current_stream(dev).wait_event(pending.stream_done.event)  # what Work.wait() does
+    z = x + 0  # ordered behind the call's outputs
+    assert z.sum().item() == 3 * (1 << 20) and y[0].item() == 10
+
+
+def test_the_future_of_an_async_call_completes_behind_the_side_stream():
+    flags = cuda_ext.ReleaseFlags(8, "cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    side = devicepath.SideStream(dev)
+    x = torch.ones(1 << 20, device=dev)
+    pending = _Pending()
+    with side.run(pending, [x]):
+        flags.wait(3, 1, mode=flags.default_mode())
+        x.mul_(7)
+    fut = torch.futures.Future(devices=[dev])
+    done = threading.Event()
+
+    def complete():  # the completion thread's part: its current stream waits for the call's event
+        with torch.cuda.stream(pending.stream_done.follower()):
+            fut.set_result([x])
+        done.set()
+
+    threading.Thread(target=complete).start()
+    done.wait(5)
+    threading.Timer(0.05, flags.release, (3, 1)).start()
+    (got,) = fut.wait()  # the current stream waits for the follower's event
+    assert got.sum().item() == 7 * (1 << 20)
