@@ -38,7 +38,8 @@ from prism.shell import runfolder
 DEFAULT_MEMORY_OVERHEAD_GIB = 0.6
 
 __all__ = ["AgentsError", "CaptureConfig", "CapturePlan", "CaptureOutcome", "capture", "plan_capture", "capture_run",
-           "serve_coordinator", "default_out", "layout_of", "device_kind_of", "manifest_for"]
+           "serve_coordinator", "default_out", "layout_of", "device_kind_of", "manifest_for", "join_agents",
+           "advertised", "gang_of"]
 
 
 @dataclass(frozen=True)
@@ -254,12 +255,12 @@ def _check_agents(config: CaptureConfig) -> None:
     from prism.core.agents import assign_blocks
 
     try:
-        assign_blocks(config.world_size, config.agents, _gang_of(config.command))
+        assign_blocks(config.world_size, config.agents, gang_of(config.command))
     except ValueError as e:
         raise UsageError(f"--agents {config.agents}: {e}") from None
 
 
-def _gang_of(cmd: Sequence[str]) -> int:
+def gang_of(cmd: Sequence[str]) -> int:
     """Ranks that stay on one node: the TP group (the ``--tp`` flag), as a
     real job's placement keeps it on a node's NVLink (pipeline stages and
     data-parallel replicas may span nodes)."""
@@ -367,9 +368,9 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
     runfolder.make_run_dir(run_dir)
     agent_procs = agent_endpoint = None
     if agents:
-        agent_procs, agent_endpoint, agent_slots = _join_agents(listen, agents, world_size, keys, insecure,
+        agent_procs, agent_endpoint, agent_slots = join_agents(listen, agents, world_size, keys, insecure,
                                                                 agent_wait_s)
-        agent_procs.place(_gang_of(cmd))
+        agent_procs.place(gang_of(cmd))
         # --slots caps the run as a whole; each node computes on its own slots.
         slots = slots or agent_slots
     # A GPU plan means the ranks drive GPUs, whether or not the command says
@@ -409,7 +410,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         endpoint = agent_endpoint
 
         def launch(endpoint: str) -> Any:
-            return agent_procs.launch(_advertised(endpoint, listen), run_dir, cmd, nproc_per_node=nproc_per_node,
+            return agent_procs.launch(advertised(endpoint, listen), run_dir, cmd, nproc_per_node=nproc_per_node,
                                       show_ranks=show_ranks if show_ranks != "all" else range(world_size))
     coord = Coordinator(run_dir, world_size, slots=slots, endpoint=endpoint,
                         quiet_s=quiet_s, progress=Progress(world_size, mode=progress),
@@ -452,7 +453,7 @@ class AgentsError(PrismError):
     exit_code = 1
 
 
-def _join_agents(listen: str | None, agents: int, world_size: int, keys: Any, insecure: bool,
+def join_agents(listen: str | None, agents: int, world_size: int, keys: Any, insecure: bool,
                  wait_s: float) -> tuple[Any, str, int]:
     """Listen for the agents and wait until all joined: their handle, the
     ranks' endpoint (a port of its own on the same host) and their slots."""
@@ -473,7 +474,7 @@ def _join_agents(listen: str | None, agents: int, world_size: int, keys: Any, in
     return procs, f"tcp://{host}:*", sum(h.slots for h in hellos)
 
 
-def _advertised(bound: str, listen: str | None) -> str:
+def advertised(bound: str, listen: str | None) -> str:
     """The ranks' endpoint as other nodes reach it: a wildcard host
     (``0.0.0.0``, ``*``) becomes this machine's name."""
     host, _, port = bound.removeprefix("tcp://").rpartition(":")

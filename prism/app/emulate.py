@@ -26,8 +26,15 @@ coordinator's work per iteration stays flat as the world grows. The
 capture's recording is not used then (the recorded values are the small
 world's): every virtual contribution is compensated.
 
+With ``agents`` the sandbox ranks run on other nodes: ``prism agent``
+processes join ``listen`` (CURVE with ``keys``), each gets the sandbox ranks
+``prism.core.agents.place_ranks`` puts on it (a TP group's sandboxes on one
+node) with the sandbox environment, and the emulator takes their calls over
+tcp, as ``prism capture --agents`` does a capture's ranks. An agent lost
+mid-run ends the emulation as ``node_lost``, naming it and its ranks.
+
 An emulation that fails (a mismatch with the graph, a crashing or OOM-ing
-sandbox rank) is a result with a non-zero exit code, not an exception.
+sandbox rank, a lost agent) is a result with a non-zero exit code, not an exception.
 """
 
 from __future__ import annotations
@@ -101,6 +108,17 @@ class EmulateConfig:
     scale_dp: int | None = None
     #: The captured layout for ``scale_dp``, as ``Layout`` or ``"tp=2,pp=2,dp=2"`` (None: the manifest's).
     layout: Any = None
+    # Agents (``prism agent`` on each node), as ``prism capture --agents``
+    #: Run the sandbox ranks through this many agents (0: launch them here).
+    agents: int = 0
+    #: Where the agents join: ``tcp://HOST:PORT`` (the sandboxes get a port of their own on HOST).
+    listen: str | None = None
+    #: ``prism keys`` directory (CURVE for agents and sandboxes); None only with ``insecure``.
+    keys: str | os.PathLike[str] | None = None
+    #: Plaintext tcp (a private network only).
+    insecure: bool = False
+    #: How long to wait for the agents to join.
+    agent_wait_s: float = 60.0
 
 
 @dataclass
@@ -117,6 +135,28 @@ class EmulationOutcome:
 
     def text(self) -> str:
         return format_summary(self.summary, self.out_dir)
+
+
+def _check_agent_options(config: EmulateConfig, device_kind: str | None) -> None:
+    """The agent options alone (before the capture is loaded): what they need
+    and what they do not drive yet."""
+    if not config.agents:
+        if config.listen is not None or config.keys is not None or config.insecure:
+            raise UsageError("--listen, --keys and --insecure are for an emulation served by agents: add --agents N")
+        return
+    if config.agents < 0:
+        raise UsageError(f"--agents must be at least 1, got {config.agents}")
+    if config.gpus is not None or config.memory_limit_gib is not None or config.device_path:
+        raise UsageError("--agents does not yet drive GPUs (--gpus, --memory-limit, --device-path): emulate on one "
+                         "machine for those")
+    if device_kind == "cuda":
+        raise UsageError("this capture ran on CUDA, so its sandboxes run on a GPU, and --agents does not yet drive "
+                         "GPUs: emulate it on one machine")
+    if config.listen is None:
+        raise UsageError("--agents needs --listen tcp://HOST:PORT, the address the agents join")
+    if config.keys is None and not config.insecure:
+        raise UsageError("--agents talks tcp with CURVE: pass --keys DIR (made by `prism keys DIR`), or --insecure "
+                         "on a private network")
 
 
 def parse_losses(text: str) -> dict[int, str]:
@@ -255,6 +295,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     from prism.shell.emulator import LEAD_NS, Emulator, Recording
     from prism.shell.launcher import launch_ranks
     from transport.endpoints import default_endpoint
+    from prism.app.capture import advertised, gang_of, join_agents, manifest_for
 
     run = Path(config.run)
     if not (run / runfolder.RANKS_DIR).is_dir():
@@ -264,6 +305,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     if manifest is None:
         raise UsageError(f"{run} has no manifest: emulation needs the capture's command and world size")
     world = manifest.world_size
+    _check_agent_options(config, manifest.device_kind)
     if config.scale_dp is None and config.layout is not None:
         raise UsageError("--layout describes the capture for --scale-dp; give --scale-dp N too")
     if config.dormant not in ("auto", "simulate", "offline"):
@@ -313,6 +355,14 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         where = (f" (the capture's world of {scaled['captured_world']} scaled to dp {config.scale_dp}: world {world})"
                  if scaled else "")
         raise UsageError(f"--sandbox: {e}{where}") from None
+    gang = gang_of(cmd)
+    if config.agents:
+        from prism.core.agents import place_ranks
+
+        try:
+            place_ranks(sandbox, config.agents, gang)
+        except ValueError as e:
+            raise UsageError(f"--agents {config.agents}: {e}") from None
     try:
         model, why = resolve_profile(config.net, manifest, device_kind)
     except ProfileError as e:
@@ -354,28 +404,45 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     out = run / "emulation" / name
     if (out / runfolder.RANKS_DIR).exists() and any((out / runfolder.RANKS_DIR).iterdir()):
         raise UsageError(f"{out} already holds an emulation; choose another --name")
-    runfolder.make_run_dir(out)
-    from prism.app.capture import manifest_for
-
-    runfolder.write_manifest(out, manifest_for(out, world, cmd, len(sandbox), manifest.device_kind,
-                                               (("emulation_of", str(run)), ("sandbox", compact_ranks(sandbox)))))
     show = () if config.show_ranks == "none" else config.show_ranks
-    emu = Emulator(out, engine, endpoint=default_endpoint(out), recordings=recordings, quiet_s=config.quiet_s,
-                   progress=Progress(len(sandbox), mode=config.progress), first_call_ns=first_call,
-                   launch=lambda endpoint: launch_ranks(world, endpoint, out, cmd, show_ranks=show, ranks=sandbox,
-                                                       env=env),
-                   stop_signals=default_stop_signals())
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-    # What setup made lives as long as the emulation: out of the collector's
-    # sight, so a full collection does not walk the graph's groups and the
-    # plan (tens of thousands of objects at 8,192 ranks) while a sandbox waits.
-    gc.collect()
-    gc.freeze()
-    wall0 = time.perf_counter()
+    endpoint = default_endpoint(out)
+
+    def launch(endpoint: str) -> Any:
+        return launch_ranks(world, endpoint, out, cmd, show_ranks=show, ranks=sandbox, env=env)
+
+    agent_procs = None
+    if config.agents:
+        agent_procs, endpoint, _ = join_agents(config.listen, config.agents, world, config.keys, config.insecure,
+                                               config.agent_wait_s)
+
+        def launch(bound: str) -> Any:
+            return agent_procs.launch(advertised(bound, config.listen), out, cmd, env=env,
+                                      show_ranks=sandbox if show == "all" else show)
     try:
-        result = trio.run(emu.run)
+        if agent_procs is not None:
+            agent_procs.place(gang, sandbox)
+        runfolder.make_run_dir(out)
+        runfolder.write_manifest(out, manifest_for(out, world, cmd, len(sandbox), manifest.device_kind,
+                                                   (("emulation_of", str(run)),
+                                                    ("sandbox", compact_ranks(sandbox)))))
+        emu = Emulator(out, engine, endpoint=endpoint, recordings=recordings, quiet_s=config.quiet_s,
+                       progress=Progress(len(sandbox), mode=config.progress), first_call_ns=first_call,
+                       launch=launch, stop_signals=default_stop_signals(),
+                       curve_keys=None if config.insecure else config.keys, authenticated=bool(config.agents))
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        # What setup made lives as long as the emulation: out of the collector's
+        # sight, so a full collection does not walk the graph's groups and the
+        # plan (tens of thousands of objects at 8,192 ranks) while a sandbox waits.
+        gc.collect()
+        gc.freeze()
+        wall0 = time.perf_counter()
+        try:
+            result = trio.run(emu.run)
+        finally:
+            gc.unfreeze()
     finally:
-        gc.unfreeze()
+        if agent_procs is not None:
+            agent_procs.close()
     wall = time.perf_counter() - wall0
     rss["run"] = _peak_rss()
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -472,6 +539,9 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         "groups_renamed": emu.stats.renamed_groups,
         "incomplete_capture": list(missing),
         "failed_ranks": {str(k): v[-4000:] for k, v in result.failed_ranks.items()},
+        # with --agents: where each sandbox ran
+        "agents": ([{"node": h.node, "host": h.host, "slots": h.slots, "ranks": ranks}
+                    for h, ranks in agent_procs.placement()] if agent_procs is not None else None),
     }
     if result.status == "ok":
         try:
@@ -582,6 +652,10 @@ def format_summary(s: dict, out_dir: Path) -> str:
                  f"{s['live']} live and {s['dormant_ranks']} dormant virtual ranks ({s['dormant']})"
                  + (f"; {s['folded']:,} of them folded into copies they equal, {s['stepped']} ranks stepped"
                     if s.get("folded") else ""))
+    for a in s.get("agents") or ():
+        lines.append(f"agent {a['node']} on {a['host']} ran sandbox ranks {compact_ranks(a['ranks'])}"
+                     + (f" (more than its {a['slots']} slots: they shared cores, which their timing shows)"
+                        if len(a["ranks"]) > a["slots"] else ""))
     gr = s["groups"]
     lines.append(f"groups: {gr['instantiated']} instantiated for real (the sandbox's), of {gr['in_graph']} in the "
                  f"graph ({gr['with_sandbox']} have a sandbox member)")

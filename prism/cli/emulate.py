@@ -14,6 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run directory of a `prism capture` (record the sandbox ranks with --record)")
     _common(p)
     _scale(p)
+    _agents(p)
     p.epilog = ("After the options, `-- SCRIPT ARGS...` runs another command than the capture's (a changed one is "
                 "checked against the captured graph call by call).")
     p.set_defaults(func=main, script=None)
@@ -26,6 +27,19 @@ def _scale(p: argparse.ArgumentParser) -> None:
                         "command's --dp set to N; every virtual contribution is compensated")
     p.add_argument("--layout", default=None, metavar="tp=T,pp=P,dp=D[,ep=E]",
                    help="the captured run's layout for --scale-dp (default: the manifest's, from --tp/--pp/--dp flags)")
+
+
+def _agents(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("agents", "run the sandbox ranks through `prism agent` on other nodes (the run "
+                                       "directory on a shared filesystem)")
+    a.add_argument("--agents", type=int, default=0, metavar="N",
+                   help="wait for N agents and place the sandbox ranks on them (a TP group's sandboxes on one node)")
+    a.add_argument("--listen", default=None, metavar="tcp://HOST:PORT",
+                   help="where the agents join (e.g. tcp://0.0.0.0:29431); the sandboxes get another port on HOST")
+    a.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys made by `prism keys DIR`")
+    a.add_argument("--insecure", action="store_true", help="plaintext tcp, without CURVE: a private network only")
+    a.add_argument("--agent-wait", type=float, default=60.0, metavar="S",
+                   help="how long to wait for the agents to join (default 60)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -89,7 +103,8 @@ def main(args: argparse.Namespace) -> int:
                                dormant=args.dormant, quiet_s=args.quiet, warmup=args.warmup,
                                show_ranks=_show(args.show_ranks), progress=args.progress,
                                use_recording=not args.no_recording, scale_dp=args.scale_dp, layout=args.layout,
-                               **_gpu_kw(args))
+                               agents=args.agents, listen=args.listen, keys=args.keys, insecure=args.insecure,
+                               agent_wait_s=args.agent_wait, **_gpu_kw(args))
         outcome = emulate(config)
     except PrismError as e:
         print(f"prism emulate: {e}", file=sys.stderr)

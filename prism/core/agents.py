@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = ["AGENT_PROTOCOL_VERSION", "BEAT_S", "AgentProtocolError", "AgentHello", "Launch", "Exits",
            "AgentBeat", "CoordinatorBeat", "KillAll", "Refused", "encode", "decode", "assign_blocks",
+           "place_ranks",
            "Discovery", "discover", "expand_nodelist", "rank_span"]
 
 AGENT_PROTOCOL_VERSION = 1
@@ -65,9 +66,12 @@ class Launch:
 
 @dataclass(frozen=True, slots=True)
 class Exits:
-    """Ranks that ended since the last ``Exits``: rank -> exit code (``-signal`` if killed)."""
+    """Ranks that ended since the last ``Exits``: rank -> exit code
+    (``-signal`` if killed), and rank -> its process's peak resident memory
+    in bytes where the node knows it (an emulation reports it per sandbox)."""
 
     codes: dict[int, int]
+    rss: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,7 @@ def encode(msg: Any) -> dict[str, Any]:
     d = asdict(msg)
     if isinstance(msg, Exits):
         d["codes"] = {str(k): v for k, v in msg.codes.items()}
+        d["rss"] = {str(k): v for k, v in msg.rss.items()}
     return {"t": type(msg).__name__, "v": AGENT_PROTOCOL_VERSION, **d}
 
 
@@ -123,7 +128,7 @@ def decode(d: Any) -> Any:
                 v = d[f.name]
                 if f.name in _TUPLES:
                     v = tuple(v)
-                elif f.name == "codes":
+                elif f.name in ("codes", "rss"):
                     v = {int(k): int(c) for k, c in v.items()}
                 args[f.name] = v
         return cls(**args)
@@ -149,6 +154,47 @@ def assign_blocks(world_size: int, agents: int, gang: int = 1) -> list[list[int]
         n = (gangs // agents + (1 if a < gangs % agents else 0)) * gang
         out.append(list(range(start, start + n)))
         start += n
+    return out
+
+
+def place_ranks(ranks: Sequence[int], agents: int, gang: int = 1) -> list[list[int]]:
+    """Some ranks of a world (an emulation's sandbox) on ``agents`` agents:
+    the ranks of one gang (``r // gang``: a TP group) stay on one agent, as
+    ``assign_blocks`` keeps them in the whole world; the gangs go in rank
+    order, in contiguous runs, each agent taking gangs while it has fewer
+    than its even share of what is left (for a whole world: exactly
+    ``assign_blocks``). ``ValueError`` when some agent would get no rank
+    (more agents than gangs with a rank to place)."""
+    if agents < 1:
+        raise ValueError(f"--agents must be at least 1, got {agents}")
+    if gang < 1:
+        raise ValueError(f"a gang has at least 1 rank, got {gang}")
+    units: list[list[int]] = []
+    for r in sorted(set(int(r) for r in ranks)):
+        if r < 0:
+            raise ValueError(f"rank {r} is negative")
+        if units and units[-1][0] // gang == r // gang:
+            units[-1].append(r)
+        else:
+            units.append([r])
+    if agents > len(units):
+        raise ValueError(f"{agents} agents for {len(units)} gang(s) with a rank to run (ranks "
+                         f"{rank_span([r for u in units for r in u]) or 'none'}, gangs of {gang}): some agent "
+                         "would get no ranks; use fewer agents")
+    out: list[list[int]] = []
+    i = 0
+    for a in range(agents):
+        left_agents = agents - a
+        left = sum(len(u) for u in units[i:])
+        share = left / left_agents
+        block = list(units[i])
+        i += 1
+        # The next gang too while the block is short of its share and a gang
+        # is left for each agent still to come.
+        while len(units) - i > left_agents - 1 and (left_agents == 1 or len(block) < share):
+            block += units[i]
+            i += 1
+        out.append(block)
     return out
 
 

@@ -165,6 +165,14 @@ def serve(spec: dict[str, Any]) -> None:
         pid = os.fork()
         if pid == 0:
             _child(spec, rank, w)
+        # The child makes its own process group too; setting it here as well
+        # means it exists before a kill that comes at once (an EOF on stdin
+        # already waiting: the launcher died while this server started),
+        # which would otherwise miss a child that had not run setpgid yet.
+        try:
+            os.setpgid(pid, pid)
+        except OSError:  # it has exited already
+            pass
         os.close(w)
         pids[pid] = rank
         log_files[rank] = open(log_pattern.format(rank=rank), "ab", buffering=0)

@@ -1,9 +1,11 @@
 """``prism agent`` and the coordinator's handle on agents.
 
-``AgentProcesses`` is the capture side: a ROUTER socket (CURVE unless
-``insecure``) where ``prism agent`` processes say hello, a thread that owns
-it, and the coordinator's ``Processes`` protocol over the ranks the agents
-run (``poll`` from their ``Exits``, ``kill_all`` as ``KillAll``). An agent
+``AgentProcesses`` is the coordinator's side (a capture's or an
+emulation's): a ROUTER socket (CURVE unless ``insecure``) where ``prism
+agent`` processes say hello, a thread that owns it, and the coordinator's
+``Processes`` protocol over the ranks the agents run (``poll`` from their
+``Exits``, ``kill_all`` as ``KillAll``, ``peak_rss`` as they report it). A
+capture places the whole world; an emulation only its sandbox ranks. An agent
 whose beats stop for ``LOST_AFTER_S`` (its node died, its process was
 killed) is *lost*: ``lost()`` names it and its ranks, which count as killed,
 so the coordinator stops the run with that report instead of waiting out a
@@ -57,10 +59,13 @@ class _Peer:
 class AgentProcesses:
     """Listen on ``endpoint`` for ``agents`` agents of a world of ``world_size``.
 
-    ``wait_agents`` blocks until all have said hello; ``launch(...)`` places
-    the ranks (``assign_blocks``) and sends each agent its ``Launch``; then it
-    is the coordinator's ``Processes``. ``keys``: a ``prism keys`` directory
-    (CURVE); ``insecure`` allows plaintext tcp (a private network only)."""
+    ``wait_agents`` blocks until all have said hello; ``place`` puts the
+    world (or, for an emulation, some of its ranks) on them and
+    ``launch(...)`` sends each agent its ``Launch``; then it is the
+    coordinator's ``Processes``: ``poll()`` has an entry per rank of the
+    world, None for a rank that runs or was not placed. ``keys``: a ``prism
+    keys`` directory (CURVE); ``insecure`` allows plaintext tcp (a private
+    network only)."""
 
     def __init__(self, endpoint: str, agents: int, world_size: int, *, keys: str | os.PathLike[str] | None,
                  insecure: bool = False, lost_after_s: float = A.LOST_AFTER_S) -> None:
@@ -81,6 +86,8 @@ class AgentProcesses:
         self.insecure = insecure
         self.lost_after_s = lost_after_s
         self.returncodes: list[int | None] = [None] * world_size
+        #: rank -> its process's peak resident memory (bytes), as its agent reported at its exit
+        self.peak_rss: dict[int, int] = {}
         self._peers: dict[bytes, _Peer] = {}
         self._cond = threading.Condition()
         self._outbox: queue.SimpleQueue[tuple[bytes, dict]] = queue.SimpleQueue()
@@ -175,6 +182,8 @@ class AgentProcesses:
                 for rank, code in msg.codes.items():
                     if rank in peer.ranks and self.returncodes[rank] is None:
                         self.returncodes[rank] = code
+                        if rank in msg.rss:
+                            self.peak_rss[rank] = msg.rss[rank]
                 self._cond.notify_all()
 
     def _check_lost(self, now: float) -> None:
@@ -210,11 +219,18 @@ class AgentProcesses:
     def _ordered(self) -> list[_Peer]:
         return sorted(self._peers.values(), key=lambda p: (p.hello.node_rank, p.hello.host, p.hello.pid))
 
-    def place(self, gang: int = 1) -> list[tuple[A.AgentHello, list[int]]]:
-        """Place the world on the agents (``assign_blocks``, in node order):
-        each agent and its ranks."""
+    def place(self, gang: int = 1, ranks: Sequence[int] | None = None) -> list[tuple[A.AgentHello, list[int]]]:
+        """Place the world (``assign_blocks``) or only ``ranks`` of it (an
+        emulation's sandbox: ``place_ranks``) on the agents, in node order,
+        whole gangs on one agent: each agent and its ranks."""
         peers = self._ordered()
-        blocks = A.assign_blocks(self.world_size, len(peers), gang)
+        if ranks is None:
+            blocks = A.assign_blocks(self.world_size, len(peers), gang)
+        else:
+            bad = [r for r in ranks if not 0 <= r < self.world_size]
+            if bad:
+                raise ValueError(f"ranks {bad} are not in the world of {self.world_size}")
+            blocks = A.place_ranks(ranks, len(peers), gang)
         with self._cond:
             for peer, block in zip(peers, blocks):
                 peer.ranks = block
@@ -263,9 +279,18 @@ class AgentProcesses:
             if not peer.lost:
                 self._outbox.put((peer.identity, A.encode(A.KillAll("the coordinator stops the run"))))
 
-    def wait(self, timeout: float | None = None) -> list[int | None]:
+    def _placed(self) -> list[int]:
+        return [r for p in self._peers.values() for r in p.ranks]
+
+    def running(self) -> list[int]:
+        """The placed ranks whose exit is not known yet."""
         with self._cond:
-            self._cond.wait_for(lambda: all(c is not None for c in self.returncodes), timeout)
+            return [r for r in self._placed() if self.returncodes[r] is None]
+
+    def wait(self, timeout: float | None = None) -> list[int | None]:
+        """Wait until every placed rank exited (or ``timeout``); ``poll()``."""
+        with self._cond:
+            self._cond.wait_for(lambda: all(self.returncodes[r] is not None for r in self._placed()), timeout)
         return self.poll()
 
     def close(self) -> None:
@@ -277,7 +302,7 @@ class AgentProcesses:
             for peer in self._ordered():
                 self._outbox.put((peer.identity, A.encode(A.Refused("the run ended before it launched any rank"))))
             time.sleep(3 * _POLL_MS / 1000)
-        elif any(c is None for c in self.poll()):
+        elif self.running():
             self.kill_all()
             self.wait(timeout=self.lost_after_s + 10)
         self._stop.set()
@@ -364,8 +389,8 @@ def run_agent(config: AgentConfig, on_note: Callable[[str], None] = lambda _: No
             left = deadline - time.monotonic()
             if left <= 0:
                 raise AgentError(f"no Launch from the coordinator at {config.coordinator} within "
-                                 f"{config.wait_s:g} s: is `prism capture --agents N --listen "
-                                 f"{config.coordinator}` running?")
+                                 f"{config.wait_s:g} s: is a `prism capture` or `prism emulate` with `--agents N "
+                                 f"--listen {config.coordinator}` running?")
             ready = dict(poller.poll(min(int(left * 1000) + 1, 500)))
             if mon in ready:
                 event = recv_monitor_message(mon)["event"]
@@ -425,7 +450,8 @@ def _watch(sock: zmq.Socket, poller: zmq.Poller, procs, ranks: list[int], send, 
         new = {r: c for r in ranks if r not in codes and (c := procs.poll(r)) is not None}
         if new:
             codes.update(new)
-            send(A.Exits(new))
+            rss = getattr(procs, "peak_rss", {})
+            send(A.Exits(new, {r: rss[r] for r in new if r in rss}))
         if now - last_beat >= A.BEAT_S:
             last_beat = now
             send(A.AgentBeat(len(ranks) - len(codes)))

@@ -130,10 +130,13 @@ class Emulator(Coordinator):
                  recordings: Mapping[int, Recording] | None = None,
                  launch: Callable[[str], Processes] | None = None, quiet_s: float = 30.0,
                  grace_s: float = 3.0, progress: Progress | None = None,
-                 first_call_ns: Mapping[int, int] | None = None, stop_signals: Sequence[int] = ()) -> None:
+                 first_call_ns: Mapping[int, int] | None = None, stop_signals: Sequence[int] = (),
+                 curve_keys: Any = None, authenticated: bool = False) -> None:
+        # curve_keys/authenticated: sandboxes started by ``prism agent`` on
+        # other nodes reach the socket over tcp, as a capture's ranks do.
         super().__init__(run_dir, engine.graph.world_size, slots=max(len(engine.sandbox), 1), endpoint=endpoint,
                          quiet_s=quiet_s, grace_s=grace_s, launch=launch, progress=progress,
-                         stop_signals=stop_signals)
+                         stop_signals=stop_signals, curve_keys=curve_keys, authenticated=authenticated)
         self.hybrid = True
         self.what = "emulation"
         self.rank_word = "sandbox rank"

@@ -1,9 +1,11 @@
-"""``prism capture --agents N`` served by ``prism agent`` processes: separate
-process trees on one machine, tcp on loopback with CURVE (issue 23)."""
+"""``prism capture --agents N`` and ``prism emulate --agents N`` served by
+``prism agent`` processes: separate process trees on one machine, tcp on
+loopback with CURVE (issue 23)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -20,6 +22,7 @@ from prism.shell import runfolder
 from prism.workloads import harness
 from tests.integration.test_emulate import forkservers
 from tests.support.captures import gpt_tiny
+from tests.support.full import FULL
 from transport.curve import make_keys
 from transport.endpoints import free_tcp_endpoint
 
@@ -27,11 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
 
-def start(cwd: Path, *args: str, out: str) -> subprocess.Popen:
-    """``python -m prism ARGS`` in its own session (the test kills its whole tree if it must)."""
+def start(cwd: Path, *args: str, out: str, keep_stdout: bool = False) -> subprocess.Popen:
+    """``python -m prism ARGS`` in its own session (the test kills its whole
+    tree if it must); stderr (and with ``keep_stdout`` stdout) into ``out``."""
     with open(cwd / out, "w") as err:
         return subprocess.Popen([sys.executable, "-m", "prism", *args], cwd=cwd, env=ENV, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                stdout=err if keep_stdout else subprocess.DEVNULL, stderr=err)
 
 
 def reap(*procs: subprocess.Popen) -> None:
@@ -174,3 +178,127 @@ def test_a_rank_without_the_right_keys_is_refused_at_once(tmp_path):
     finally:
         sock.close(linger=0)
         auth.stop()
+
+
+# --- emulation through agents ---------------------------------------------------------
+
+#: GPT tp2 x dp2 (world 4), one layer: sandboxes 0 and 2 are in two TP groups, one per agent.
+GPT_W4 = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "1", "--dp", "2", "--layers", "1", "--hidden", "32",
+          "--heads", "2", "--seq-len", "16", "--steps", "3"]
+
+
+def emulated(tmp_path: Path, run: Path, sandbox: str, agents: int, name: str):
+    """``prism emulate RUN --agents N`` (started first) and its agents, on loopback tcp with CURVE."""
+    make_keys(tmp_path / "keys")
+    ep = free_tcp_endpoint()
+    emu = start(tmp_path, "emulate", str(run), "--sandbox", sandbox, "--agents", str(agents), "--listen", ep,
+                "--keys", "keys", "--name", name, "--progress", "off", out="emu.out", keep_stdout=True)
+    ags = [start(tmp_path, "agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i), out=f"agent{i}.err")
+           for i in range(agents)]
+    return emu, ags
+
+
+@pytest.fixture
+def gpt_w4(tmp_path, shared_captures) -> Path:
+    # A copy: the emulation writes RUN/emulation/.
+    return shared_captures.copy(tmp_path / "gpt", 4, GPT_W4, "--record", "0,2")
+
+
+@pytest.mark.slow
+def test_an_emulation_through_two_agents_gives_the_captures_losses(tmp_path, gpt_w4):
+    emu, ags = emulated(tmp_path, gpt_w4, "0,2", 2, "agents")
+    try:
+        assert emu.wait(timeout=120) == 0, (tmp_path / "emu.out").read_text()
+        assert [a.wait(timeout=30) for a in ags] == [0, 0]
+    finally:
+        reap(emu, *ags)
+    text = (tmp_path / "emu.out").read_text()
+    assert "ran sandbox ranks 0\n" in text and "ran sandbox ranks 2\n" in text, text
+    out = gpt_w4 / "emulation" / "agents"
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "ok" and s["sandbox"] == [0, 2]
+    assert [a["ranks"] for a in s["agents"]] == [[0], [2]]
+    # only the sandbox ranks ran, each through its agent
+    assert sorted(p.name for p in (out / runfolder.LOGS_DIR).iterdir()) == ["rank-000000.log", "rank-000002.log"]
+    r0 = s["ranks"]["0"]
+    assert len(r0["losses"]) == 3 and r0["losses"] == r0["capture_losses"] and r0["losses_equal"] is True
+    assert s["calls"]["compensated"] == 0 and s["calls"]["recorded"] > 0
+    for r in ("0", "2"):
+        info = s["ranks"][r]
+        assert info["recorded"] and not info["divergence"] and len(info["iteration_ns"]) == 3
+        assert info["peak_rss_bytes"] > 0  # reported by its agent with its exit
+    assert not forkservers(tmp_path)
+
+
+# A variant of test_a_lost_agent_ends_the_run_naming_it_and_its_ranks (the
+# coordinator's watcher, which the emulator inherits) through an emulation.
+@pytest.mark.slow
+@FULL
+def test_a_lost_agent_ends_an_emulation_naming_it_and_its_ranks(tmp_path, gpt_w4):
+    emu, ags = emulated(tmp_path, gpt_w4, "0,2", 2, "lost")
+    try:
+        # Kill node 1 as soon as it has its Launch (its sandbox is starting).
+        deadline = time.monotonic() + 60
+        while "ranks 2 of 4" not in (tmp_path / "agent1.err").read_text():
+            assert time.monotonic() < deadline and emu.poll() is None, (tmp_path / "emu.out").read_text()
+            time.sleep(0.05)
+        os.kill(ags[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = emu.wait(timeout=30)
+        took = time.monotonic() - killed
+        assert ags[0].wait(timeout=30) == 1
+    finally:
+        reap(emu, *ags)
+    text = (tmp_path / "emu.out").read_text()
+    assert code == 1, text
+    assert took < 15, took
+    assert "emulate: FAILED (node_lost)" in text and "ranks 2) lost" in text and "#1" in text, text
+    assert "Traceback" not in text
+    s = json.loads((gpt_w4 / "emulation" / "lost" / "summary.json").read_text())
+    assert s["status"] == "node_lost" and "ranks 2) lost" in s["message"]
+    deadline = time.monotonic() + 10
+    while forkservers(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not forkservers(tmp_path)
+
+
+def test_agents_get_only_the_ranks_placed_on_them(tmp_path):
+    """The coordinator's side with a subset of the world (an emulation's
+    sandbox): each agent's Launch has its ranks and the environment; the
+    handle waits for those ranks only and keeps the peak RSS they report."""
+    import orjson
+    import zmq
+
+    from prism.core import agents as A
+
+    procs = AgentProcesses(free_tcp_endpoint(), 2, 8, keys=None, insecure=True)
+    socks = []
+    try:
+        for node_rank in (1, 0):  # joining in either order; placed in node order
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.linger = 0
+            sock.connect(procs.endpoint)
+            sock.send(orjson.dumps(A.encode(A.AgentHello(f"n{node_rank}", "h", 4, (), 100 + node_rank,
+                                                         node_rank=node_rank))))
+            socks.append((node_rank, sock))
+        procs.wait_agents(10)
+        placed = procs.place(2, [6, 0, 1, 5])
+        assert [(h.node, ranks) for h, ranks in placed] == [("n0", [0, 1]), ("n1", [5, 6])]
+        assert procs.node_slots() == ({0: 0, 1: 0, 5: 1, 6: 1}, [4, 4])
+        procs.launch("tcp://h:1", tmp_path, ["-m", "x"], env={"PRISM_SANDBOX_RANKS": "0,1,5,6"})
+        for node_rank, sock in socks:
+            assert sock.poll(5000)
+            while not isinstance(msg := A.decode(orjson.loads(sock.recv())), A.Launch):
+                assert sock.poll(5000)
+            assert msg.ranks == ((0, 1) if node_rank == 0 else (5, 6)) and msg.world_size == 8
+            assert msg.env == {"PRISM_SANDBOX_RANKS": "0,1,5,6"}
+            sock.send(orjson.dumps(A.encode(A.Exits({r: 0 for r in msg.ranks}, {msg.ranks[0]: 1 << 20}))))
+        t0 = time.monotonic()
+        codes = procs.wait(timeout=10)
+        assert time.monotonic() - t0 < 5  # the ranks not placed are not waited for
+        assert codes == [0, 0, None, None, None, 0, 0, None]
+        assert procs.running() == [] and procs.peak_rss == {0: 1 << 20, 5: 1 << 20}
+    finally:
+        procs.close()
+        for _, sock in socks:
+            sock.close()

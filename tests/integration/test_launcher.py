@@ -150,3 +150,22 @@ def test_ranks_inherit_the_launching_environment(tmp_path, monkeypatch):
         procs.close()
     for r in range(2):
         assert "'' kept" in log(tmp_path, r)
+
+
+def test_a_launcher_gone_at_once_takes_its_ranks_along(tmp_path, monkeypatch):
+    # The launcher (an agent killed as its Launch came) dies before the fork
+    # server has forked: EOF waits on its stdin and the kill comes as soon
+    # as the children exist. A child slow to make its process group (here a
+    # fork hook that sleeps; on a loaded node, torch's own) must not escape it.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import os, time\nos.register_at_fork(after_in_child=lambda: time.sleep(0.5))\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p))
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    procs = launch_ranks(1, None, tmp_path, [str(script)], show_ranks=())
+    try:
+        procs._server.stdin.close()
+        assert procs.wait(timeout=20) == [-9]
+    finally:
+        procs.close()

@@ -10,7 +10,7 @@ from prism.core import agents as A
 @pytest.mark.parametrize("msg", [
     A.AgentHello("n1#1", "n1", 16, (0, 1), 123, node_rank=1),
     A.Launch((4, 5, 6, 7), 8, "tcp://h:1", "/shared/run", ("-m", "x", "--tp", "2"), "/w", 8, {"A": "1"}, (4,)),
-    A.Exits({3: 0, 7: -9}),
+    A.Exits({3: 0, 7: -9}), A.Exits({2: 0}, {2: 123 << 20}),
     A.AgentBeat(2), A.CoordinatorBeat(), A.KillAll("why"), A.Refused("no"),
 ])
 def test_messages_round_trip_through_json(msg):
@@ -41,6 +41,36 @@ def test_blocks_are_contiguous_whole_gangs(world, agents, gang, want):
     got = A.assign_blocks(world, agents, gang)
     assert got == want
     assert sorted(r for b in got for r in b) == list(range(world))
+
+
+@pytest.mark.parametrize("ranks, agents, gang, want", [
+    ([0, 2], 2, 2, [[0], [2]]),            # two TP groups' sandboxes, one per agent
+    ([0, 2], 1, 2, [[0, 2]]),              # one agent: a rank set with a gap
+    ([0, 1, 2], 2, 2, [[0, 1], [2]]),      # TP partners stay together
+    ([5, 0, 4], 2, 2, [[0], [4, 5]]),      # any order in, rank order out
+    ([0, 1, 3, 8, 9, 10, 11], 3, 2, [[0, 1, 3], [8, 9], [10, 11]]),
+    ([1, 6, 7], 3, 1, [[1], [6], [7]]),
+])
+def test_a_subset_of_ranks_is_placed_in_whole_gangs(ranks, agents, gang, want):
+    got = A.place_ranks(ranks, agents, gang)
+    assert got == want
+    assert sorted(r for b in got for r in b) == sorted(ranks)
+    for block in got:  # no gang is split between agents
+        assert not {r // gang for r in block} & {r // gang for b in got if b is not block for r in b}
+
+
+def test_a_whole_world_is_placed_as_assign_blocks_places_it():
+    for gang in (1, 2, 3, 4):
+        for world in range(gang, 33, gang):
+            for agents in range(1, world // gang + 1):
+                assert A.place_ranks(range(world), agents, gang) == A.assign_blocks(world, agents, gang)
+
+
+def test_a_subset_that_leaves_an_agent_idle_says_why():
+    with pytest.raises(ValueError, match=r"2 agents for 1 gang\(s\) with a rank to run \(ranks 0-1, gangs of 2\)"):
+        A.place_ranks([0, 1], 2, 2)
+    with pytest.raises(ValueError, match="at least 1"):
+        A.place_ranks([0], 0)
 
 
 def test_impossible_placements_say_why():

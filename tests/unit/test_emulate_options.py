@@ -29,3 +29,34 @@ def test_gpus_must_be_visible_and_well_formed(monkeypatch):
     assert on["PRISM_GPU_SANDBOX"] == "1" and on["CUDA_MODULE_LOADING"] == "EAGER"  # the device path, opt-in
     with pytest.raises(UsageError, match="leaves nothing"):
         E._gpu_env(E.EmulateConfig(run="r", memory_limit_gib=0.5), "cuda", [0])
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"keys": "k"}, "--listen, --keys and --insecure are for an emulation served by agents: add --agents N"),
+    ({"agents": 2, "gpus": "0"}, "--agents does not yet drive GPUs"),
+    ({"agents": 2, "device_path": True}, "--agents does not yet drive GPUs"),
+    ({"agents": 2}, "needs --listen tcp://HOST:PORT"),
+    ({"agents": 2, "listen": "tcp://127.0.0.1:1"}, "pass --keys DIR .* or --insecure"),
+    # sandboxes 0 and 1 are one TP group: they stay on one agent, so a second has nothing to run
+    ({"agents": 2, "listen": "tcp://127.0.0.1:1", "insecure": True, "sandbox": "0,1"},
+     r"--agents 2: 2 agents for 1 gang\(s\) with a rank to run \(ranks 0-1, gangs of 2\)"),
+])
+def test_agent_options_are_checked_before_any_agent_is_awaited(tmp_path, kw, match):
+    from tests.unit.test_scale_emulation import MegatronSpec, _run
+
+    run = _run(tmp_path, MegatronSpec(tp=2, pp=2, dp=2, iterations=1))
+    with pytest.raises(UsageError, match=match):
+        E.emulate(E.EmulateConfig(run=run, **kw))
+
+
+def test_a_cuda_capture_is_not_emulated_through_agents(tmp_path):
+    import dataclasses
+
+    from prism.app.predict import load_run_manifest
+    from prism.shell import runfolder
+    from tests.unit.test_scale_emulation import MegatronSpec, _run
+
+    run = _run(tmp_path, MegatronSpec(tp=2, pp=2, dp=2, iterations=1))
+    runfolder.write_manifest(run, dataclasses.replace(load_run_manifest(run), device_kind="cuda"))
+    with pytest.raises(UsageError, match="ran on CUDA, so its sandboxes run on a GPU, and --agents does not yet"):
+        E.emulate(E.EmulateConfig(run=run, agents=1, listen="tcp://127.0.0.1:1", insecure=True))
