@@ -463,7 +463,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
             except Exception:  # noqa: BLE001 (a rank killed mid-write: what is readable counts)
                 events = []
         iters = [e.end_ns for e in events if type(e).__name__ == "Iteration"]
-        off = emu.offset_ns or 0
+        # the rank's clock onto the coordinator's, then engine time
+        off = (emu.offset_ns or 0) - emu.clock_offsets.get(r, 0)
         wall_times = np.diff(np.asarray(iters, np.int64) - off, prepend=0).tolist() if iters else []
         sl = graph.nodes_of(r)
         marks = np.flatnonzero(graph.kind[sl] == 5) + sl.start
@@ -495,6 +496,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
             "resized": emu.stats.resized.get(r, ""),
             "recorded": r in recordings,
             "capture_rank": src,
+            # the coordinator's clock less this rank's (0 on one host; a sandbox on another node: from its Hello)
+            "clock_offset_ns": emu.clock_offsets.get(r, 0),
         }
     job_times = emulated.iteration_times.tolist() if result.status == "ok" else []
     turn = np.asarray(emu.stats.turnaround_ns or [0], np.int64)

@@ -9,9 +9,17 @@ arrives (at the rank's own ``issue_ns``); what the graph does not have there
 stops the emulation (``Mismatch``: rank, op, group, sequence, what the graph
 expected).
 
-Time: the engine's 0 is placed so that the first sandbox arrival falls where
-the batch replay puts it (``_anchor``); emulated time and the ranks'
-monotonic clock then differ by that one offset. A call's data go out when
+Time: every time a sandbox sends is taken onto the coordinator's clock as
+it arrives (``clock_offsets``: 0 on one host, where CLOCK_MONOTONIC is one
+clock; for a sandbox on another node, served by ``prism agent``: the
+coordinator's clock when it took a message less the rank's when it sent it,
+the least of that for the Hello and the rank's first timed message, whose
+clock has no dilation yet: too late by one message's transit and its wait in
+a loop that is idle then, a constant per rank; the Hello's alone was seen
+90 ms late, its connect and handshake included), and each release goes out
+on the rank's own clock. The engine's 0 is placed so that the first
+sandbox arrival falls where the batch replay puts it (``_anchor``); emulated
+time and the coordinator's clock then differ by that one offset. A call's data go out when
 the engine knows its completion (a collective's last arrival plus the cost
 model's time; a receive's transfer), held in a heap until ``LEAD_NS``
 before that moment on trio's clock and sent with ``release_ns``: the rank's
@@ -147,8 +155,12 @@ class Emulator(Coordinator):
         self.stats = EmulationStats()
         #: where the batch replay starts each sandbox rank's first call (the anchor)
         self._first_call_ns = dict(first_call_ns or {})
-        #: ranks' monotonic ns = engine ns + offset (None until the first arrival)
+        #: coordinator ns (the ranks' monotonic clock on one host) = engine ns + offset (None until the first arrival)
         self.offset_ns: int | None = None
+        #: sandbox rank -> coordinator ns less the rank's monotonic ns (0 on one host; the Hello's
+        #: estimate until the rank's first timed message fixes it)
+        self.clock_offsets: dict[int, int] = {}
+        self._clock_fixed: set[int] = set()
         self._gid_index = {grp.gid: i for i, grp in enumerate(self.graph.groups)}
         self.groups = GroupMatcher((grp.gid, grp.ranks) for grp in self.graph.groups)
         #: sandbox rank -> its monotonic clock less its dilated one, as its last call showed
@@ -228,10 +240,30 @@ class Emulator(Coordinator):
                 rank=hello.rank))
             return
         await super()._on_hello(identity, hello, now)
+        session = self.sessions.get(hello.rank)
+        if session is not None and session.identity == identity:
+            self.clock_offsets[hello.rank] = session.clock_offset_ns
+            if not session.clock_offset_ns:
+                self._clock_fixed.add(hello.rank)  # one host: one clock
+
+    #: The fields of a sandbox's messages that are times on its clock.
+    _TIMES = {P.CollectiveArrive: "issue_ns", P.Send: "issue_ns", P.RecvPost: "issue_ns", P.Wait: "t_ns",
+              P.Goodbye: "t_ns", P.Reached: "reach_ns"}
 
     async def _on_received(self, ev, now: int) -> None:
         self._last_activity = now  # the quiet watchdog counts what the sandboxes say, not the pacer
         msg = ev.msg
+        field_name = self._TIMES.get(type(msg))
+        if field_name is not None and getattr(msg, field_name) and msg.rank not in self._clock_fixed \
+                and msg.rank in self.clock_offsets:
+            # The rank's first time: its clock has no dilation yet, so this
+            # message bounds the offset as the Hello did, usually closer.
+            self.clock_offsets[msg.rank] = min(self.clock_offsets[msg.rank], now - getattr(msg, field_name))
+            self._clock_fixed.add(msg.rank)
+        if field_name is not None and (off := self.clock_offsets.get(msg.rank, 0)) and getattr(msg, field_name):
+            # onto the coordinator's clock (0 stays "not said")
+            msg = dataclasses.replace(msg, **{field_name: getattr(msg, field_name) + off})
+            ev = dataclasses.replace(ev, msg=msg)
         if isinstance(msg, (P.CollectiveArrive, P.Send, P.RecvPost)):
             if msg.issue_ns:
                 # the rank's dilation, and the message's transit: an upper bound (the pacing lag's reference)
@@ -577,6 +609,7 @@ class Emulator(Coordinator):
                 self.stats.turnaround_ns.append(now - taken)
             self.stats.lag_ns.append(now - release - self._dilation.get(rank, 0))
             self.stats.deliveries += 1
+            release -= self.clock_offsets.get(rank, 0)  # on the rank's own clock
             if isinstance(msg, P.CollectiveResult):
                 msg = P.CollectiveResult(self.groups.to_rank(rank, msg.gid), msg.seq, payloads=msg.payloads,
                                          release_ns=release, tail_ns=msg.tail_ns)

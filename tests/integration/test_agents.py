@@ -187,15 +187,50 @@ GPT_W4 = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "1", "--dp", "2", "-
           "--heads", "2", "--seq-len", "16", "--steps", "3"]
 
 
-def emulated(tmp_path: Path, run: Path, sandbox: str, agents: int, name: str):
-    """``prism emulate RUN --agents N`` (started first) and its agents, on loopback tcp with CURVE."""
+def emulated(tmp_path: Path, run: Path, sandbox: str, agents: int, name: str, *, ep: str | None = None,
+             wrap: dict[int, list[str]] | None = None):
+    """``prism emulate RUN --agents N`` (started first) and its agents, on
+    loopback tcp with CURVE (or ``ep``); ``wrap[i]``: a command agent i runs under."""
     make_keys(tmp_path / "keys")
-    ep = free_tcp_endpoint()
+    ep = ep or free_tcp_endpoint()
     emu = start(tmp_path, "emulate", str(run), "--sandbox", sandbox, "--agents", str(agents), "--listen", ep,
                 "--keys", "keys", "--name", name, "--progress", "off", out="emu.out", keep_stdout=True)
-    ags = [start(tmp_path, "agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i), out=f"agent{i}.err")
-           for i in range(agents)]
+    ags = []
+    for i in range(agents):
+        args = ["agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i)]
+        if wrap and i in wrap:
+            with open(tmp_path / f"agent{i}.err", "w") as err:
+                ags.append(subprocess.Popen([*wrap[i], sys.executable, "-m", "prism", *args], cwd=tmp_path, env=ENV,
+                                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=err))
+        else:
+            ags.append(start(tmp_path, *args, out=f"agent{i}.err"))
     return emu, ags
+
+
+def _other_clock() -> tuple[str, list[str]] | None:
+    """A tcp endpoint on this host's non-loopback address (ranks there count
+    as another node's: their clock offset is estimated) and a command that
+    runs a process with CLOCK_MONOTONIC 10^5 s ahead (a Linux time
+    namespace), as a node booted at another time; None where either is missing."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 9))  # no packet: only the route's source address
+            ip = s.getsockname()[0]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+    except OSError:
+        return None
+    if ip.startswith("127."):
+        return None
+    wrap = ["unshare", "--time", "--monotonic", "100000"]
+    try:
+        ok = subprocess.run([*wrap, "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return (f"tcp://{ip}:{port}", wrap) if ok else None
 
 
 @pytest.fixture
@@ -227,6 +262,36 @@ def test_an_emulation_through_two_agents_gives_the_captures_losses(tmp_path, gpt
         info = s["ranks"][r]
         assert info["recorded"] and not info["divergence"] and len(info["iteration_ns"]) == 3
         assert info["peak_rss_bytes"] > 0  # reported by its agent with its exit
+    assert not forkservers(tmp_path)
+
+
+# A variant of test_an_emulation_through_two_agents_gives_the_captures_losses:
+# node 1's clock is 10^5 s ahead of the coordinator's, as another machine's.
+@pytest.mark.slow
+@FULL
+def test_a_sandbox_on_a_node_with_another_clock_is_paced_on_its_own(tmp_path, gpt_w4):
+    other = _other_clock()
+    if other is None:
+        pytest.skip("needs a non-loopback IPv4 address and `unshare --time` (a Linux time namespace)")
+    ep, wrap = other
+    emu, ags = emulated(tmp_path, gpt_w4, "0,2", 2, "clock", ep=ep, wrap={1: wrap})
+    try:
+        # The coordinator's clock and node 1's differ by 10^5 s: a release
+        # computed on the wrong one would be held for a day (a hang) or not at all.
+        assert emu.wait(timeout=120) == 0, (tmp_path / "emu.out").read_text()
+        assert [a.wait(timeout=30) for a in ags] == [0, 0]
+    finally:
+        reap(emu, *ags)
+    s = json.loads((gpt_w4 / "emulation" / "clock" / "summary.json").read_text())
+    assert s["status"] == "ok"
+    r0, r2 = s["ranks"]["0"], s["ranks"]["2"]
+    assert r0["losses"] == r0["capture_losses"] and r0["losses_equal"] is True
+    # each offset estimated to within tens of ms (a message's transit on a busy 2-core machine)
+    assert abs(r0["clock_offset_ns"]) < 50e6 and abs(r2["clock_offset_ns"] + 100_000 * 10**9) < 50e6, (r0, r2)
+    # the results were released on each rank's clock: the pacing lag stays small
+    assert s["pacing"]["lag_p50_ns"] < 5e6, s["pacing"]
+    for info in (r0, r2):
+        assert len(info["iteration_ns"]) == 3 and 0 < info["mean_iteration_ns"] < 1e9
     assert not forkservers(tmp_path)
 
 
