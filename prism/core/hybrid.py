@@ -416,12 +416,20 @@ class HybridReplay(SteppableReplay):
 
     def _close_segments(self, rank: int, first: int, stop: int, start: int, now: int) -> None:
         """Nodes ``first .. stop-1`` (compute and step marks) end by ``now``: the
-        first absorbs the difference, the others keep their recorded durations."""
+        first absorbs the difference, the others keep their recorded durations.
+        A sandbox faster than its recording here (``now - start`` shorter than
+        the others' recorded durations) has them all shrunk in proportion, so
+        that every node, a step mark above all, ends within ``[start, now]``:
+        a mark past ``now`` would put that step's end after the next call's
+        arrival (a step too long, the next one negative; seen on a GPU
+        sandbox whose stream reached the next call early)."""
         del self.computing[rank]
         if stop == first:
             return
         dur = self._dur
         rest = sum(dur[n] for n in range(first + 1, stop) if self._kind[n] == COMPUTE)
+        span = max(0, now - start)
+        scale = 1.0 if rest <= span else span / rest
         t = start
         for n in range(first, stop):
             self._start[n] = t
@@ -429,8 +437,10 @@ class HybridReplay(SteppableReplay):
                 e = t
             elif n == first:
                 e = max(t, now - rest)
-            else:
+            elif scale == 1.0:
                 e = t + dur[n]
+            else:
+                e = min(now, t + int(dur[n] * scale))
             self._end[n] = e
             t = e
         self._clk[rank] = now

@@ -67,6 +67,25 @@ def test_a_slower_sandbox_delays_the_world_as_the_batch_replay_says(graph, ahead
     assert got.iteration_times.sum() > replay_batch(graph, cost_model=MODEL).iteration_times.sum()
 
 
+def test_a_sandbox_faster_than_its_recording_keeps_its_step_marks_in_order(graph):
+    # A sandbox that calls again sooner than its recorded compute segments
+    # add up to (a GPU stream reaching its next call early): every segment
+    # and step mark ends between the release and the next arrival, so the
+    # emulated steps are never negative and each ends by the next call.
+    eng = HybridReplay(graph, [0, 5], cost_model=MODEL)
+    drive(eng, lambda rank, node, t0: t0 + 1000)  # 1 us after each release: faster than any recording
+    got = eng.result()
+    for r in (0, 5):
+        lo, hi = graph.rank_ptr[r], graph.rank_ptr[r + 1]
+        seg = np.arange(lo, hi)[np.isin(graph.kind[lo:hi], (0, 5))]  # compute and step marks
+        assert np.all(np.diff(got.end[seg]) >= 0), r  # end in order
+        assert np.all(got.end[seg] >= got.start[seg])
+        calls = np.arange(lo, hi)[np.isin(graph.kind[lo:hi], (1, 2, 3, 4))]
+        nxt = calls[np.searchsorted(calls, seg[seg < calls[-1]])]  # each segment's next call
+        assert np.all(got.end[seg[seg < calls[-1]]] <= got.start[nxt]), r  # done by the time it is called
+    assert np.all(got.iteration_times >= 0)
+
+
 def test_offline_dormant_ranks_step_less_and_bound_their_error(graph):
     # tp2 pp2 dp4 ep2: sandbox 0's groups hold 5 other ranks; the 10 others are dormant.
     dur = graph.dur
