@@ -456,6 +456,9 @@ class Coordinator:
 
     # --- the event loop -----------------------------------------------------
 
+    def _finished_message(self) -> str:
+        return f"all {self.world_size} ranks finished"
+
     async def run(self) -> CaptureResult:
         """Serve until every rank has ended or the capture failed; returns how
         it ended (and, after a capture that went well, once the launched
@@ -468,7 +471,7 @@ class Coordinator:
         _raise_open_files_limit(self.world_size)
         try:
             await self._serve()
-            result = self._result or CaptureResult("ok", f"all {self.world_size} ranks finished", 0)
+            result = self._result or CaptureResult("ok", self._finished_message(), 0)
             steps = min((r.step for r in self.ranks.values()), default=-1) + 1
             result = CaptureResult(result.status, result.message, result.exit_code, dict(self._failed),
                                    steps, (self._now() - self._t0) / 1e9)

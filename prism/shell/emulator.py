@@ -222,6 +222,10 @@ class Emulator(Coordinator):
                     next_tick = now + 0.5
                     await out.send(Tick())
 
+    def _finished_message(self) -> str:
+        n = len(self.sandbox)
+        return f"all {n} sandbox rank{'s' if n != 1 else ''} finished (of a world of {self.world_size})"
+
     def _wake_at(self, when_s: float) -> None:
         if when_s < self._due_at:
             self._due_at = when_s
