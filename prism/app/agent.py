@@ -1,9 +1,11 @@
-"""``prism agent``: serve one capture's ranks on this node (library API).
+"""``prism agent``: serve a capture's or an emulation's ranks on this node (library API).
 
 ``serve_agent(AgentRunConfig(coordinator="tcp://head:29431", keys="keys"))``
 joins the capture started with ``prism capture --agents N --listen ...``,
 runs the block of ranks it assigns with this node's fork server, and returns
-a ``prism.shell.agent.AgentOutcome``. Without ``coordinator`` the address
+a ``prism.shell.agent.AgentOutcome``. ``runs``: how many runs it serves,
+one after another (0: until stopped; a calibration's slices are one
+emulation each). Without ``coordinator`` the address
 comes from the launcher's environment (``prism.core.agents.discover``:
 SLURM's or torchrun's variables; the coordinator's host is node 0) and
 ``port``. Everything the ranks write (logs, trace) goes to the capture's run
@@ -39,6 +41,7 @@ class AgentRunConfig:
     node_rank: int | None = None
     slots: int | None = None
     wait_s: float = 120.0
+    runs: int = 1
 
 
 def resolve(config: AgentRunConfig, env: Mapping[str, str]) -> tuple[str, int, str]:
@@ -68,6 +71,8 @@ def serve_agent(config: AgentRunConfig, env: Mapping[str, str] | None = None,
                          "private network")
     if config.keys is not None and not Path(config.keys).is_dir():
         raise UsageError(f"--keys {config.keys}: no such directory; make one with `prism keys DIR`")
+    if config.runs < 0:
+        raise UsageError(f"--runs must be 0 (serve runs until stopped) or a number of runs, got {config.runs}")
     if config.slots is not None and config.slots < 1:
         raise UsageError(f"--slots must be at least 1, got {config.slots}")
     endpoint, rank, node = resolve(config, os.environ if env is None else env)
@@ -75,6 +80,6 @@ def serve_agent(config: AgentRunConfig, env: Mapping[str, str] | None = None,
     on_note(f"joining {endpoint} as {name}")
     try:
         return run_agent(AgentConfig(endpoint, config.keys, config.insecure, name, rank, config.slots,
-                                     wait_s=config.wait_s), on_note)
+                                     wait_s=config.wait_s, runs=config.runs), on_note)
     except AgentError as e:
         raise AgentFailed(str(e)) from None

@@ -85,6 +85,14 @@ class CalibrateConfig:
     layout: str | None = None
     warmup: int = 1
     quiet_s: float = 30.0
+    # Agents, as ``prism emulate --agents``: each slice's emulation places its
+    # ranks on them (an agent a slice has no rank for gets an empty launch), so
+    # they must outlive one run: ``prism agent --runs 0``.
+    agents: int = 0
+    listen: str | None = None
+    keys: str | os.PathLike[str] | None = None
+    insecure: bool = False
+    agent_wait_s: float = 60.0
 
 
 @dataclass
@@ -201,7 +209,9 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
         t0 = time.perf_counter()
         outcome = emulate(EmulateConfig(run=run, sandbox=",".join(map(str, s)), net=config.net, name=emu_names[k],
                                         warmup=config.warmup, quiet_s=config.quiet_s, show_ranks="none",
-                                        progress="off"))
+                                        progress="off", agents=config.agents, listen=config.listen,
+                                        keys=config.keys, insecure=config.insecure,
+                                        agent_wait_s=config.agent_wait_s))
         walls.append(time.perf_counter() - t0)
         if not outcome.ok:
             raise CalibrationFailed(f"slice {k} (ranks {','.join(map(str, s))}) failed in {outcome.out_dir} "
@@ -248,7 +258,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
         "rule": "one-clock (CPU-timed) compute segments take the slice's measurement; segments the capture timed "
                 "with two clocks (GPU) keep the capture's timing",
         "layout": None if layout is None else {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep},
-        "cost_model": model_name, "warmup": config.warmup,
+        "cost_model": model_name, "warmup": config.warmup, "agents": config.agents,
         "bare_mean_ns": bare_mean, "calibrated_mean_ns": cal_mean,
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -656,6 +656,9 @@ def format_summary(s: dict, out_dir: Path) -> str:
                  + (f"; {s['folded']:,} of them folded into copies they equal, {s['stepped']} ranks stepped"
                     if s.get("folded") else ""))
     for a in s.get("agents") or ():
+        if not a["ranks"]:
+            lines.append(f"agent {a['node']} on {a['host']} had no sandbox rank in this run")
+            continue
         lines.append(f"agent {a['node']} on {a['host']} ran sandbox ranks {compact_ranks(a['ranks'])}"
                      + (f" (more than its {a['slots']} slots: they shared cores, which their timing shows)"
                         if len(a["ranks"]) > a["slots"] else ""))

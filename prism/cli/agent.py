@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from prism.app import agent as app_agent
@@ -24,19 +25,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="this node's rank (agents are placed in this order); default from the environment")
     p.add_argument("--slots", type=int, default=None, help="ranks that may compute at once here (default: cores)")
     p.add_argument("--wait", type=float, default=120.0, metavar="S",
-                   help="how long to wait for the capture's launch (default 120)")
+                   help="how long to wait for the run's launch (default 120); while more runs are to be served, "
+                        "a longer wait is only a note")
+    p.add_argument("--runs", type=int, default=1, metavar="N",
+                   help="runs to serve one after another, reconnecting after each (default 1; 0: until stopped "
+                        "by SIGTERM or SIGINT, as `prism calibrate --agents` needs)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     config = app_agent.AgentRunConfig(args.coordinator, args.keys, args.insecure, args.port, args.node_rank,
-                                      args.slots, args.wait)
+                                      args.slots, args.wait, args.runs)
+
+    def stop(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    # SIGTERM unwinds as SIGINT does: the agent kills and reaps its ranks on the way out.
+    old = signal.signal(signal.SIGTERM, stop)
     try:
         outcome = app_agent.serve_agent(config, on_note=lambda t: print(f"prism agent: {t}", file=sys.stderr))
     except PrismError as e:
         print(f"prism agent: error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt as e:
+        name = str(e) or "SIGINT"
+        print(f"prism agent: stopped by {name}; no rank of this node is left running", file=sys.stderr)
+        return 0 if args.runs == 0 else 1
+    finally:
+        signal.signal(signal.SIGTERM, old)
     bad = {r: c for r, c in outcome.codes.items() if c != 0}
     why = f"; {outcome.stopped}" if outcome.stopped else ""
-    print(f"prism agent: {len(outcome.ranks)} ranks ended, {len(bad)} failed{why}", file=sys.stderr)
+    runs = f" over {outcome.runs} runs" if outcome.runs != 1 else ""
+    print(f"prism agent: {len(outcome.ranks)} ranks ended{runs}, {len(bad)} failed{why}", file=sys.stderr)
     return 0 if outcome.ok else 1

@@ -91,9 +91,12 @@ class KillAll:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """The coordinator will not use this agent (``reason`` says why)."""
+    """The coordinator will not use this agent (``reason`` says why);
+    ``retry``: it is busy with a run of its own (it has its agents), so an
+    agent that serves several runs tries again once it is gone."""
 
     reason: str
+    retry: bool = False
 
 
 _TYPES: dict[str, type] = {c.__name__: c for c in (AgentHello, Launch, Exits, AgentBeat, CoordinatorBeat,
@@ -163,8 +166,9 @@ def place_ranks(ranks: Sequence[int], agents: int, gang: int = 1) -> list[list[i
     ``assign_blocks`` keeps them in the whole world; the gangs go in rank
     order, in contiguous runs, each agent taking gangs while it has fewer
     than its even share of what is left (for a whole world: exactly
-    ``assign_blocks``). ``ValueError`` when some agent would get no rank
-    (more agents than gangs with a rank to place)."""
+    ``assign_blocks``). With more agents than gangs the last agents get an
+    empty block: the run has nothing for them (an agent serving several
+    runs goes on to the next); ``ValueError`` when there is no rank at all."""
     if agents < 1:
         raise ValueError(f"--agents must be at least 1, got {agents}")
     if gang < 1:
@@ -177,14 +181,13 @@ def place_ranks(ranks: Sequence[int], agents: int, gang: int = 1) -> list[list[i
             units[-1].append(r)
         else:
             units.append([r])
-    if agents > len(units):
-        raise ValueError(f"{agents} agents for {len(units)} gang(s) with a rank to run (ranks "
-                         f"{rank_span([r for u in units for r in u]) or 'none'}, gangs of {gang}): some agent "
-                         "would get no ranks; use fewer agents")
+    if not units:
+        raise ValueError("no rank to place on the agents")
     out: list[list[int]] = []
     i = 0
-    for a in range(agents):
-        left_agents = agents - a
+    busy = min(agents, len(units))
+    for a in range(busy):
+        left_agents = busy - a
         left = sum(len(u) for u in units[i:])
         share = left / left_agents
         block = list(units[i])
@@ -195,7 +198,7 @@ def place_ranks(ranks: Sequence[int], agents: int, gang: int = 1) -> list[list[i
             block += units[i]
             i += 1
         out.append(block)
-    return out
+    return out + [[] for _ in range(agents - busy)]
 
 
 def rank_span(ranks: Sequence[int]) -> str:

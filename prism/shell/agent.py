@@ -15,7 +15,12 @@ deadlock's quiet period.
 start the assigned ranks with this node's own fork server
 (``prism.shell.launcher.launch_ranks``), report their exits and beat until
 they have all ended; a ``KillAll``, or a coordinator silent for
-``LOST_AFTER_S``, kills them. One agent serves one run.
+``LOST_AFTER_S``, kills them. An agent serves ``runs`` runs (0: until it is
+stopped): after each it connects again to the same address, where the next
+run's coordinator (a new process, or the next slice of a calibration)
+binds once the last one has closed; a coordinator still busy with its run
+refuses it with ``retry`` and it tries again. A run may have nothing for
+an agent (an empty ``Launch``: fewer sandbox TP groups than agents).
 """
 
 from __future__ import annotations
@@ -169,7 +174,7 @@ class AgentProcesses:
             peer = self._peers.get(identity)
             if isinstance(msg, A.AgentHello):
                 if len(self._peers) >= self.agents:
-                    self._send(identity, A.Refused(f"this run has its {self.agents} agents already"))
+                    self._send(identity, A.Refused(f"this run has its {self.agents} agents already", retry=True))
                     return
                 self._peers[identity] = _Peer(identity, msg, last_seen=time.monotonic())
                 self._cond.notify_all()
@@ -300,7 +305,7 @@ class AgentProcesses:
             launched = any(p.ranks for p in self._peers.values())
         if not launched:
             for peer in self._ordered():
-                self._outbox.put((peer.identity, A.encode(A.Refused("the run ended before it launched any rank"))))
+                self._outbox.put((peer.identity, A.encode(A.Refused("the run ended before it launched any rank", retry=True))))
             time.sleep(3 * _POLL_MS / 1000)
         elif self.running():
             self.kill_all()
@@ -331,26 +336,70 @@ class AgentConfig:
     node_rank: int = -1
     slots: int | None = None
     gpus: tuple[int, ...] = ()
-    #: How long to wait for the coordinator's Launch.
+    #: How long to wait for the coordinator's Launch (an error only when
+    #: this is the agent's last run to serve; otherwise a note, and it waits on).
     wait_s: float = 120.0
+    #: Runs to serve, one after another (0: until stopped).
+    runs: int = 1
 
 
 @dataclass
 class AgentOutcome:
-    """What an agent ran: its ranks and their exit codes, and why it stopped early ("" if it did not)."""
+    """What an agent ran: its ranks and their exit codes over all the runs it
+    served (``runs``), and why it stopped early ("" if it did not)."""
 
     ranks: list[int]
     codes: dict[int, int]
     stopped: str = ""
+    runs: int = 1
+    failed: int = 0
 
     @property
     def ok(self) -> bool:
-        return not self.stopped and all(c == 0 for c in self.codes.values())
+        return not self.stopped and not self.failed and all(c == 0 for c in self.codes.values())
+
+
+class _Retry(Exception):
+    """The coordinator is busy with a run of its own, or its run ended before
+    it launched: connect again, for the next run."""
 
 
 def run_agent(config: AgentConfig, on_note: Callable[[str], None] = lambda _: None) -> AgentOutcome:
-    """Serve one run of the coordinator at ``config.coordinator``; raises
-    ``AgentError`` when it cannot join (refused keys, no coordinator)."""
+    """Serve ``config.runs`` runs (0: until stopped) of the coordinator at
+    ``config.coordinator``; raises ``AgentError`` when it cannot join
+    (refused keys; no coordinator within ``wait_s`` for its last run)."""
+    if config.runs < 0:
+        raise AgentError(f"--runs must be 0 (serve until stopped) or more, got {config.runs}")
+    if config.runs == 1:
+        return _serve_run(config, on_note, last=True)
+    total = AgentOutcome([], {}, runs=0)
+    noted_busy = False
+    while config.runs == 0 or total.runs < config.runs:
+        last = config.runs and total.runs == config.runs - 1
+        try:
+            one = _serve_run(config, on_note, last=bool(last))
+        except _Retry as e:
+            if not noted_busy:
+                on_note(f"the coordinator at {config.coordinator} says {e}: waiting for the next run")
+                noted_busy = True
+            time.sleep(0.3)
+            continue
+        noted_busy = False
+        total.runs += 1
+        total.ranks += one.ranks
+        total.codes.update(one.codes)
+        bad = one.stopped or any(c != 0 for c in one.codes.values())
+        total.failed += bool(bad)
+        of = f" of {config.runs}" if config.runs else ""
+        on_note(f"run {total.runs}{of} ended: {len(one.ranks)} ranks, "
+                f"{sum(c != 0 for c in one.codes.values())} failed{'; ' + one.stopped if one.stopped else ''}")
+    return total
+
+
+def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) -> AgentOutcome:
+    """Serve one run; a wait past ``wait_s`` is an ``AgentError`` when
+    ``last``, else a note; ``_Retry`` when the coordinator is still busy
+    (not ``last`` only: one run's agent is refused as before)."""
     from zmq.utils.monitor import recv_monitor_message
 
     from transport import curve as C
@@ -387,6 +436,11 @@ def run_agent(config: AgentConfig, on_note: Callable[[str], None] = lambda _: No
         deadline = time.monotonic() + config.wait_s
         while launch is None:
             left = deadline - time.monotonic()
+            if left <= 0 and not last:
+                on_note(f"no coordinator at {config.coordinator} for {config.wait_s:g} s: still waiting for the "
+                        "next run")
+                deadline = time.monotonic() + config.wait_s
+                continue
             if left <= 0:
                 raise AgentError(f"no Launch from the coordinator at {config.coordinator} within "
                                  f"{config.wait_s:g} s: is a `prism capture` or `prism emulate` with `--agents N "
@@ -397,10 +451,15 @@ def run_agent(config: AgentConfig, on_note: Callable[[str], None] = lambda _: No
                 raise AgentError(C.handshake_text("the coordinator", config.coordinator, event, keys))
             if sock in ready:
                 msg = _recv(sock)
+                if isinstance(msg, A.Refused) and msg.retry and config.runs != 1:
+                    raise _Retry(msg.reason)
                 if isinstance(msg, A.Refused):
                     raise AgentError(f"the coordinator at {config.coordinator} refused this agent: {msg.reason}")
                 if isinstance(msg, A.Launch):
                     launch = msg
+        if not launch.ranks:
+            on_note(f"this run (world {launch.world_size}) has no rank for this node")
+            return AgentOutcome([], {})
         on_note(f"ranks {A.rank_span(launch.ranks)} of {launch.world_size}: {' '.join(launch.command)}")
         from prism.shell.launcher import launch_ranks
 

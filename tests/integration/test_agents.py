@@ -98,6 +98,36 @@ def test_two_agents_capture_equals_one_machine(tmp_path, shared_captures):
 
 
 @pytest.mark.slow
+def test_one_agent_serves_two_captures_in_a_row(tmp_path):
+    """``prism agent --runs 2``: after the first capture it connects again to
+    the same address and serves the next capture bound there, then exits."""
+    make_keys(tmp_path / "keys")
+    ep = free_tcp_endpoint()
+    cmd = gpt_tiny(1)
+
+    def capture(out: str) -> subprocess.Popen:
+        return start(tmp_path, "capture", "-n", "4", "--agents", "1", "--listen", ep, "--keys", "keys", "--out", out,
+                     "--progress", "off", "--show-ranks", "none", "--", *cmd, out=f"{out}.err")
+
+    agent = start(tmp_path, "agent", "--coordinator", ep, "--keys", "keys", "--runs", "2", out="agent.err")
+    caps = [capture("run1")]
+    try:
+        assert caps[0].wait(timeout=120) == 0, (tmp_path / "run1.err").read_text()
+        assert agent.poll() is None, (tmp_path / "agent.err").read_text()  # waits for its second run
+        caps.append(capture("run2"))
+        assert caps[1].wait(timeout=120) == 0, (tmp_path / "run2.err").read_text()
+        assert agent.wait(timeout=30) == 0, (tmp_path / "agent.err").read_text()
+    finally:
+        reap(agent, *caps)
+    text = (tmp_path / "agent.err").read_text()
+    assert "run 1 of 2 ended: 4 ranks, 0 failed" in text and "run 2 of 2 ended: 4 ranks, 0 failed" in text, text
+    assert "8 ranks ended over 2 runs, 0 failed" in text, text
+    for out in ("run1", "run2"):
+        assert sorted(runfolder.read_run(tmp_path / out).ranks) == [0, 1, 2, 3]
+    assert not forkservers(tmp_path)
+
+
+@pytest.mark.slow
 def test_a_lost_agent_ends_the_run_naming_it_and_its_ranks(tmp_path):
     cmd = [*gpt_tiny(1)[:-1], "400"]
     cap, ags = served(tmp_path, 4, cmd, 2, "--slots", "2", "--quiet-period", "30")
@@ -367,3 +397,42 @@ def test_agents_get_only_the_ranks_placed_on_them(tmp_path):
         procs.close()
         for _, sock in socks:
             sock.close()
+
+
+@pytest.mark.slow
+def test_a_calibration_runs_its_slices_through_agents_that_serve_many_runs(tmp_path, gpt_w4):
+    """``prism calibrate --agents 2`` over ``prism agent --runs 0``: each TP
+    slice is one emulation whose one TP group goes to one agent while the
+    other gets an empty launch; both agents go on to the next slice and end
+    cleanly on SIGTERM; ``predict --calibration on`` uses the result."""
+    from prism.app.calibrate import load_calibration
+    from prism.app.predict import PredictConfig, predict
+
+    make_keys(tmp_path / "keys")
+    ep = free_tcp_endpoint()
+    cal = start(tmp_path, "calibrate", str(gpt_w4), "--slices", "tp", "--cores", "2", "--name", "ag", "--agents", "2",
+                "--listen", ep, "--keys", "keys", out="cal.out", keep_stdout=True)
+    ags = [start(tmp_path, "agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i), "--runs", "0",
+                 out=f"agent{i}.err") for i in range(2)]
+    try:
+        assert cal.wait(timeout=180) == 0, (tmp_path / "cal.out").read_text()
+        assert all(a.poll() is None for a in ags)  # waiting for the next run
+        for a in ags:
+            a.send_signal(signal.SIGTERM)
+        codes = [a.wait(timeout=30) for a in ags]
+    finally:
+        reap(cal, *ags)
+    texts = [(tmp_path / f"agent{i}.err").read_text() for i in range(2)]
+    assert codes == [0, 0], texts
+    for text in texts:
+        assert "run 2 ended" in text and "stopped by SIGTERM" in text and "Traceback" not in text, text
+    m = json.loads((gpt_w4 / "calibration" / "ag" / "manifest.json").read_text())
+    assert m["slices"] == [[0, 1], [2, 3]] and m["agents"] == 2 and m["uncalibrated_ranks"] == []
+    for name in m["emulations"]:
+        s = json.loads((gpt_w4 / "emulation" / name / "summary.json").read_text())
+        assert s["status"] == "ok" and sorted(len(a["ranks"]) for a in s["agents"]) == [0, 2], s["agents"]
+    table, _ = load_calibration(gpt_w4, "on")
+    assert sorted(table) == [0, 1, 2, 3]
+    p = predict(PredictConfig(run=gpt_w4, warmup=1, calibration="on"))
+    assert p.calibration["name"] == "ag" and p.mean_iteration_ns > 0
+    assert not forkservers(tmp_path)

@@ -66,9 +66,14 @@ def test_a_whole_world_is_placed_as_assign_blocks_places_it():
                 assert A.place_ranks(range(world), agents, gang) == A.assign_blocks(world, agents, gang)
 
 
-def test_a_subset_that_leaves_an_agent_idle_says_why():
-    with pytest.raises(ValueError, match=r"2 agents for 1 gang\(s\) with a rank to run \(ranks 0-1, gangs of 2\)"):
-        A.place_ranks([0, 1], 2, 2)
+def test_agents_beyond_the_gangs_get_empty_blocks():
+    # a calibration slice (one TP group) over more agents than it has gangs:
+    # the last agents have nothing in this run, the others as with fewer agents
+    assert A.place_ranks([0, 1], 2, 2) == [[0, 1], []]
+    assert A.place_ranks([4, 6], 4, 2) == [[4], [6], [], []]
+    assert A.place_ranks([0, 1, 2, 3], 3, 2) == [[0, 1], [2, 3], []]
+    with pytest.raises(ValueError, match="no rank to place"):
+        A.place_ranks([], 2)
     with pytest.raises(ValueError, match="at least 1"):
         A.place_ranks([0], 0)
 

@@ -37,9 +37,6 @@ def test_gpus_must_be_visible_and_well_formed(monkeypatch):
     ({"agents": 2, "device_path": True}, "--agents does not yet drive GPUs"),
     ({"agents": 2}, "needs --listen tcp://HOST:PORT"),
     ({"agents": 2, "listen": "tcp://127.0.0.1:1"}, "pass --keys DIR .* or --insecure"),
-    # sandboxes 0 and 1 are one TP group: they stay on one agent, so a second has nothing to run
-    ({"agents": 2, "listen": "tcp://127.0.0.1:1", "insecure": True, "sandbox": "0,1"},
-     r"--agents 2: 2 agents for 1 gang\(s\) with a rank to run \(ranks 0-1, gangs of 2\)"),
 ])
 def test_agent_options_are_checked_before_any_agent_is_awaited(tmp_path, kw, match):
     from tests.unit.test_scale_emulation import MegatronSpec, _run
