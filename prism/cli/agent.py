@@ -8,7 +8,7 @@ import sys
 
 from prism.app import agent as app_agent
 from prism.app.errors import PrismError
-from prism.core.agents import DEFAULT_AGENT_PORT
+from prism.core.agents import DEFAULT_AGENT_PORT, rank_span as compact_ranks
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
         return e.exit_code
     except KeyboardInterrupt as e:
         name = str(e) or "SIGINT"
-        print(f"prism agent: stopped by {name}; no rank of this node is left running", file=sys.stderr)
-        return 0 if args.runs == 0 else 1
+        killed = getattr(e, "killed", [])
+        what = f"killed its running ranks {compact_ranks(killed)}" if killed else "no rank of it was running"
+        print(f"prism agent: stopped by {name}: {what}; none is left behind", file=sys.stderr)
+        # Between runs, the way a --runs 0 agent is meant to end.
+        return 0 if args.runs == 0 and not killed else 1
     finally:
         signal.signal(signal.SIGTERM, old)
     bad = {r: c for r, c in outcome.codes.items() if c != 0}

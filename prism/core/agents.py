@@ -1,4 +1,4 @@
-"""Agents: one ``prism agent`` per node serves a capture's coordinator
+"""Agents: one ``prism agent`` per node serves a capture's or an emulation's coordinator
 (sans-IO: the messages, the placement of ranks on agents, and discovery from
 a launcher's environment).
 

@@ -39,7 +39,7 @@ import zmq
 
 from prism.core import agents as A
 
-__all__ = ["AgentError", "AgentProcesses", "AgentConfig", "AgentOutcome", "run_agent"]
+__all__ = ["AgentError", "AgentInterrupted", "AgentProcesses", "AgentConfig", "AgentOutcome", "run_agent"]
 
 _POLL_MS = 50
 
@@ -359,6 +359,15 @@ class AgentOutcome:
         return not self.stopped and not self.failed and all(c == 0 for c in self.codes.values())
 
 
+class AgentInterrupted(KeyboardInterrupt):
+    """SIGINT (or SIGTERM, which ``prism agent`` turns into it) stopped the
+    agent; ``killed``: the ranks it was running, killed and reaped on the way out."""
+
+    def __init__(self, signal_name: str, killed: list[int]) -> None:
+        super().__init__(signal_name)
+        self.killed = killed
+
+
 class _Retry(Exception):
     """The coordinator is busy with a run of its own, or its run ended before
     it launched: connect again, for the next run."""
@@ -470,6 +479,10 @@ def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) 
                              nproc_per_node=launch.nproc_per_node, show_ranks=list(launch.show_ranks), env=env,
                              cwd=launch.cwd, ranks=list(launch.ranks))
         return _watch(sock, poller, procs, list(launch.ranks), send, on_note)
+    except KeyboardInterrupt as e:
+        if isinstance(e, AgentInterrupted) or procs is None:
+            raise
+        raise AgentInterrupted(str(e) or "SIGINT", [r for r in launch.ranks if procs.poll(r) is None]) from None
     finally:
         if procs is not None:
             procs.close()
