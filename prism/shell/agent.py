@@ -112,10 +112,18 @@ class AgentProcesses:
                     self._auth = serve_curve(self._sock, self.keys, ctx, "prism.shell.agent.zap")
                 except CurveKeyError as e:
                     raise AgentError(str(e)) from None
-            try:
-                self._sock.bind(endpoint)
-            except zmq.ZMQError as e:
-                raise AgentError(f"cannot listen for agents on {endpoint}: {e}") from None
+            # The last run's coordinator (a calibration's previous slice) may
+            # have closed this address a moment ago: ZeroMQ frees it a little later.
+            bind_by = time.monotonic() + 3.0
+            while True:
+                try:
+                    self._sock.bind(endpoint)
+                    break
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.EADDRINUSE and time.monotonic() < bind_by:
+                        time.sleep(0.05)
+                        continue
+                    raise AgentError(f"cannot listen for agents on {endpoint}: {e}") from None
         except BaseException:
             self._close_socket()
             raise

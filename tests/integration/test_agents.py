@@ -436,3 +436,35 @@ def test_a_calibration_runs_its_slices_through_agents_that_serve_many_runs(tmp_p
     p = predict(PredictConfig(run=gpt_w4, warmup=1, calibration="on"))
     assert p.calibration["name"] == "ag" and p.mean_iteration_ns > 0
     assert not forkservers(tmp_path)
+
+
+def test_an_agent_between_runs_waits_on_and_serves_empty_launches(tmp_path):
+    """``runs=2`` with no coordinator yet: a wait past ``wait_s`` is a note,
+    not an error; each coordinator in turn (binding the same address once
+    the last closed) gives it an empty launch, and it ends after the second."""
+    import threading
+
+    ep = free_tcp_endpoint()
+    notes: list[str] = []
+    got: list[object] = []
+    agent = threading.Thread(target=lambda: got.append(run_agent(
+        AgentConfig(ep, None, insecure=True, wait_s=0.3, runs=2), notes.append)), daemon=True)
+    agent.start()
+    deadline = time.monotonic() + 10
+    while not any("still waiting for the next run" in n for n in notes):
+        assert time.monotonic() < deadline and agent.is_alive(), notes
+        time.sleep(0.05)
+    for run in (1, 2):
+        procs = AgentProcesses(ep, 1, 2, keys=None, insecure=True)
+        try:
+            procs.wait_agents(10)
+            procs.launch("tcp://127.0.0.1:1", tmp_path, ["-m", "x"])  # nothing placed: an empty Launch
+            deadline = time.monotonic() + 10
+            while not any(f"run {run} of 2 ended: 0 ranks" in n for n in notes):
+                assert time.monotonic() < deadline, notes
+                time.sleep(0.05)
+        finally:
+            procs.close()
+    agent.join(timeout=10)
+    assert not agent.is_alive() and got and got[0].runs == 2 and got[0].ok, notes
+    assert sum("has no rank for this node" in n for n in notes) == 2, notes
