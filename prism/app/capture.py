@@ -234,24 +234,39 @@ def _record_plan(config: CaptureConfig) -> PL.RecordPlan | None:
     return PL.RecordPlan(ranks, steps, int(config.record_limit_gib * 2**30))
 
 
+def agents_wanted(what: str, agents: int, listen: str | None, keys: Any, insecure: bool) -> bool:
+    """Whether agents serve a command (``what``: "a capture", "an
+    emulation"); ``UsageError`` for --listen/--keys/--insecure without
+    --agents or a negative count. The command's own checks follow, then
+    ``check_agent_address``."""
+    if not agents:
+        if listen is not None or keys is not None or insecure:
+            raise UsageError(f"--listen, --keys and --insecure are for {what} served by agents: add --agents N")
+        return False
+    if agents < 0:
+        raise UsageError(f"--agents must be at least 1, got {agents}")
+    return True
+
+
+def check_agent_address(listen: str | None, keys: Any, insecure: bool) -> None:
+    """``UsageError`` for a missing --listen, or tcp without keys and without --insecure."""
+    if listen is None:
+        raise UsageError("--agents needs --listen tcp://HOST:PORT, the address the agents join")
+    if keys is None and not insecure:
+        raise UsageError("--agents talks tcp with CURVE: pass --keys DIR (made by `prism keys DIR`), or --insecure "
+                         "on a private network")
+
+
 def _check_agents(config: CaptureConfig) -> None:
-    if not config.agents:
-        if config.listen is not None or config.keys is not None or config.insecure:
-            raise UsageError("--listen, --keys and --insecure are for a capture served by agents: add --agents N")
+    if not agents_wanted("a capture", config.agents, config.listen, config.keys, config.insecure):
         return
-    if config.agents < 0:
-        raise UsageError(f"--agents must be at least 1, got {config.agents}")
     if config.coordinator is not None:
         raise UsageError("--agents serves the ranks from this capture's coordinator; --coordinator joins another: "
                          "drop one of the two")
     if config.gpus is not None or config.simulate_swaps is not None or config.memory_limit_gib is not None:
         raise UsageError("--agents does not yet drive GPUs (--gpus, --simulate-swaps, --memory-limit): capture on "
                          "one machine for those")
-    if config.listen is None:
-        raise UsageError("--agents needs --listen tcp://HOST:PORT, the address the agents join")
-    if config.keys is None and not config.insecure:
-        raise UsageError("--agents talks tcp with CURVE: pass --keys DIR (made by `prism keys DIR`), or --insecure "
-                         "on a private network")
+    check_agent_address(config.listen, config.keys, config.insecure)
     from prism.core.agents import assign_blocks
 
     try:

@@ -140,23 +140,17 @@ class EmulationOutcome:
 def _check_agent_options(config: EmulateConfig, device_kind: str | None) -> None:
     """The agent options alone (before the capture is loaded): what they need
     and what they do not drive yet."""
-    if not config.agents:
-        if config.listen is not None or config.keys is not None or config.insecure:
-            raise UsageError("--listen, --keys and --insecure are for an emulation served by agents: add --agents N")
+    from prism.app.capture import agents_wanted, check_agent_address
+
+    if not agents_wanted("an emulation", config.agents, config.listen, config.keys, config.insecure):
         return
-    if config.agents < 0:
-        raise UsageError(f"--agents must be at least 1, got {config.agents}")
     if config.gpus is not None or config.memory_limit_gib is not None or config.device_path:
         raise UsageError("--agents does not yet drive GPUs (--gpus, --memory-limit, --device-path): emulate on one "
                          "machine for those")
     if device_kind == "cuda":
         raise UsageError("this capture ran on CUDA, so its sandboxes run on a GPU, and --agents does not yet drive "
                          "GPUs: emulate it on one machine")
-    if config.listen is None:
-        raise UsageError("--agents needs --listen tcp://HOST:PORT, the address the agents join")
-    if config.keys is None and not config.insecure:
-        raise UsageError("--agents talks tcp with CURVE: pass --keys DIR (made by `prism keys DIR`), or --insecure "
-                         "on a private network")
+    check_agent_address(config.listen, config.keys, config.insecure)
 
 
 def parse_losses(text: str) -> dict[int, str]:

@@ -11,6 +11,21 @@ from prism.app.errors import PrismError
 from prism.core.agents import DEFAULT_AGENT_PORT, rank_span as compact_ranks
 
 
+def add_agent_options(p: argparse.ArgumentParser, about: str, place_help: str, *,
+                      listen_help: str = "where the agents join (e.g. tcp://0.0.0.0:29431); the ranks get another "
+                                         "port on HOST",
+                      wait_help: str = "how long to wait for the agents to join (default 60)",
+                      agents_type=int) -> None:
+    """The ``--agents/--listen/--keys/--insecure/--agent-wait`` group of a
+    command served by ``prism agent`` (capture, emulate, calibrate)."""
+    a = p.add_argument_group("agents", about)
+    a.add_argument("--agents", type=agents_type, default=0, metavar="N", help=place_help)
+    a.add_argument("--listen", default=None, metavar="tcp://HOST:PORT", help=listen_help)
+    a.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys made by `prism keys DIR`")
+    a.add_argument("--insecure", action="store_true", help="plaintext tcp, without CURVE: a private network only")
+    a.add_argument("--agent-wait", type=float, default=60.0, metavar="S", help=wait_help)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default=None, metavar="tcp://HOST:PORT",
                    help="where the capture listens (`prism capture --agents N --listen ...`); default: node 0 of "

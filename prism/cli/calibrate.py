@@ -29,16 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the run's layout when the manifest has none")
     p.add_argument("--warmup", type=int, default=1, help="steps dropped before averaging (default: 1)")
     p.add_argument("--json", action="store_true", help="print the calibration's manifest as JSON")
-    a = p.add_argument_group("agents", "run each slice's ranks through `prism agent --runs 0` on other nodes (one "
-                                       "emulation per slice, one after another; the run directory on a shared "
-                                       "filesystem)")
-    a.add_argument("--agents", type=int, default=0, metavar="N",
-                   help="wait for N agents at each slice and place its ranks on them (a TP group on one node)")
-    a.add_argument("--listen", default=None, metavar="tcp://HOST:PORT", help="where the agents join")
-    a.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys made by `prism keys DIR`")
-    a.add_argument("--insecure", action="store_true", help="plaintext tcp, without CURVE: a private network only")
-    a.add_argument("--agent-wait", type=float, default=60.0, metavar="S",
-                   help="how long each slice waits for the agents to join (default 60)")
+    from prism.cli.agent import add_agent_options
+
+    add_agent_options(p, "run each slice's ranks through `prism agent --runs 0` on other nodes (one emulation per "
+                         "slice, one after another; the run directory on a shared filesystem)",
+                      "wait for N agents at each slice and place its ranks on them (a TP group on one node)",
+                      listen_help="where the agents join",
+                      wait_help="how long each slice waits for the agents to join (default 60)")
     p.set_defaults(func=main)
 
 

@@ -63,16 +63,11 @@ def add_capture_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default=None, metavar="ENDPOINT",
                    help="join a coordinator started with `prism coordinator` instead of an embedded one")
     _add_common(p)
-    a = p.add_argument_group("agents", "serve the ranks through `prism agent` on each node (a shared run directory)")
-    a.add_argument("--agents", type=_positive("--agents"), default=0, metavar="N",
-                   help="wait for N agents and spread the ranks over them in contiguous blocks (whole TP groups "
-                        "per node)")
-    a.add_argument("--listen", default=None, metavar="tcp://HOST:PORT",
-                   help="where the agents join (e.g. tcp://0.0.0.0:29431); the ranks get another port on HOST")
-    a.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys made by `prism keys DIR`")
-    a.add_argument("--insecure", action="store_true", help="plaintext tcp, without CURVE: a private network only")
-    a.add_argument("--agent-wait", type=float, default=60.0, metavar="S",
-                   help="how long to wait for the agents to join (default 60)")
+    from prism.cli.agent import add_agent_options
+
+    add_agent_options(p, "serve the ranks through `prism agent` on each node (a shared run directory)",
+                      "wait for N agents and spread the ranks over them in contiguous blocks (whole TP groups "
+                      "per node)", agents_type=_positive("--agents"))
     g = p.add_argument_group("GPUs", "ranks share physical GPUs; logical devices 0..nproc-per-node-1 map onto them")
     g.add_argument("--gpus", default=None, metavar="LIST",
                    help="physical GPUs to use, e.g. 0 or 0,1 (default: all, when the command uses cuda)")

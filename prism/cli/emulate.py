@@ -30,16 +30,13 @@ def _scale(p: argparse.ArgumentParser) -> None:
 
 
 def _agents(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument_group("agents", "run the sandbox ranks through `prism agent` on other nodes (the run "
-                                       "directory on a shared filesystem)")
-    a.add_argument("--agents", type=int, default=0, metavar="N",
-                   help="wait for N agents and place the sandbox ranks on them (a TP group's sandboxes on one node)")
-    a.add_argument("--listen", default=None, metavar="tcp://HOST:PORT",
-                   help="where the agents join (e.g. tcp://0.0.0.0:29431); the sandboxes get another port on HOST")
-    a.add_argument("--keys", default=None, metavar="DIR", help="CURVE keys made by `prism keys DIR`")
-    a.add_argument("--insecure", action="store_true", help="plaintext tcp, without CURVE: a private network only")
-    a.add_argument("--agent-wait", type=float, default=60.0, metavar="S",
-                   help="how long to wait for the agents to join (default 60)")
+    from prism.cli.agent import add_agent_options
+
+    add_agent_options(p, "run the sandbox ranks through `prism agent` on other nodes (the run directory on a shared "
+                         "filesystem)",
+                      "wait for N agents and place the sandbox ranks on them (a TP group's sandboxes on one node)",
+                      listen_help="where the agents join (e.g. tcp://0.0.0.0:29431); the sandboxes get another port "
+                                  "on HOST")
 
 
 def _common(p: argparse.ArgumentParser) -> None:

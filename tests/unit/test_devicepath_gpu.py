@@ -20,15 +20,21 @@ class _Pending:
     stash: list = []
 
 
-def test_an_async_call_on_the_side_stream_lets_the_callers_stream_compute():
+def _async_call(slot: int, factor: float):
+    """An async call on the side stream: it waits for release flag ``slot``,
+    then multiplies its output by ``factor``. (flags, device, output, pending)."""
     flags = cuda_ext.ReleaseFlags(8, "cuda")
     dev = torch.device("cuda", torch.cuda.current_device())
-    side = devicepath.SideStream(dev)
     x = torch.ones(1 << 20, device=dev)
     pending = _Pending()
-    with side.run(pending, [x]):
-        flags.wait(2, 1, mode=flags.default_mode())
-        x.mul_(3)  # the call's outputs, behind the release
+    with devicepath.SideStream(dev).run(pending, [x]):
+        flags.wait(slot, 1, mode=flags.default_mode())
+        x.mul_(factor)  # the call's outputs, behind the release
+    return flags, dev, x, pending
+
+
+def test_an_async_call_on_the_side_stream_lets_the_callers_stream_compute():
+    flags, dev, x, pending = _async_call(2, 3)
     assert pending.stream_done is not None and pending.stash == [x]
     y = torch.full((1 << 20,), 2.0, device=dev)
     y.mul_(5)  # the caller's compute goes on
@@ -46,14 +52,7 @@ def test_an_async_call_on_the_side_stream_lets_the_callers_stream_compute():
 
 
 def test_the_future_of_an_async_call_completes_behind_the_side_stream():
-    flags = cuda_ext.ReleaseFlags(8, "cuda")
-    dev = torch.device("cuda", torch.cuda.current_device())
-    side = devicepath.SideStream(dev)
-    x = torch.ones(1 << 20, device=dev)
-    pending = _Pending()
-    with side.run(pending, [x]):
-        flags.wait(3, 1, mode=flags.default_mode())
-        x.mul_(7)
+    flags, dev, x, pending = _async_call(3, 7)
     fut = torch.futures.Future(devices=[dev])
     done = threading.Event()
 
