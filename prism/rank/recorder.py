@@ -141,20 +141,30 @@ class RankRecorder:
                 end = self._close_segment(t_ns, script_join=True)
                 self._open(end)
 
-    def end_step(self, end_ns: int) -> int:
+    def end_step(self, end_ns: int, *, extra: Callable[[int, int], Any] | None = None,
+                 resume_clock: Callable[[], int] | None = None) -> int:
         """The iteration ended at ``end_ns``: emit it and cut the segment.
 
         On a GPU rank the step ends when its GPU work does (as a step clock
-        that synchronises the device sees it); returns the end used."""
+        that synchronises the device sees it); returns the end used.
+        ``extra(end, step)`` may return one more event for the step (its
+        memory sample). The batch goes out before the next segment opens: at
+        ``resume_clock()`` when given (the rank's clock), so Prism's own work
+        here (the sample, encoding and sending the batch, ~1 ms per step on the
+        2-core VM) is no compute of the next step; without it at ``end_ns``."""
         with self._lock:
             cut = self._in_comm == 0 and self._segment_start is not None
             if cut:
                 end_ns = self._close_segment(end_ns if self.gpu is None else None, step_end=True)
-            self.emit(trace.Iteration(step=self.step, end_ns=end_ns))
+            step = self.step
+            self.emit(trace.Iteration(step=step, end_ns=end_ns))
             self.step += 1
-            if cut:
-                self._open(end_ns)
+            ev = extra(end_ns, step) if extra is not None else None
+            if ev is not None:
+                self.emit(ev)
             self._flush_locked()
+            if cut:
+                self._open(end_ns if resume_clock is None else max(end_ns, resume_clock()))
             return end_ns
 
     def _close_segment(self, t_ns: int | None, *, settle: bool = True, script_join: bool = False,

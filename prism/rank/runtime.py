@@ -453,9 +453,12 @@ def make_hello(rank: int, world_size: int, local_rank: int, device: str) -> prot
 class _StepTracker:
     """Marks iteration ends from optimizer steps (rule in the module docstring)."""
 
-    def __init__(self, runtime: RankRuntime, clock: Callable[[], int] = time.monotonic_ns) -> None:
+    def __init__(self, runtime: RankRuntime, clock: Callable[[], int] = time.monotonic_ns,
+                 resume_clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.runtime = runtime
         self.clock = clock
+        #: When the next step's first segment opens (after Prism's step-end work).
+        self.resume_clock = resume_clock
         self.live: weakref.WeakSet = weakref.WeakSet()
         self._stepped: set[int] = set()
         self._pending_end: int | None = None
@@ -483,12 +486,7 @@ class _StepTracker:
     def _end(self, end_ns: int) -> None:
         self._stepped.clear()
         self._pending_end = None
-        rec = self.runtime.recorder
-        step = rec.step
-        end_ns = rec.end_step(end_ns)
-        sample = _cuda_memory_sample(end_ns, step)
-        if sample is not None:
-            rec.emit(sample)
+        self.runtime.recorder.end_step(end_ns, extra=_cuda_memory_sample, resume_clock=self.resume_clock)
 
 
 def _cuda_memory_sample(t_ns: int, step: int) -> trace.Memory | None:

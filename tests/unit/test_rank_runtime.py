@@ -83,6 +83,23 @@ def test_compute_segments_exclude_communication(rt):
     assert [e["step"] for e in rt.client.events() if e["k"] == "iter"] == [0]
 
 
+def test_the_next_step_opens_after_prisms_step_end_work(rt):
+    # the sample and the batch's send happen between the step's end and the
+    # next segment: Prism's time, not the next step's compute
+    r = rt.recorder
+    r.start_segment(1_000)
+    sent_at = []
+    r._send = lambda m: (sent_at.append(5_000), rt.client.send(m))
+    r.end_step(2_000, extra=lambda end, step: rt_iteration(99) if (end, step) == (2_000, 0) else None,
+               resume_clock=lambda: 5_000 if sent_at else 0)
+    r.comm_enter(6_000)
+    r.comm_exit(7_000)
+    r.finish(8_000, "ok")
+    comp = [(e["start_ns"], e["end_ns"], e["step"]) for e in rt.client.events() if e["k"] == "compute"]
+    assert comp[-3:] == [(1_000, 2_000, 0), (5_000, 6_000, 1), (7_000, 8_000, 1)]
+    assert [e["step"] for e in rt.client.events() if e["k"] == "iter"] == [0, 99]
+
+
 def test_batches_go_out_when_full(rt, monkeypatch):
     monkeypatch.setattr(rec_mod, "MAX_BATCH_EVENTS", 3)
     before = sum(isinstance(m, protocol.TraceRecords) for m in rt.client.sent)
