@@ -16,6 +16,12 @@ emulated release on the sandbox's clock; negative: ahead, the rank holds
 it).
 
     python bench/scale.py [--worlds 512,2048,8192] [--steps 6] [--net PROFILE] [--run RUN]
+    python bench/scale.py --device cuda [--host-path]     # on a GPU: captured on GPU 0, the sandbox on GPU 0
+
+With ``--device cuda`` the GPT runs on CUDA (``--device cuda``), the capture
+on GPU 0 (``prism capture --gpus 0``: the eight ranks share it) and the
+sandbox on GPU 0 on the device path (``prism emulate --gpus 0
+--device-path``; ``--host-path`` without it).
 
 Prints a table and writes ``bench/results/scale-DATE[-$BENCH_MACHINE].json``.
 """
@@ -44,20 +50,22 @@ def prism(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
 
 
-def capture(run: pathlib.Path, steps: int) -> float:
+def capture(run: pathlib.Path, steps: int, device: str = "cpu") -> float:
     t0 = time.perf_counter()
-    proc = prism("capture", "-n", str(TP * PP * DP), "--out", str(run), "--progress", "off", "--", "-m",
-                 "prism.workloads.gpt", "--tp", str(TP), "--pp", str(PP), "--dp", str(DP), "--steps", str(steps))
+    gpu = ["--gpus", "0"] if device == "cuda" else []
+    proc = prism("capture", "-n", str(TP * PP * DP), *gpu, "--out", str(run), "--progress", "off", "--", "-m",
+                 "prism.workloads.gpt", "--tp", str(TP), "--pp", str(PP), "--dp", str(DP), "--steps", str(steps),
+                 "--device", device)
     if proc.returncode:
         sys.exit(f"capture failed:\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0
 
 
-def emulate(run: pathlib.Path, world: int, net: str) -> dict:
+def emulate(run: pathlib.Path, world: int, net: str, gpu: list[str] = ()) -> dict:
     dp = world // (TP * PP)
     sandbox = TP * dp  # (tp 0, dp 0, pp 1): the last stage's rank that prints the losses
     t0 = time.perf_counter()
-    proc = prism("emulate", str(run), "--sandbox", str(sandbox), "--scale-dp", str(dp), "--net", net,
+    proc = prism("emulate", str(run), "--sandbox", str(sandbox), "--scale-dp", str(dp), "--net", net, *gpu,
                  "--name", f"scale-{world}-{time.strftime('%H%M%S')}", "--progress", "off", "--json")
     wall = time.perf_counter() - t0
     if proc.returncode:
@@ -103,14 +111,19 @@ def main() -> int:
     ap.add_argument("--net", default="h200_nvlink_ib400", help="cost profile (default: %(default)s)")
     ap.add_argument("--run", default=None, help="an existing capture of the GPT tp2 pp2 dp2 (default: capture one)")
     ap.add_argument("--json", default=None, help="output path (default: bench/results/scale-DATE[-MACHINE].json)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: captured on GPU 0 and the sandbox on GPU 0 (default: %(default)s)")
+    ap.add_argument("--host-path", action="store_true", help="--device cuda: the sandbox's calls through the host "
+                    "(no --device-path)")
     args = ap.parse_args()
+    gpu = [] if args.device == "cpu" else ["--gpus", "0"] + ([] if args.host_path else ["--device-path"])
     worlds = [int(w) for w in args.worlds.split(",")]
     with tempfile.TemporaryDirectory(prefix="prism-scale-") as tmp:
         run = pathlib.Path(args.run) if args.run else pathlib.Path(tmp) / "gpt"
-        capture_s = None if args.run else capture(run, args.steps)
+        capture_s = None if args.run else capture(run, args.steps, args.device)
         rows = []
         for w in worlds:
-            rows.append(emulate(run, w, args.net))
+            rows.append(emulate(run, w, args.net, gpu))
             print(f"world {w:,}: done in {rows[-1]['process_wall_s']:.1f} s", file=sys.stderr, flush=True)
     print(table(rows))
     base = rows[0]["wall_per_iteration_s"]
@@ -120,7 +133,7 @@ def main() -> int:
     doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": platform.platform(),
            "cpus": os.cpu_count(), "python": platform.python_version(), "command": " ".join(sys.argv),
            "capture": {"layout": {"tp": TP, "pp": PP, "dp": DP}, "steps": args.steps, "wall_s": capture_s},
-           "net": args.net, "rows": rows}
+           "net": args.net, "device": args.device, "emulate_options": gpu, "rows": rows}
     path = pathlib.Path(args.json) if args.json else result_path("scale")
     path.write_text(json.dumps(doc, indent=2))
     print(f"wrote {path}")
