@@ -157,22 +157,25 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
   # WL: workloads of workload_args (gpt-tp2 pp2 moe); HOST=0 skips the host path; KERNELS=0 skips the
   # GPU tests and kernel bench; REC=1 records rank 0 in the capture (the device path then delivers the
   # recording from its prefetch pool), COMP=1 adds a device-path run without it; OOM=GIB adds a capture
-  # and a device-path emulation of the first workload under --memory-limit GIB.
+  # and a device-path emulation of the first workload under --memory-limit GIB; POOL=MIB sets the device-path
+  # runs' --prefetch-pool.
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
   if [ "${KERNELS:-1}" != 0 ]; then
-    x "$R/cuda_ext-tests.txt" 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_cuda_ext_gpu.py
+    x "$R/cuda_ext-tests.txt" 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_cuda_ext_gpu.py \
+      tests/unit/test_devicepath_gpu.py
     x "$R/cuda_kernels.txt" 120 python3 bench/cuda_kernels.py --out "$R/cuda_kernels.json"
   fi
-  local w rec=() first=
+  local w rec=() first= pool=()
   [ "${REC:-0}" = 1 ] && rec=(--record 0)
+  [ -n "${POOL:-}" ] && pool=(--prefetch-pool "$POOL")
   for w in ${WL:-gpt-tp2}; do
     first=${first:-$w}
     # shellcheck disable=SC2046 (the words split on purpose)
     x "$R/capture-$w.txt" 120 python3 -m prism capture -n 2 --gpus 0 "${rec[@]}" --out "$R/cap-$w" --progress off -- \
       $(workload_args "$w")
     x "$R/emulate-$w-device.txt" 120 env PRISM_STACK_DUMP_S=20 python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
-      --device-path --net "$NET" --warmup 3 --name device --quiet 25 --progress off
+      --device-path "${pool[@]}" --net "$NET" --warmup 3 --name device --quiet 25 --progress off
     [ "${COMP:-0}" = 1 ] && x "$R/emulate-$w-device-comp.txt" 120 env PRISM_STACK_DUMP_S=20 python3 -m prism emulate \
       "$R/cap-$w" --sandbox 0 --device-path --no-recording --net "$NET" --warmup 3 --name device-comp --quiet 25 \
       --progress off
@@ -187,6 +190,13 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
       --memory-limit "$OOM" --net "$NET" --name device-oom --quiet 25 --progress off
   fi
   [ -n "${DRY:-}" ] || find "$R" \( -name '*.bin' -o -name timeline.json \) -delete  # the bundle stays small
+}
+
+suite_scale_gpu() {  # bench/scale.py with the GPT captured on GPU 0 and its sandbox on GPU 0 (device path; HOSTPATH=1: host)
+  local hp=()
+  [ "${HOSTPATH:-0}" = 1 ] && hp=(--host-path)
+  x "$R/scale-gpu.txt" ${TS:-300} python3 bench/scale.py --device cuda "${hp[@]}" --worlds ${WORLDS:-512,2048,8192} \
+    --json "$R/scale-gpu.json"
 }
 
 suite_comm_share() {  # CPU truth vs replay split into communication and the rest, world 8 and 16
@@ -268,7 +278,7 @@ suite_campaigns() {  # the GPU example campaigns (bench/campaigns: dp_oom, moe_e
 
 SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
 emulate-accuracy-16 comm-share calibration gpu-sandbox truth-segments
-truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale campaigns"
+truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale campaigns scale-gpu"
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then
   for s in $SUITES; do
