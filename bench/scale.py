@@ -47,7 +47,7 @@ TP, PP, DP = 2, 2, 2
 
 def prism(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "prism", *args], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)), cwd=ROOT)
 
 
 def capture(run: pathlib.Path, steps: int, device: str = "cpu") -> float:

@@ -92,6 +92,7 @@ def _load() -> tuple[Any, Info]:
         return None, Info("fallback", "no CUDA toolkit (nvcc) found: set CUDA_HOME to build the kernels")
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(d)
     src = pathlib.Path(__file__).with_name("csrc") / "prism_ext.cu"
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         # this GPU's architecture only: a faster build, and no warning from torch about the choice
@@ -108,6 +109,32 @@ def _load() -> tuple[Any, Info]:
         last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
         return None, Info("fallback", f"the build failed ({last[0][:300]}); see {d}", str(d))
     return mod, Info("kernels", f"built with {cpp_extension.CUDA_HOME}", str(d), time.monotonic() - t0)
+
+
+#: A build lock older than this (s) was left by a build that was killed:
+#: torch's ``FileBaton`` would wait on it for ever. A real build takes ~1 min.
+STALE_LOCK_S = float(os.environ.get("PRISM_CUDA_EXT_STALE_LOCK_S", "600"))
+
+
+def _clear_stale_lock(d: pathlib.Path) -> bool:
+    """Remove ``d/lock`` (torch's build lock) when older than ``STALE_LOCK_S``;
+    says so on stderr. True if it removed one."""
+    lock = d / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    try:
+        lock.unlink()
+    except OSError:
+        return False
+    import sys
+
+    print(f"cuda_ext: removed a stale build lock {lock} ({age:.0f} s old, left by a build that was killed; "
+          "PRISM_CUDA_EXT_STALE_LOCK_S sets the age)", file=sys.stderr, flush=True)
+    return True
 
 
 def kernels() -> Any:

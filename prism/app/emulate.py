@@ -212,6 +212,51 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
     return env
 
 
+#: How long ``prepare_kernels`` waits for cuda_ext's build (s).
+KERNEL_BUILD_TIMEOUT_S = 900.0
+
+
+def prepare_kernels(env: dict[str, str], note: Any = None, timeout_s: float = KERNEL_BUILD_TIMEOUT_S) -> dict:
+    """``--device-path``: build (or just load) cuda_ext's kernels in a
+    short-lived process before any sandbox starts, and return its
+    ``cuda_ext.info()`` as a dict (``path``: "kernels" or "fallback",
+    ``reason``). A first build takes about a minute (nvcc); inside a sandbox
+    it would stall the rank's first call, trip ``--quiet`` and, killed
+    mid-build, leave torch's build lock behind for the next run (found on an
+    H200 with ``bench/scale.py --device cuda``, 2026-12-04). Once built the
+    check costs a torch import. ``env``: the sandboxes' environment (their
+    ``PRISM_CUDA_EXT_DIR``, if set, names the build)."""
+    import subprocess
+    import sys
+
+    note = note or (lambda text: print(f"prism emulate: {text}", file=sys.stderr, flush=True))
+    code = "import json, cuda_ext; print(json.dumps(cuda_ext.info().__dict__))"
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"--device-path: building cuda_ext's kernels took over {timeout_s:g} s; build them "
+                         "first with `python -c 'import cuda_ext; print(cuda_ext.info())'` (PRISM_CUDA_EXT_VERBOSE=1 "
+                         "shows the compiler), or emulate without --device-path") from None
+    import json
+
+    try:
+        info = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise UsageError("--device-path: loading cuda_ext failed (exit code "
+                         f"{proc.returncode}): {' | '.join(tail) or 'no output'}") from None
+    took = time.monotonic() - t0
+    if info.get("build_s") and info["build_s"] > 5:
+        note(f"built cuda_ext's kernels in {info['build_s']:.0f} s into {info.get('build_dir')} (once per torch "
+             "version; later runs load them)")
+    elif info.get("path") != "kernels":
+        note(f"cuda_ext's kernels are not in use ({info.get('reason')}): the device path runs on its pure-torch "
+             f"fallback where it can (checked in {took:.1f} s)")
+    return info
+
+
 _DP_FLAG = re.compile(r"--dp(?:=(\d+))?$")
 
 
@@ -385,6 +430,9 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     # prefetch pool it fills from the capture's side files.
     pool = config.prefetch_pool_mib << 20 if recordings and config.device_path else 0
     env = _gpu_env(config, manifest.device_kind, sandbox, pool / 2**30)
+    from prism.rank.envnames import GPU_SANDBOX_ENV
+
+    kernels = prepare_kernels(env) if env.get(GPU_SANDBOX_ENV) == "1" else None
     if recordings:
         from prism.rank.envnames import POOL_ENV, RECORDING_ENV
 
@@ -509,6 +557,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                       "small world's; every virtual contribution is compensated" if scaled and config.use_recording
                       else "none"),
         "prefetch_pool_bytes": pool or None,
+        # --device-path: cuda_ext's path ("kernels" or "fallback") and why, as checked before the sandboxes started
+        "cuda_ext": kernels,
         "cost_model": model.name, "cost_model_choice": why, "warmup": config.warmup,
         "predicted_iteration_ns": batch.iteration_times.tolist(),
         "predicted_mean_ns": _mean(batch.iteration_times.tolist(), config.warmup),

@@ -211,3 +211,18 @@ def test_a_release_flipped_ahead_of_time_ends_the_wait_at_its_moment_and_tail():
     t.join(5)
     assert ended[1] - flags.stamps[2].item() >= 30_000_000
     assert flags.released_ns(1) >= flags.reached_ns(1) + 30_000_000
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not cuda_ext._clear_stale_lock(tmp_path)  # a build may hold it now
+    assert lock.exists()
+    old = time.time() - cuda_ext.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert cuda_ext._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    assert "stale build lock" in capsys.readouterr().err

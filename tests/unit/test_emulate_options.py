@@ -57,3 +57,15 @@ def test_a_cuda_capture_is_not_emulated_through_agents(tmp_path):
     runfolder.write_manifest(run, dataclasses.replace(load_run_manifest(run), device_kind="cuda"))
     with pytest.raises(UsageError, match="ran on CUDA, so its sandboxes run on a GPU, and --agents does not yet"):
         E.emulate(E.EmulateConfig(run=run, agents=1, listen="tcp://127.0.0.1:1", insecure=True))
+
+
+def test_the_device_path_checks_cuda_ext_before_any_sandbox_starts(tmp_path, monkeypatch):
+    # in a process of its own, with the sandboxes' environment: here (no GPU) the fallback, said once
+    notes = []
+    info = E.prepare_kernels({"PRISM_CUDA_EXT": "off"}, notes.append)
+    assert info["path"] == "fallback" and info["reason"] == "PRISM_CUDA_EXT=off"
+    assert len(notes) == 1 and "not in use (PRISM_CUDA_EXT=off)" in notes[0]
+    (tmp_path / "cuda_ext.py").write_text("raise ImportError('no such build')\n")  # a broken install
+    with pytest.raises(UsageError, match="loading cuda_ext failed .exit code 1.: .*no such build"):
+        monkeypatch.chdir(tmp_path)
+        E.prepare_kernels({}, notes.append)
