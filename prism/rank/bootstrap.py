@@ -97,6 +97,7 @@ def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) ->
         import faulthandler
 
         faulthandler.dump_traceback_later(float(dump), repeat=True)
+    _switch_interval()
     hello = _rt.make_hello(rank, world_size, local_rank, device)
     client, welcome = connect(endpoint, hello)
     rt = _rt.RankRuntime(client, welcome, hello, welcome_recv_ns=time.monotonic_ns())
@@ -110,6 +111,25 @@ def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) ->
         gpus = os.environ.get(_devices.GPUS_ENV)
         _memstats.install(shared_gpu=bool(gpus) and world_size > len(_devices.parse_gpus(gpus)))
     return rt
+
+
+def _switch_interval() -> float | None:
+    """``PRISM_SWITCH_INTERVAL_US`` (``prism.rank.envnames``): the rank's
+    thread switch interval; returns the one set (s), None if unchanged."""
+    from prism.rank.envnames import SWITCH_INTERVAL_ENV
+
+    raw = os.environ.get(SWITCH_INTERVAL_ENV)
+    if not raw:
+        return None
+    try:
+        us = float(raw)
+        if not us > 0:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"prism: {SWITCH_INTERVAL_ENV}={raw!r}: give the thread switch interval in microseconds, "
+                         "a number above 0 (Python's default is 5000)") from None
+    sys.setswitchinterval(us / 1e6)
+    return sys.getswitchinterval()
 
 
 #: Seconds after which (and every as many after) a rank writes every thread's

@@ -14,3 +14,9 @@ GPUS_ENV = "PRISM_GPUS"
 RECORDING_ENV = "PRISM_DEVICE_RECORDING"
 #: That prefetch pool's size in bytes (``prism emulate --prefetch-pool MIB``).
 POOL_ENV = "PRISM_PREFETCH_POOL_BYTES"
+#: A sandbox's Python thread switch interval in microseconds
+#: (``sys.setswitchinterval``; unset: Python's 5,000). A GPU sandbox's
+#: reach watcher and transport thread need the GIL to report a reach and to
+#: flip a release; while the main thread issues work they wait up to one
+#: interval for it, and a release due sooner than that arrives late.
+SWITCH_INTERVAL_ENV = "PRISM_SWITCH_INTERVAL_US"

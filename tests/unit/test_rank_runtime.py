@@ -273,3 +273,21 @@ def test_the_dilated_clock_takes_out_only_what_a_wait_spent_past_its_release():
     rt.hybrid = False
     waited(1_000, 0, 9_000)
     assert rt.dilation_ns == 350
+
+
+def test_the_switch_interval_knob(monkeypatch):
+    import sys
+
+    from prism.rank import bootstrap
+
+    before = sys.getswitchinterval()
+    try:
+        monkeypatch.delenv("PRISM_SWITCH_INTERVAL_US", raising=False)
+        assert bootstrap._switch_interval() is None and sys.getswitchinterval() == before
+        monkeypatch.setenv("PRISM_SWITCH_INTERVAL_US", "200")
+        assert bootstrap._switch_interval() == pytest.approx(200e-6)
+        monkeypatch.setenv("PRISM_SWITCH_INTERVAL_US", "-1")
+        with pytest.raises(SystemExit, match="PRISM_SWITCH_INTERVAL_US='-1': give the thread switch interval"):
+            bootstrap._switch_interval()
+    finally:
+        sys.setswitchinterval(before)
