@@ -42,6 +42,28 @@ class AgentRunConfig:
     slots: int | None = None
     wait_s: float = 120.0
     runs: int = 1
+    #: This node's GPUs for CUDA runs: "0,1", "none", or None (every GPU NVML sees).
+    gpus: str | None = None
+
+
+def node_gpus(text: str | None) -> tuple[int, ...]:
+    """``--gpus``: the GPU indices this agent offers (``UsageError`` on a bad
+    list); None: every GPU NVML sees here (none on a CPU node)."""
+    if text is None:
+        from prism.shell.gpu_plan import visible_gpus
+
+        return tuple(visible_gpus())
+    if text.strip().lower() == "none":
+        return ()
+    from prism.rank.devices import parse_gpus
+
+    try:
+        ids = parse_gpus(text)
+    except ValueError as e:
+        raise UsageError(f"--gpus: {e}") from None
+    if not ids or len(set(ids)) != len(ids):
+        raise UsageError(f"--gpus {text}: give distinct GPU indices such as 0,1 (or none)")
+    return tuple(ids)
 
 
 def resolve(config: AgentRunConfig, env: Mapping[str, str]) -> tuple[str, int, str]:
@@ -75,11 +97,12 @@ def serve_agent(config: AgentRunConfig, env: Mapping[str, str] | None = None,
         raise UsageError(f"--runs must be 0 (serve runs until stopped) or a number of runs, got {config.runs}")
     if config.slots is not None and config.slots < 1:
         raise UsageError(f"--slots must be at least 1, got {config.slots}")
+    gpus = node_gpus(config.gpus)
     endpoint, rank, node = resolve(config, os.environ if env is None else env)
     name = f"{node}#{rank}" if rank >= 0 else f"{node}:{os.getpid()}"
-    on_note(f"joining {endpoint} as {name}")
+    on_note(f"joining {endpoint} as {name}" + (f" with GPUs {','.join(map(str, gpus))}" if gpus else ""))
     try:
-        return run_agent(AgentConfig(endpoint, config.keys, config.insecure, name, rank, config.slots,
+        return run_agent(AgentConfig(endpoint, config.keys, config.insecure, name, rank, config.slots, gpus,
                                      wait_s=config.wait_s, runs=config.runs), on_note)
     except AgentError as e:
         raise AgentFailed(str(e)) from None

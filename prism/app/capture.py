@@ -107,6 +107,8 @@ class CapturePlan:
     notes: list[str] = field(default_factory=list)
     #: ``--record``'s checked plan (None: nothing recorded).
     record: PL.RecordPlan | None = None
+    #: A CUDA command served by agents: the ranks run on the agents' GPUs.
+    agent_gpus: bool = False
 
 
 @dataclass
@@ -263,9 +265,13 @@ def _check_agents(config: CaptureConfig) -> None:
     if config.coordinator is not None:
         raise UsageError("--agents serves the ranks from this capture's coordinator; --coordinator joins another: "
                          "drop one of the two")
-    if config.gpus is not None or config.simulate_swaps is not None or config.memory_limit_gib is not None:
-        raise UsageError("--agents does not yet drive GPUs (--gpus, --simulate-swaps, --memory-limit): capture on "
-                         "one machine for those")
+    if config.gpus is not None:
+        raise UsageError("--gpus names this machine's GPUs; with --agents each node's agent offers its own "
+                         "(`prism agent --gpus 0,1`, default every GPU it sees): drop --gpus")
+    if config.simulate_swaps is not None or config.memory_limit_gib is not None or config.resident is not None:
+        raise UsageError("--agents does not yet swap ranks on GPUs or limit their memory (--resident, "
+                         "--simulate-swaps, --memory-limit): every rank placed on a node stays resident on its "
+                         "GPUs; capture on one machine for those")
     check_agent_address(config.listen, config.keys, config.insecure)
     from prism.core.agents import assign_blocks
 
@@ -305,6 +311,9 @@ def plan_capture(config: CaptureConfig) -> CapturePlan:
             raise UsageError("--simulate-swaps needs --resident K (how many ranks the GPU would hold)")
         if simulate < 0:
             raise UsageError(f"--simulate-swaps {simulate}: seconds per swap must be 0 or more")
+    if config.agents and device_kind_of(cmd) == "cuda":
+        # the agents' GPUs, not this machine's: placed once the agents join (agent_gpu_env)
+        return CapturePlan(config, cmd, run_dir, config.slots or 0, None, [], record, agent_gpus=True)
     try:
         gpu = plan_gpus(config.world_size, dict(layout_of(cmd)), uses_cuda=device_kind_of(cmd) == "cuda",
                         gpus=config.gpus or ("0" if simulate is not None else None), resident=config.resident,
@@ -354,7 +363,27 @@ def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
                        nproc_per_node=c.nproc_per_node, show_ranks=c.show_ranks, quiet_s=c.quiet_s,
                        progress=c.progress, gpu=plan.gpu, record=plan.record,
                        small_tensor_limit=c.small_tensor_limit, agents=c.agents, listen=c.listen, keys=c.keys,
-                       insecure=c.insecure, agent_wait_s=c.agent_wait_s)
+                       insecure=c.insecure, agent_wait_s=c.agent_wait_s, agent_gpus=plan.agent_gpus)
+
+
+def agent_gpu_env(placement: Sequence[tuple[Any, list[int]]]) -> dict[str, dict[str, str]]:
+    """A CUDA capture through agents: per node (``AgentHello.node``) the
+    environment of its ranks: its GPUs (``PRISM_GPUS``) and its ranks
+    (``PRISM_NODE_RANKS``), so each rank takes one of its node's GPUs in
+    contiguous blocks (``prism.rank.devices.choose_node_gpu``). Every rank
+    stays resident. ``UsageError`` naming a node with ranks and no GPU."""
+    from prism.rank.envnames import GPUS_ENV, NODE_RANKS_ENV
+
+    out = {}
+    for hello, ranks in placement:
+        if not ranks:
+            continue
+        if not hello.gpus:
+            raise UsageError(f"this capture's command runs on cuda, but agent {hello.node} (host {hello.host}) "
+                             f"offers no GPU for its ranks {compact_ranks(ranks)}: start it on a node with GPUs, "
+                             "or with --gpus 0,1; or give the script --device cpu")
+        out[hello.node] = {GPUS_ENV: ",".join(map(str, hello.gpus)), NODE_RANKS_ENV: compact_ranks(ranks)}
+    return out
 
 
 def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[str], *, slots: int,
@@ -363,12 +392,13 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
                 record: PL.RecordPlan | None = None,
                 small_tensor_limit: int = T.DEFAULT_SMALL_TENSOR_LIMIT, agents: int = 0,
                 listen: str | None = None, keys: str | os.PathLike[str] | None = None, insecure: bool = False,
-                agent_wait_s: float = 60.0) -> CaptureOutcome:
+                agent_wait_s: float = 60.0, agent_gpus: bool = False) -> CaptureOutcome:
     """Capture ``cmd`` as ``world_size`` ranks into ``run_dir``. ``gpu`` is a
     ``prism.shell.gpu_plan.GpuPlan`` (None: CPU); ``record`` what to keep of
     the chosen ranks' payloads. ``agents``: serve the ranks through that many
     ``prism agent`` processes joining ``listen`` (CURVE with ``keys`` unless
-    ``insecure``). Raises ``UsageError`` when a GPU swap cannot be set up,
+    ``insecure``); ``agent_gpus``: a CUDA command on the agents' GPUs
+    (``agent_gpu_env``). Raises ``UsageError`` when a GPU swap cannot be set up,
     ``AgentsError`` when the agents do not join."""
     run_dir = Path(run_dir)
     cmd = list(cmd)
@@ -386,11 +416,21 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         agent_procs, agent_endpoint, agent_slots = join_agents(listen, agents, world_size, keys, insecure,
                                                                 agent_wait_s)
         agent_procs.place(gang_of(cmd))
+        node_env: dict[str, dict[str, str]] = {}
+        if agent_gpus:
+            try:
+                node_env = agent_gpu_env(agent_procs.placement())
+            except UsageError as e:
+                agent_procs.close(reason=str(e))
+                raise
+            # one rank computes per GPU at a time, as on one machine
+            agent_slots = sum(agent_procs.node_slots(gpus=True)[1])
         # --slots caps the run as a whole; each node computes on its own slots.
         slots = slots or agent_slots
     # A GPU plan means the ranks drive GPUs, whether or not the command says
     # so (scripts that take CUDA when it is there); simulated swaps run on CPU.
-    kind = "cuda" if gpu is not None and not getattr(gpu, "simulated", False) else device_kind_of(cmd)
+    kind = ("cuda" if (gpu is not None and not getattr(gpu, "simulated", False)) or agent_gpus
+            else device_kind_of(cmd))
     limit = getattr(gpu, "memory_limit_bytes", None)
     notes = (("allocator_limit_bytes", str(limit)),) if limit else ()
     if record is not None:
@@ -426,12 +466,13 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
 
         def launch(endpoint: str) -> Any:
             return agent_procs.launch(advertised(endpoint, listen), run_dir, cmd, nproc_per_node=nproc_per_node,
-                                      show_ranks=show_ranks if show_ranks != "all" else range(world_size))
+                                      show_ranks=show_ranks if show_ranks != "all" else range(world_size),
+                                      env_of=lambda hello, _ranks: node_env.get(hello.node, {}))
     coord = Coordinator(run_dir, world_size, slots=slots, endpoint=endpoint,
                         quiet_s=quiet_s, progress=Progress(world_size, mode=progress),
                         launch=launch, curve_keys=None if insecure else keys,
                         authenticated=bool(agents),
-                        node_slots=agent_procs.node_slots() if agent_procs is not None else None,
+                        node_slots=agent_procs.node_slots(gpus=agent_gpus) if agent_procs is not None else None,
                         policy=gpu.policy if gpu is not None else None,
                         swapper=gpu.executor if gpu is not None else None, record=record,
                         small_tensor_limit=small_tensor_limit, stop_signals=default_stop_signals())

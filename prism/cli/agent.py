@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=None,
                    help="this node's rank (agents are placed in this order); default from the environment")
     p.add_argument("--slots", type=int, default=None, help="ranks that may compute at once here (default: cores)")
+    p.add_argument("--gpus", default=None, metavar="IDS",
+                   help="this node's GPUs for a CUDA capture, as 0 or 0,1, or none (default: every GPU NVML sees); "
+                        "the ranks placed here share them, one computing per GPU at a time")
     p.add_argument("--wait", type=float, default=120.0, metavar="S",
                    help="how long to wait for the run's launch (default 120); while more runs are to be served, "
                         "a longer wait is only a note")
@@ -50,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = app_agent.AgentRunConfig(args.coordinator, args.keys, args.insecure, args.port, args.node_rank,
-                                      args.slots, args.wait, args.runs)
+                                      args.slots, args.wait, args.runs, args.gpus)
 
     def stop(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)

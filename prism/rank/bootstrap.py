@@ -109,7 +109,9 @@ def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) ->
         if limit:
             _oom.set_limit(int(limit))
         gpus = os.environ.get(_devices.GPUS_ENV)
-        _memstats.install(shared_gpu=bool(gpus) and world_size > len(_devices.parse_gpus(gpus)))
+        node = os.environ.get(_devices.NODE_RANKS_ENV)  # through an agent: the ranks sharing this node's GPUs
+        sharing = _devices.count_ranks(node) if node else world_size
+        _memstats.install(shared_gpu=bool(gpus) and sharing > len(_devices.parse_gpus(gpus)))
     return rt
 
 

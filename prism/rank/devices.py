@@ -68,7 +68,7 @@ PHYSICAL_ENV = "PRISM_PHYSICAL_DEVICE"
 IDENTITY_ENV = "PRISM_LOGICAL_IDENTITY"
 #: ``GPUS_ENV``: comma-separated physical GPUs shared by the run (``prism capture
 #: --gpus``); ranks are assigned to them in contiguous blocks.
-from prism.rank.envnames import GPUS_ENV  # noqa: E402
+from prism.rank.envnames import GPUS_ENV, NODE_RANKS_ENV  # noqa: E402
 
 _CUDA_INDEX = re.compile(r"cuda:(\d+)")
 _state: _Logical | None = None
@@ -127,6 +127,33 @@ def choose_gpu(rank: int, world_size: int, gpus: Sequence[int]) -> int:
     if not gpus:
         raise ValueError("no physical GPU to place ranks on: give --gpus or set " + GPUS_ENV)
     return gpus[rank * len(gpus) // world_size]
+
+
+def node_rank_list(text: str) -> list[int]:
+    """``PRISM_NODE_RANKS`` ("8-15" or "0,2,4-5") as a list of ranks."""
+    ranks: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"{NODE_RANKS_ENV}={text!r}: expected ranks like 8-15 or 0,2,4-5")
+        ranks += list(range(int(lo), int(hi or lo) + 1))
+    return ranks
+
+
+def count_ranks(text: str) -> int:
+    return len(node_rank_list(text))
+
+
+def choose_node_gpu(rank: int, world_size: int, gpus: Sequence[int], node_ranks: str | None) -> int:
+    """``choose_gpu`` among one node's ranks (``PRISM_NODE_RANKS``, "8-15" or
+    "0,2,4"; None: the whole world is this node's): the node's GPUs ``gpus``
+    are shared by the ranks placed there, in contiguous blocks."""
+    if not node_ranks:
+        return choose_gpu(rank, world_size, gpus)
+    ranks = node_rank_list(node_ranks)
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not among this node's ranks {NODE_RANKS_ENV}={node_ranks}")
+    return choose_gpu(ranks.index(rank), len(ranks), gpus)
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -261,7 +288,7 @@ def install(rank: int, world_size: int, nproc_per_node: int, gpus: Sequence[int]
     else:
         if gpus is None:
             gpus = parse_gpus(env[GPUS_ENV]) if env.get(GPUS_ENV) else list(range(torch.cuda.device_count()))
-        physical = choose_gpu(rank, world_size, gpus)
+        physical = choose_node_gpu(rank, world_size, gpus, env.get(NODE_RANKS_ENV))
     if (physical == rank % nproc_per_node and torch.cuda.device_count() == nproc_per_node
             and env.get(IDENTITY_ENV, "1") != "0"):
         # One GPU per rank with the script's own numbering (a capture on as

@@ -20,3 +20,6 @@ POOL_ENV = "PRISM_PREFETCH_POOL_BYTES"
 #: flip a release; while the main thread issues work they wait up to one
 #: interval for it, and a release due sooner than that arrives late.
 SWITCH_INTERVAL_ENV = "PRISM_SWITCH_INTERVAL_US"
+#: The ranks one node's agent runs, as "8-15" (``prism agent``): a rank's GPU
+#: among ``PRISM_GPUS`` (that node's) is chosen by its place among them.
+NODE_RANKS_ENV = "PRISM_NODE_RANKS"

@@ -94,6 +94,8 @@ class AgentProcesses:
         #: rank -> its process's peak resident memory (bytes), as its agent reported at its exit
         self.peak_rss: dict[int, int] = {}
         self._peers: dict[bytes, _Peer] = {}
+        #: Whether ``launch`` sent the Launches (``close`` refuses agents otherwise).
+        self._launched = False
         self._cond = threading.Condition()
         self._outbox: queue.SimpleQueue[tuple[bytes, dict]] = queue.SimpleQueue()
         self._lost_text = ""
@@ -250,23 +252,28 @@ class AgentProcesses:
                 peer.last_seen = time.monotonic()
         return self.placement()
 
-    def node_slots(self) -> tuple[dict[int, int], list[int]]:
+    def node_slots(self, gpus: bool = False) -> tuple[dict[int, int], list[int]]:
         """``(rank -> node index, each node's slots)`` of the placement, for
-        the coordinator's scheduler: a node computes only on its own cores."""
+        the coordinator's scheduler: a node computes only on its own cores
+        (``gpus``: a CUDA run, one rank computing per GPU of the node)."""
         placed = self.placement()
         nodes = {r: i for i, (_, ranks) in enumerate(placed) for r in ranks}
-        return nodes, [h.slots for h, _ in placed]
+        return nodes, [max(len(h.gpus), 1) if gpus else h.slots for h, _ in placed]
 
     def launch(self, rank_endpoint: str, run_dir: str | os.PathLike[str], command: Sequence[str], *,
                nproc_per_node: int = 8, show_ranks: Sequence[int] = (),
-               env: dict[str, str] | None = None, cwd: str | None = None) -> AgentProcesses:
-        """Send each agent its ``Launch`` (after ``place``)."""
+               env: dict[str, str] | None = None, cwd: str | None = None,
+               env_of: Callable[[A.AgentHello, list[int]], dict[str, str]] | None = None) -> AgentProcesses:
+        """Send each agent its ``Launch`` (after ``place``); ``env_of(hello,
+        ranks)``: more environment for one node's ranks (its GPUs)."""
+        self._launched = True
         for peer in self._ordered():
             block = peer.ranks
             with self._cond:
                 peer.last_seen = time.monotonic()
+            node_env = {**(env or {}), **(env_of(peer.hello, list(block)) if env_of is not None and block else {})}
             msg = A.Launch(tuple(block), self.world_size, rank_endpoint, os.path.abspath(os.fspath(run_dir)),
-                           tuple(command), cwd or os.getcwd(), nproc_per_node, dict(env or {}),
+                           tuple(command), cwd or os.getcwd(), nproc_per_node, node_env,
                            tuple(int(r) for r in show_ranks), self.insecure)
             self._outbox.put((peer.identity, A.encode(msg)))
         return self
@@ -306,14 +313,15 @@ class AgentProcesses:
             self._cond.wait_for(lambda: all(self.returncodes[r] is not None for r in self._placed()), timeout)
         return self.poll()
 
-    def close(self) -> None:
+    def close(self, reason: str = "the run ended before it launched any rank") -> None:
         """Kill what still runs, wait for the agents' last exits (a lost agent's
-        ranks count as killed after ``lost_after_s``) and close the socket."""
+        ranks count as killed after ``lost_after_s``) and close the socket.
+        Before ``launch``, the agents are refused with ``reason`` instead."""
         with self._cond:
-            launched = any(p.ranks for p in self._peers.values())
+            launched = self._launched and any(p.ranks for p in self._peers.values())
         if not launched:
             for peer in self._ordered():
-                self._outbox.put((peer.identity, A.encode(A.Refused("the run ended before it launched any rank", retry=True))))
+                self._outbox.put((peer.identity, A.encode(A.Refused(reason, retry=True))))
             time.sleep(3 * _POLL_MS / 1000)
         elif self.running():
             self.kill_all()

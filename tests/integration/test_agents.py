@@ -373,20 +373,23 @@ def test_agents_get_only_the_ranks_placed_on_them(tmp_path):
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.linger = 0
             sock.connect(procs.endpoint)
-            sock.send(orjson.dumps(A.encode(A.AgentHello(f"n{node_rank}", "h", 4, (), 100 + node_rank,
-                                                         node_rank=node_rank))))
+            sock.send(orjson.dumps(A.encode(A.AgentHello(f"n{node_rank}", "h", 4, (0, 1) if node_rank else (),
+                                                         100 + node_rank, node_rank=node_rank))))
             socks.append((node_rank, sock))
         procs.wait_agents(10)
         placed = procs.place(2, [6, 0, 1, 5])
         assert [(h.node, ranks) for h, ranks in placed] == [("n0", [0, 1]), ("n1", [5, 6])]
         assert procs.node_slots() == ({0: 0, 1: 0, 5: 1, 6: 1}, [4, 4])
-        procs.launch("tcp://h:1", tmp_path, ["-m", "x"], env={"PRISM_SANDBOX_RANKS": "0,1,5,6"})
+        assert procs.node_slots(gpus=True)[1] == [1, 2]  # a CUDA run: one rank computing per GPU
+        procs.launch("tcp://h:1", tmp_path, ["-m", "x"], env={"PRISM_SANDBOX_RANKS": "0,1,5,6"},
+                     env_of=lambda hello, ranks: {"NODE": f"{hello.node}:{ranks}"})
         for node_rank, sock in socks:
             assert sock.poll(5000)
             while not isinstance(msg := A.decode(orjson.loads(sock.recv())), A.Launch):
                 assert sock.poll(5000)
             assert msg.ranks == ((0, 1) if node_rank == 0 else (5, 6)) and msg.world_size == 8
-            assert msg.env == {"PRISM_SANDBOX_RANKS": "0,1,5,6"}
+            assert msg.env == {"PRISM_SANDBOX_RANKS": "0,1,5,6",
+                               "NODE": "n0:[0, 1]" if node_rank == 0 else "n1:[5, 6]"}
             sock.send(orjson.dumps(A.encode(A.Exits({r: 0 for r in msg.ranks}, {msg.ranks[0]: 1 << 20}))))
         t0 = time.monotonic()
         codes = procs.wait(timeout=10)
@@ -468,3 +471,24 @@ def test_an_agent_between_runs_waits_on_and_serves_empty_launches(tmp_path):
     agent.join(timeout=10)
     assert not agent.is_alive() and got and got[0].runs == 2 and got[0].ok, notes
     assert sum("has no rank for this node" in n for n in notes) == 2, notes
+
+
+@pytest.mark.slow
+def test_a_cuda_capture_through_an_agent_without_gpus_is_refused_naming_it(tmp_path):
+    make_keys(tmp_path / "keys")
+    ep = free_tcp_endpoint()
+    cap = start(tmp_path, "capture", "-n", "2", "--agents", "1", "--listen", ep, "--keys", "keys", "--out", "run",
+                "--progress", "off", "--", "-m", "prism.workloads.gpt", "--tp", "2", "--device", "cuda",
+                out="cap.err")
+    ag = start(tmp_path, "agent", "--coordinator", ep, "--keys", "keys", "--node-rank", "0", "--gpus", "none",
+               "--wait", "20", out="agent.err")
+    try:
+        assert cap.wait(timeout=60) == 2
+        err = (tmp_path / "cap.err").read_text()
+        assert "agent" in err and "offers no GPU for its ranks 0-1: start it on a node with GPUs" in err, err
+        assert "Traceback" not in err, err
+        assert ag.wait(timeout=15) == 1  # refused with the same reason, at once
+        assert "offers no GPU" in (tmp_path / "agent.err").read_text()
+        assert not (tmp_path / "run" / "ranks").exists() or not any((tmp_path / "run" / "ranks").iterdir())
+    finally:
+        reap(cap, ag)

@@ -137,10 +137,48 @@ def test_capture_options_for_agents_are_checked(tmp_path):
         (dict(agents=2, listen="tcp://127.0.0.1:1"), "pass --keys DIR .* or --insecure"),
         (dict(agents=3, listen="tcp://127.0.0.1:1", insecure=True), "3 agents for 2 gang"),
         (dict(keys="k"), "add --agents N"),
-        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, gpus="0"), "does not yet drive GPUs"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, gpus="0"), "each node's agent offers its own"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, resident=1), "does not yet swap ranks on GPUs"),
     ]:
         with pytest.raises(UsageError, match=match):
             plan_capture(CaptureConfig(4, cmd, out=tmp_path / "run", **kw))
+    # a CUDA command through agents: planned on the agents' GPUs once they join, not this machine's
+    plan = plan_capture(CaptureConfig(4, [*cmd, "--device", "cuda"], out=tmp_path / "run", agents=2,
+                                      listen="tcp://127.0.0.1:1", insecure=True))
+    assert plan.agent_gpus and plan.gpu is None
+
+
+def test_a_cuda_capture_puts_each_nodes_ranks_on_its_own_gpus():
+    from prism.app.capture import agent_gpu_env
+    from prism.app.errors import UsageError
+    from prism.rank.devices import choose_node_gpu
+
+    a = A.AgentHello("n0#0", "n0", 16, (0, 1), 1, node_rank=0)
+    b = A.AgentHello("n1#1", "n1", 16, (2,), 2, node_rank=1)
+    env = agent_gpu_env([(a, [0, 1, 2, 3]), (b, [4, 5, 6, 7])])
+    assert env == {"n0#0": {"PRISM_GPUS": "0,1", "PRISM_NODE_RANKS": "0-3"},
+                   "n1#1": {"PRISM_GPUS": "2", "PRISM_NODE_RANKS": "4-7"}}
+    # in the rank: its place among its node's ranks picks among its node's GPUs
+    assert [choose_node_gpu(r, 8, [0, 1], "0-3") for r in range(4)] == [0, 0, 1, 1]
+    assert [choose_node_gpu(r, 8, [2], "4-7") for r in range(4, 8)] == [2, 2, 2, 2]
+    assert choose_node_gpu(5, 8, [0, 1], None) == 1  # one machine: the world's blocks, as before
+    with pytest.raises(ValueError, match="rank 9 is not among this node's ranks PRISM_NODE_RANKS=4-7"):
+        choose_node_gpu(9, 16, [0], "4-7")
+    with pytest.raises(UsageError, match="agent n1#1 .host n1. offers no GPU for its ranks 4-7: start it on a node "
+                                         "with GPUs, or with --gpus"):
+        agent_gpu_env([(a, [0, 1, 2, 3]), (A.AgentHello("n1#1", "n1", 16, (), 2), [4, 5, 6, 7])])
+    assert agent_gpu_env([(a, [0, 1]), (A.AgentHello("n2", "n2", 4, (), 3), [])]) == {
+        "n0#0": {"PRISM_GPUS": "0,1", "PRISM_NODE_RANKS": "0-1"}}  # a node with no ranks needs no GPU
+
+
+def test_an_agents_gpus_option():
+    from prism.app.agent import node_gpus
+    from prism.app.errors import UsageError
+
+    assert node_gpus("0,1") == (0, 1) and node_gpus("none") == () and node_gpus("cuda:3") == (3,)
+    for bad, match in [("a", "is not a GPU index"), ("0,0", "distinct GPU indices"), ("", "distinct GPU")]:
+        with pytest.raises(UsageError, match=match):
+            node_gpus(bad)
 
 
 def test_each_node_computes_on_its_own_slots():
