@@ -144,12 +144,14 @@ def _check_agent_options(config: EmulateConfig, device_kind: str | None) -> None
 
     if not agents_wanted("an emulation", config.agents, config.listen, config.keys, config.insecure):
         return
-    if config.gpus is not None or config.memory_limit_gib is not None or config.device_path:
-        raise UsageError("--agents does not yet drive GPUs (--gpus, --memory-limit, --device-path): emulate on one "
-                         "machine for those")
-    if device_kind == "cuda":
-        raise UsageError("this capture ran on CUDA, so its sandboxes run on a GPU, and --agents does not yet drive "
-                         "GPUs: emulate it on one machine")
+    if config.gpus is not None:
+        raise UsageError("--gpus names this machine's GPUs; with --agents each node's agent offers its own "
+                         "(`prism agent --gpus 0,1`): drop --gpus")
+    if config.device_path:
+        raise UsageError("--agents does not yet run GPU sandboxes on the device path (--device-path): emulate on "
+                         "one machine for that, or drop --device-path (the host path runs through agents)")
+    if config.memory_limit_gib is not None and device_kind != "cuda":
+        raise UsageError("--memory-limit emulates a smaller GPU, but this capture ran on CPU")
     check_agent_address(config.listen, config.keys, config.insecure)
 
 
@@ -177,6 +179,9 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
     from prism.shell.gpu_plan import visible_gpus
 
     gpus = config.gpus
+    if config.agents and device_kind == "cuda":
+        # each node's GPUs come with its Launch (prism.app.capture.agent_gpu_env), once the agents are placed
+        return _gpu_limits(config, {D.SANDBOX_ENV: ",".join(map(str, sandbox))}, pool_gib)
     if gpus is None and device_kind == "cuda":
         gpus = "0"
     if gpus is None:
@@ -195,6 +200,13 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
                          f"(visible: {seen or 'none'}); the capture ran on {device_kind or 'an unknown device'}: "
                          "a sandbox of a CUDA capture needs a GPU")
     env = {D.GPUS_ENV: ",".join(map(str, ids)), D.SANDBOX_ENV: ",".join(map(str, sandbox))}
+    return _gpu_limits(config, env, pool_gib)
+
+
+def _gpu_limits(config: EmulateConfig, env: dict[str, str], pool_gib: float) -> dict[str, str]:
+    """``_gpu_env``'s device-path and memory-limit part (also for sandboxes on agents' GPUs)."""
+    from prism.rank import envnames as D
+
     if config.device_path:
         env[D.GPU_SANDBOX_ENV] = "1"
         # no lazy module loading while the GPU waits on a release (prism/rank/devicepath.py, the hazard)
@@ -457,12 +469,24 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         agent_procs, endpoint, _ = join_agents(config.listen, config.agents, world, config.keys, config.insecure,
                                                config.agent_wait_s)
 
+        node_env: dict[str, dict[str, str]] = {}
+
         def launch(bound: str) -> Any:
             return agent_procs.launch(advertised(bound, config.listen), out, cmd, env=env,
-                                      show_ranks=sandbox if show == "all" else show)
+                                      show_ranks=sandbox if show == "all" else show,
+                                      env_of=lambda hello, _ranks: node_env.get(hello.node, {}))
     try:
         if agent_procs is not None:
             agent_procs.place(gang, sandbox)
+            if manifest.device_kind == "cuda":
+                from prism.app.capture import agent_gpu_env
+
+                try:
+                    node_env.update(agent_gpu_env(agent_procs.placement()))
+                except UsageError as e:
+                    agent_procs.close(reason=str(e))
+                    agent_procs = None  # closed: the finally below must not close it again
+                    raise
         runfolder.make_run_dir(out)
         runfolder.write_manifest(out, manifest_for(out, world, cmd, len(sandbox), manifest.device_kind,
                                                    (("emulation_of", str(run)),

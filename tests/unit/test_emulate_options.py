@@ -33,8 +33,9 @@ def test_gpus_must_be_visible_and_well_formed(monkeypatch):
 
 @pytest.mark.parametrize("kw, match", [
     ({"keys": "k"}, "--listen, --keys and --insecure are for an emulation served by agents: add --agents N"),
-    ({"agents": 2, "gpus": "0"}, "--agents does not yet drive GPUs"),
-    ({"agents": 2, "device_path": True}, "--agents does not yet drive GPUs"),
+    ({"agents": 2, "gpus": "0"}, "each node's agent offers its own"),
+    ({"agents": 2, "device_path": True}, "--agents does not yet run GPU sandboxes on the device path"),
+    ({"agents": 2, "memory_limit_gib": 4}, "--memory-limit emulates a smaller GPU, but this capture ran on CPU"),
     ({"agents": 2}, "needs --listen tcp://HOST:PORT"),
     ({"agents": 2, "listen": "tcp://127.0.0.1:1"}, "pass --keys DIR .* or --insecure"),
 ])
@@ -46,17 +47,46 @@ def test_agent_options_are_checked_before_any_agent_is_awaited(tmp_path, kw, mat
         E.emulate(E.EmulateConfig(run=run, **kw))
 
 
-def test_a_cuda_capture_is_not_emulated_through_agents(tmp_path):
+def test_a_cuda_capture_through_agents_takes_the_nodes_gpus(tmp_path):
     import dataclasses
+    import threading
+
+    import orjson
+    import zmq
 
     from prism.app.predict import load_run_manifest
+    from prism.core import agents as A
     from prism.shell import runfolder
     from tests.unit.test_scale_emulation import MegatronSpec, _run
+    from transport.endpoints import free_tcp_endpoint
+
+    # the sandboxes' environment names no GPU of this machine: each node's Launch brings its own
+    env = E._gpu_env(E.EmulateConfig(run="r", agents=2, memory_limit_gib=2.6), "cuda", [0, 1])
+    assert env["PRISM_SANDBOX_RANKS"] == "0,1" and "PRISM_GPUS" not in env
+    assert int(env["PRISM_MEMORY_LIMIT_BYTES"]) == 2 * 2**30
 
     run = _run(tmp_path, MegatronSpec(tp=2, pp=2, dp=2, iterations=1))
     runfolder.write_manifest(run, dataclasses.replace(load_run_manifest(run), device_kind="cuda"))
-    with pytest.raises(UsageError, match="ran on CUDA, so its sandboxes run on a GPU, and --agents does not yet"):
-        E.emulate(E.EmulateConfig(run=run, agents=1, listen="tcp://127.0.0.1:1", insecure=True))
+    ep, said = free_tcp_endpoint(), []
+
+    def gpu_less_agent():  # joins, offers no GPU, and hears why it is refused
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(ep)
+        sock.send(orjson.dumps(A.encode(A.AgentHello("n0#0", "h0", 4, (), 1, node_rank=0))))
+        while sock.poll(10_000):
+            msg = A.decode(orjson.loads(sock.recv()))
+            if isinstance(msg, A.Refused):
+                said.append(msg.reason)
+                break
+        sock.close()
+
+    t = threading.Thread(target=gpu_less_agent)
+    t.start()
+    with pytest.raises(UsageError, match="agent n0#0 .host h0. offers no GPU for its ranks 0"):
+        E.emulate(E.EmulateConfig(run=run, agents=1, listen=ep, insecure=True, agent_wait_s=10))
+    t.join(timeout=15)
+    assert said and "offers no GPU" in said[0]
 
 
 def test_the_device_path_checks_cuda_ext_before_any_sandbox_starts(tmp_path, monkeypatch):
