@@ -366,8 +366,13 @@ def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
                        insecure=c.insecure, agent_wait_s=c.agent_wait_s, agent_gpus=plan.agent_gpus)
 
 
-def agent_gpu_env(placement: Sequence[tuple[Any, list[int]]]) -> dict[str, dict[str, str]]:
-    """A CUDA capture through agents: per node (``AgentHello.node``) the
+def agent_key(hello: Any) -> tuple[str, str, int]:
+    """One agent among a run's (two started with the same --node-rank on one host share a name)."""
+    return hello.node, hello.host, hello.pid
+
+
+def agent_gpu_env(placement: Sequence[tuple[Any, list[int]]]) -> dict[tuple[str, str, int], dict[str, str]]:
+    """A CUDA capture through agents: per agent (``agent_key``) the
     environment of its ranks: its GPUs (``PRISM_GPUS``) and its ranks
     (``PRISM_NODE_RANKS``), so each rank takes one of its node's GPUs in
     contiguous blocks (``prism.rank.devices.choose_node_gpu``). Every rank
@@ -382,7 +387,7 @@ def agent_gpu_env(placement: Sequence[tuple[Any, list[int]]]) -> dict[str, dict[
             raise UsageError(f"this capture's command runs on cuda, but agent {hello.node} (host {hello.host}) "
                              f"offers no GPU for its ranks {compact_ranks(ranks)}: start it on a node with GPUs, "
                              "or with --gpus 0,1; or give the script --device cpu")
-        out[hello.node] = {GPUS_ENV: ",".join(map(str, hello.gpus)), NODE_RANKS_ENV: compact_ranks(ranks)}
+        out[agent_key(hello)] = {GPUS_ENV: ",".join(map(str, hello.gpus)), NODE_RANKS_ENV: compact_ranks(ranks)}
     return out
 
 
@@ -416,7 +421,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         agent_procs, agent_endpoint, agent_slots = join_agents(listen, agents, world_size, keys, insecure,
                                                                 agent_wait_s)
         agent_procs.place(gang_of(cmd))
-        node_env: dict[str, dict[str, str]] = {}
+        node_env: dict[tuple[str, str, int], dict[str, str]] = {}
         if agent_gpus:
             try:
                 node_env = agent_gpu_env(agent_procs.placement())
@@ -467,7 +472,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         def launch(endpoint: str) -> Any:
             return agent_procs.launch(advertised(endpoint, listen), run_dir, cmd, nproc_per_node=nproc_per_node,
                                       show_ranks=show_ranks if show_ranks != "all" else range(world_size),
-                                      env_of=lambda hello, _ranks: node_env.get(hello.node, {}))
+                                      env_of=lambda hello, _ranks: node_env.get(agent_key(hello), {}))
     coord = Coordinator(run_dir, world_size, slots=slots, endpoint=endpoint,
                         quiet_s=quiet_s, progress=Progress(world_size, mode=progress),
                         launch=launch, curve_keys=None if insecure else keys,

@@ -346,7 +346,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     from prism.shell.emulator import LEAD_NS, Emulator, Recording
     from prism.shell.launcher import launch_ranks
     from transport.endpoints import default_endpoint
-    from prism.app.capture import advertised, gang_of, join_agents, manifest_for
+    from prism.app.capture import advertised, agent_key, gang_of, join_agents, manifest_for
 
     run = Path(config.run)
     if not (run / runfolder.RANKS_DIR).is_dir():
@@ -469,12 +469,12 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         agent_procs, endpoint, _ = join_agents(config.listen, config.agents, world, config.keys, config.insecure,
                                                config.agent_wait_s)
 
-        node_env: dict[str, dict[str, str]] = {}
+        node_env: dict[tuple[str, str, int], dict[str, str]] = {}
 
         def launch(bound: str) -> Any:
             return agent_procs.launch(advertised(bound, config.listen), out, cmd, env=env,
                                       show_ranks=sandbox if show == "all" else show,
-                                      env_of=lambda hello, _ranks: node_env.get(hello.node, {}))
+                                      env_of=lambda hello, _ranks: node_env.get(agent_key(hello), {}))
     try:
         if agent_procs is not None:
             agent_procs.place(gang, sandbox)

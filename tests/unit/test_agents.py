@@ -156,8 +156,10 @@ def test_a_cuda_capture_puts_each_nodes_ranks_on_its_own_gpus():
     a = A.AgentHello("n0#0", "n0", 16, (0, 1), 1, node_rank=0)
     b = A.AgentHello("n1#1", "n1", 16, (2,), 2, node_rank=1)
     env = agent_gpu_env([(a, [0, 1, 2, 3]), (b, [4, 5, 6, 7])])
-    assert env == {"n0#0": {"PRISM_GPUS": "0,1", "PRISM_NODE_RANKS": "0-3"},
-                   "n1#1": {"PRISM_GPUS": "2", "PRISM_NODE_RANKS": "4-7"}}
+    assert env == {("n0#0", "n0", 1): {"PRISM_GPUS": "0,1", "PRISM_NODE_RANKS": "0-3"},
+                   ("n1#1", "n1", 2): {"PRISM_GPUS": "2", "PRISM_NODE_RANKS": "4-7"}}
+    twin = A.AgentHello("n0#0", "n0", 16, (1,), 9, node_rank=0)  # the same name: still two agents
+    assert len(agent_gpu_env([(a, [0, 1]), (twin, [2, 3])])) == 2
     # in the rank: its place among its node's ranks picks among its node's GPUs
     assert [choose_node_gpu(r, 8, [0, 1], "0-3") for r in range(4)] == [0, 0, 1, 1]
     assert [choose_node_gpu(r, 8, [2], "4-7") for r in range(4, 8)] == [2, 2, 2, 2]
@@ -168,7 +170,7 @@ def test_a_cuda_capture_puts_each_nodes_ranks_on_its_own_gpus():
                                          "with GPUs, or with --gpus"):
         agent_gpu_env([(a, [0, 1, 2, 3]), (A.AgentHello("n1#1", "n1", 16, (), 2), [4, 5, 6, 7])])
     assert agent_gpu_env([(a, [0, 1]), (A.AgentHello("n2", "n2", 4, (), 3), [])]) == {
-        "n0#0": {"PRISM_GPUS": "0,1", "PRISM_NODE_RANKS": "0-1"}}  # a node with no ranks needs no GPU
+        ("n0#0", "n0", 1): {"PRISM_GPUS": "0,1", "PRISM_NODE_RANKS": "0-1"}}  # a node with no ranks needs no GPU
 
 
 def test_an_agents_gpus_option():
