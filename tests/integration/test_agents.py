@@ -98,6 +98,7 @@ def test_two_agents_capture_equals_one_machine(tmp_path, shared_captures):
 
 
 @pytest.mark.slow
+@FULL  # sibling: test_a_calibration_runs_its_slices_through_agents_that_serve_many_runs (agents serving run after run)
 def test_one_agent_serves_two_captures_in_a_row(tmp_path):
     """``prism agent --runs 2``: after the first capture it connects again to
     the same address and serves the next capture bound there, then exits."""
