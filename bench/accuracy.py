@@ -248,8 +248,14 @@ def main() -> int:
     ap.add_argument("--emulate-profile", default="concurrent",
                     help="which profile the emulation's virtual ranks use (concurrent, measured, per-op, one-fit)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per ground-truth run")
+    ap.add_argument("--pin", action="store_true", help="rank r on one CPU, in the truth, the capture and the "
+                    "emulation alike (PRISM_PIN_CPUS=1: prism/rank/forkserver.py)")
     ap.add_argument("--out", default=str(result_path("accuracy")))
     a = ap.parse_args()
+    if a.pin:
+        from prism.rank.forkserver import PIN_ENV
+
+        os.environ[PIN_ENV] = "1"  # the fork servers inherit it
     if a.quick:
         a.runs, a.steps = 2, 6
     cores = usable_cores()
@@ -279,7 +285,7 @@ def main() -> int:
         "cost_profile": {"path": profile_path, "reported": reported,
                          "variants": {k: {"name": m.name, "description": m.description} for k, m in models.items()}},
         "measured_points": points,
-        "slots": cores, "configs": [],
+        "slots": cores, "pinned": a.pin, "configs": [],
     }
     rows = []
     try:

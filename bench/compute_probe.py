@@ -9,7 +9,7 @@ and under ``prism capture``, in interleaved pairs. Per pair and side: each
 loop's mean wall and main-thread CPU time (the worker's own clocks, mean over
 ranks), and ``bench/comm_share.py``'s segment sums (the truth's time between
 calls against the capture's compute segments). ``--pin`` puts rank r on the
-r-th CPU (both sides): no migration between CPUs. The wall/CPU pair tells
+r-th CPU (both sides, ``PRISM_PIN_CPUS=1``): no migration between CPUs. The wall/CPU pair tells
 a slower thread (CPU time up: caches, frequency, another thread's GIL
 requests) from a descheduled one (wall up, CPU not). Needs one core per rank.
 """
@@ -48,7 +48,8 @@ def loops(d: pathlib.Path, side: str, world: int) -> dict:
 
 def pair(world: int, mode: str, pin: bool, tmp: pathlib.Path) -> dict:
     d = pathlib.Path(tempfile.mkdtemp(prefix="probe-", dir=tmp))
-    os.environ.update(PROBE_DIR=str(d), PROBE_MODE=mode, PROBE_PIN="1" if pin else "0")  # both sides inherit it
+    # both sides inherit it; PRISM_PIN_CPUS: each rank on one CPU (prism/rank/forkserver.py)
+    os.environ.update(PROBE_DIR=str(d), PROBE_MODE=mode, PRISM_PIN_CPUS="1" if pin else "0")
     t = truth_split(world, [WORK], tmp, 2, 120)
     run = d / "run"
     if capture_run(run, world, [WORK], slots=usable_cores(), show_ranks=(), progress="off").exit_code:

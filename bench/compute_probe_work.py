@@ -11,9 +11,6 @@ import torch
 import torch.distributed as dist
 
 dist.init_process_group("gloo")
-if os.environ.get("PROBE_PIN") == "1":  # rank r on the r-th CPU it may use
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[dist.get_rank() % len(cpus)]})
 torch.manual_seed(0)
 p = torch.nn.Parameter(torch.zeros(1))
 opt = torch.optim.SGD([p], lr=0.1)

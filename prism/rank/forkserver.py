@@ -80,6 +80,19 @@ def child_env(spec: dict[str, Any], rank: int) -> dict[str, str]:
     return env
 
 
+#: "1": each rank on one CPU, rank r on the (r mod n)-th of the fork server's
+#: CPUs (no migration between CPUs; for ground truth and capture alike, as an
+#: experiment: ``bench/accuracy.py --pin``, ``bench/compute_probe.py --pin``).
+PIN_ENV = "PRISM_PIN_CPUS"
+
+
+def _pin(rank: int) -> None:
+    if os.environ.get(PIN_ENV) != "1" or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+
+
 def _child(spec: dict[str, Any], rank: int, out_w: int) -> None:
     """Runs in the forked child; never returns."""
     code = 1
@@ -99,6 +112,7 @@ def _child(spec: dict[str, Any], rank: int, out_w: int) -> None:
         env = child_env(spec, rank)
         os.environ.clear()
         os.environ.update(env)
+        _pin(rank)
         # A forked child keeps the server's sys.path; give it the PYTHONPATH
         # entries a fresh interpreter would have put in front.
         entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

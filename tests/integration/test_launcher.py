@@ -49,6 +49,14 @@ def test_user_thread_count_is_kept(tmp_path):
     assert rec["env"]["OMP_NUM_THREADS"] == "2" and rec["threads"] == 2
 
 
+def test_pinned_ranks_each_get_one_cpu(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    codes, _ = run_world(tmp_path, 2, [str(SCRIPTS / "env_worker.py"), str(tmp_path)], env={"PRISM_PIN_CPUS": "1"})
+    assert codes == [0, 0]
+    got = [json.loads((tmp_path / f"env{r}.json").read_text())["cpus"] for r in range(2)]
+    assert got == [[cpus[0]], [cpus[1 % len(cpus)]]]
+
+
 def test_module_and_device_mesh(tmp_path):
     codes, fc = run_world(tmp_path, 4, ["-m", "mesh_module", str(tmp_path)], cwd=SCRIPTS)
     assert codes == [0] * 4, [log(tmp_path, r) for r in range(4)]

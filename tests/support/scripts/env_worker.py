@@ -24,6 +24,7 @@ record = {
         "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
         "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "PRISM_COORDINATOR")},
     "threads": torch.get_num_threads(),
+    "cpus": sorted(os.sched_getaffinity(0)),
     "backend": dist.get_backend(),
     "sum": t.item(),
     "argv": sys.argv,
