@@ -201,6 +201,15 @@ suite_scale_gpu() {  # bench/scale.py with the GPT captured on GPU 0 and its san
     --json "$R/scale-gpu.json"
 }
 
+suite_cpu_pin() {  # issue 19's migration lead on the host's cores: the compute probe unpinned and pinned, accuracy pinned
+  x "$R/compute_probe.txt" ${TP:-150} python3 bench/compute_probe.py --world 8 --runs ${RUNS:-3} \
+    --out "$R/compute_probe.json"
+  x "$R/compute_probe-pin.txt" ${TP:-150} python3 bench/compute_probe.py --world 8 --runs ${RUNS:-3} --pin \
+    --out "$R/compute_probe-pin.json"
+  x "$R/accuracy-world8-pin.txt" ${T8:-300} python3 bench/accuracy.py --world 8 --runs ${ARUNS:-2} --steps 10 --pin \
+    --out "$R/accuracy-world8-pin.json"
+}
+
 suite_comm_share() {  # CPU truth vs replay split into communication and the rest, world 8 and 16
   x "$R/comm_share-world8.txt" ${T8:-280} python3 bench/comm_share.py --world 8 --runs ${RUNS:-2} --steps 10 \
     --out "$R/comm_share-world8.json"
@@ -280,7 +289,7 @@ suite_campaigns() {  # the GPU example campaigns (bench/campaigns: dp_oom, moe_e
 
 SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
 emulate-accuracy-16 comm-share calibration gpu-sandbox truth-segments
-truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale campaigns scale-gpu"
+truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale campaigns scale-gpu cpu-pin"
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then
   for s in $SUITES; do
