@@ -63,6 +63,12 @@ def node_gpus(text: str | None) -> tuple[int, ...]:
         raise UsageError(f"--gpus: {e}") from None
     if not ids or len(set(ids)) != len(ids):
         raise UsageError(f"--gpus {text}: give distinct GPU indices such as 0,1 (or none)")
+    from prism.shell.gpu_plan import visible_gpus
+
+    seen = visible_gpus()  # empty without NVML: nothing to check against
+    missing = [g for g in ids if seen and g not in seen]
+    if missing:
+        raise UsageError(f"--gpus {text}: GPU {missing[0]} is not on this node (NVML sees {seen})")
     return tuple(ids)
 
 

@@ -493,3 +493,37 @@ def test_a_cuda_capture_through_an_agent_without_gpus_is_refused_naming_it(tmp_p
         assert not (tmp_path / "run" / "ranks").exists() or not any((tmp_path / "run" / "ranks").iterdir())
     finally:
         reap(cap, ag)
+
+
+@pytest.mark.slow
+def test_a_cuda_capture_gives_each_node_its_own_gpus(tmp_path):
+    """Two agents offering different GPUs serve a capture of a command that
+    names cuda: each rank is launched with its node's GPUs and its node's
+    ranks (on this CPU machine the ranks cannot take a GPU, so the script
+    only reports what it was given)."""
+    from prism.shell.gpu_plan import visible_gpus
+    from tests.support.rank_harness import SCRIPTS
+
+    seen = visible_gpus()  # an agent refuses GPUs its node does not have; without NVML any index goes
+    offers = ("3", "5,6") if not seen else (str(seen[0]), ",".join(map(str, seen[:2])))
+    make_keys(tmp_path / "keys")
+    ep = free_tcp_endpoint()
+    cap = start(tmp_path, "capture", "-n", "4", "--agents", "2", "--listen", ep, "--keys", "keys", "--out", "run",
+                "--progress", "off", "--show-ranks", "none", "--", str(SCRIPTS / "env_worker.py"), str(tmp_path),
+                "--device", "cuda", out="cap.err")
+    ags = [start(tmp_path, "agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i), "--gpus", g,
+                 out=f"agent{i}.err") for i, g in enumerate(offers)]
+    try:
+        assert cap.wait(timeout=120) == 0, (tmp_path / "cap.err").read_text()
+        for a in ags:
+            assert a.wait(timeout=30) == 0
+    finally:
+        reap(cap, *ags)
+    envs = [json.loads((tmp_path / f"env{r}.json").read_text())["env"] for r in range(4)]
+    assert [(e["PRISM_GPUS"], e["PRISM_NODE_RANKS"]) for e in envs] == [(offers[0], "0-1"), (offers[0], "0-1"),
+                                                                        (offers[1], "2-3"), (offers[1], "2-3")]
+    from prism.app.predict import load_run_manifest
+
+    assert load_run_manifest(tmp_path / "run").device_kind == "cuda"
+    assert f"with GPUs {offers[1]}" in (tmp_path / "agent1.err").read_text()
+    assert not forkservers(tmp_path)

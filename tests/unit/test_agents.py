@@ -173,14 +173,21 @@ def test_a_cuda_capture_puts_each_nodes_ranks_on_its_own_gpus():
         ("n0#0", "n0", 1): {"PRISM_GPUS": "0,1", "PRISM_NODE_RANKS": "0-1"}}  # a node with no ranks needs no GPU
 
 
-def test_an_agents_gpus_option():
+def test_an_agents_gpus_option(monkeypatch):
+    import prism.shell.gpu_plan as G
     from prism.app.agent import node_gpus
     from prism.app.errors import UsageError
 
+    monkeypatch.setattr(G, "visible_gpus", lambda: [])  # no NVML: nothing to check against
     assert node_gpus("0,1") == (0, 1) and node_gpus("none") == () and node_gpus("cuda:3") == (3,)
+    assert node_gpus(None) == ()
     for bad, match in [("a", "is not a GPU index"), ("0,0", "distinct GPU indices"), ("", "distinct GPU")]:
         with pytest.raises(UsageError, match=match):
             node_gpus(bad)
+    monkeypatch.setattr(G, "visible_gpus", lambda: [0, 1])
+    assert node_gpus(None) == (0, 1) and node_gpus("1") == (1,)
+    with pytest.raises(UsageError, match=r"--gpus 0,2: GPU 2 is not on this node \(NVML sees \[0, 1\]\)"):
+        node_gpus("0,2")
 
 
 def test_each_node_computes_on_its_own_slots():
