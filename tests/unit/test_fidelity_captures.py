@@ -62,7 +62,7 @@ def test_out_of_sample_gpt_pipeline_and_moe(replayed):
     beyond 2% (its truth moved 109.9-116.5 ms between the calls). The
     bound was 4% until the alignment became Myers' (prism.core.align):
     its worst MoE capture went -3.4 -> -4.3%
-    (bench/results/archive/nccl-accuracy-2026-11.md)."""
+    (bench/results/archive/nccl_accuracy-2026-11.md)."""
     holdout = replayed["holdout"]
     pp = [e for what, e in holdout.values() if what.startswith("GPT pp2")]
     moe = [e for what, e in holdout.values() if what.startswith("MoE")]
