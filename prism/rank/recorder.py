@@ -159,12 +159,14 @@ class RankRecorder:
             step = self.step
             self.emit(trace.Iteration(step=step, end_ns=end_ns))
             self.step += 1
-            ev = extra(end_ns, step) if extra is not None else None
-            if ev is not None:
-                self.emit(ev)
-            self._flush_locked()
-            if cut:
-                self._open(end_ns if resume_clock is None else max(end_ns, resume_clock()))
+            try:
+                ev = extra(end_ns, step) if extra is not None else None
+                if ev is not None:
+                    self.emit(ev)
+                self._flush_locked()
+            finally:  # the next step's compute is recorded whatever happened here
+                if cut:
+                    self._open(end_ns if resume_clock is None else max(end_ns, resume_clock()))
             return end_ns
 
     def _close_segment(self, t_ns: int | None, *, settle: bool = True, script_join: bool = False,
