@@ -496,6 +496,8 @@ def test_a_cuda_capture_through_an_agent_without_gpus_is_refused_naming_it(tmp_p
 
 
 @pytest.mark.slow
+@FULL  # siblings: test_agents_get_only_the_ranks_placed_on_them (each node's Launch environment) and
+# tests/unit/test_agents.py::test_a_cuda_capture_puts_each_nodes_ranks_on_its_own_gpus (what it holds)
 def test_a_cuda_capture_gives_each_node_its_own_gpus(tmp_path):
     """Two agents offering different GPUs serve a capture of a command that
     names cuda: each rank is launched with its node's GPUs and its node's
