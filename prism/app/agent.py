@@ -49,9 +49,9 @@ class AgentRunConfig:
 def node_gpus(text: str | None) -> tuple[int, ...]:
     """``--gpus``: the GPU indices this agent offers (``UsageError`` on a bad
     list); None: every GPU NVML sees here (none on a CPU node)."""
-    if text is None:
-        from prism.shell.gpu_plan import visible_gpus
+    from prism.shell.gpu_plan import visible_gpus
 
+    if text is None:
         return tuple(visible_gpus())
     if text.strip().lower() == "none":
         return ()
@@ -63,8 +63,6 @@ def node_gpus(text: str | None) -> tuple[int, ...]:
         raise UsageError(f"--gpus: {e}") from None
     if not ids or len(set(ids)) != len(ids):
         raise UsageError(f"--gpus {text}: give distinct GPU indices such as 0,1 (or none)")
-    from prism.shell.gpu_plan import visible_gpus
-
     seen = visible_gpus()  # empty without NVML: nothing to check against
     missing = [g for g in ids if seen and g not in seen]
     if missing:

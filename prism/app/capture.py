@@ -391,6 +391,16 @@ def agent_gpu_env(placement: Sequence[tuple[Any, list[int]]]) -> dict[tuple[str,
     return out
 
 
+def place_on_agent_gpus(agent_procs: Any) -> dict[tuple[str, str, int], dict[str, str]]:
+    """``agent_gpu_env`` of the agents' placement; a node without a GPU
+    refuses the agents with the same reason (closing them) and raises."""
+    try:
+        return agent_gpu_env(agent_procs.placement())
+    except UsageError as e:
+        agent_procs.close(reason=str(e))
+        raise
+
+
 def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[str], *, slots: int,
                 coordinator: str | None = None, nproc_per_node: int = 8, show_ranks: str | tuple[int, ...] = (),
                 quiet_s: float = 30.0, progress: str = "off", gpu: Any = None,
@@ -423,11 +433,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         agent_procs.place(gang_of(cmd))
         node_env: dict[tuple[str, str, int], dict[str, str]] = {}
         if agent_gpus:
-            try:
-                node_env = agent_gpu_env(agent_procs.placement())
-            except UsageError as e:
-                agent_procs.close(reason=str(e))
-                raise
+            node_env = place_on_agent_gpus(agent_procs)
             # one rank computes per GPU at a time, as on one machine
             agent_slots = sum(agent_procs.node_slots(gpus=True)[1])
         # --slots caps the run as a whole; each node computes on its own slots.

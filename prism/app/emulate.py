@@ -479,12 +479,11 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         if agent_procs is not None:
             agent_procs.place(gang, sandbox)
             if manifest.device_kind == "cuda":
-                from prism.app.capture import agent_gpu_env
+                from prism.app.capture import place_on_agent_gpus
 
                 try:
-                    node_env.update(agent_gpu_env(agent_procs.placement()))
-                except UsageError as e:
-                    agent_procs.close(reason=str(e))
+                    node_env.update(place_on_agent_gpus(agent_procs))
+                except UsageError:
                     agent_procs = None  # closed: the finally below must not close it again
                     raise
         runfolder.make_run_dir(out)

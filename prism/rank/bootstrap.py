@@ -110,7 +110,7 @@ def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) ->
             _oom.set_limit(int(limit))
         gpus = os.environ.get(_devices.GPUS_ENV)
         node = os.environ.get(_devices.NODE_RANKS_ENV)  # through an agent: the ranks sharing this node's GPUs
-        sharing = _devices.count_ranks(node) if node else world_size
+        sharing = len(_devices.node_rank_list(node, world_size)) if node else world_size
         _memstats.install(shared_gpu=bool(gpus) and sharing > len(_devices.parse_gpus(gpus)))
     return rt
 

@@ -129,19 +129,11 @@ def choose_gpu(rank: int, world_size: int, gpus: Sequence[int]) -> int:
     return gpus[rank * len(gpus) // world_size]
 
 
-def node_rank_list(text: str) -> list[int]:
-    """``PRISM_NODE_RANKS`` ("8-15" or "0,2,4-5") as a list of ranks."""
-    ranks: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise ValueError(f"{NODE_RANKS_ENV}={text!r}: expected ranks like 8-15 or 0,2,4-5")
-        ranks += list(range(int(lo), int(hi or lo) + 1))
-    return ranks
+def node_rank_list(text: str, world_size: int) -> list[int]:
+    """``PRISM_NODE_RANKS`` ("8-15" or "0,2,4-5") as a sorted list of ranks."""
+    from prism.core.payloads import RecordPlan
 
-
-def count_ranks(text: str) -> int:
-    return len(node_rank_list(text))
+    return sorted(RecordPlan.parse_ranks(text, world_size))
 
 
 def choose_node_gpu(rank: int, world_size: int, gpus: Sequence[int], node_ranks: str | None) -> int:
@@ -150,7 +142,7 @@ def choose_node_gpu(rank: int, world_size: int, gpus: Sequence[int], node_ranks:
     are shared by the ranks placed there, in contiguous blocks."""
     if not node_ranks:
         return choose_gpu(rank, world_size, gpus)
-    ranks = node_rank_list(node_ranks)
+    ranks = node_rank_list(node_ranks, world_size)
     if rank not in ranks:
         raise ValueError(f"rank {rank} is not among this node's ranks {NODE_RANKS_ENV}={node_ranks}")
     return choose_gpu(ranks.index(rank), len(ranks), gpus)
