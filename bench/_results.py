@@ -6,6 +6,7 @@ bench/README.md for the naming of result files."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import time
@@ -17,6 +18,14 @@ def result_path(benchmark: str, ext: str = "json") -> pathlib.Path:
     machine = os.environ.get("BENCH_MACHINE", "")
     name = f"{benchmark}-{time.strftime('%Y-%m-%d', time.gmtime())}" + (f"-{machine}" if machine else "")
     return RESULTS / f"{name}.{ext}"
+
+
+def write_json(path: str | os.PathLike[str], doc: object) -> None:
+    """Write a benchmark's results (indented JSON, its folder made) and say where."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {path}")
 
 
 def per_call_us(fn, n: int) -> float:

@@ -74,7 +74,7 @@ from prism.shell.launcher import launch_ranks  # noqa: E402
 from prism.validation import stepclock  # noqa: E402
 from prism.validation.truthrun import STEPCLOCK  # noqa: E402
 
-from _results import result_path  # noqa: E402  (bench/ is this script's folder, on sys.path)
+from _results import result_path, write_json  # noqa: E402  (bench/ is this script's folder, on sys.path)
 from prism.app.netprofile import DEFAULT_OPS, DEFAULT_SIZES, fitted_profile_path, measure, usable_cores  # noqa: E402
 from prism.core.costmodel import parse_profile  # noqa: E402
 from prism.core.netfit import Point, fit_per_op, fit_points, profile_toml  # noqa: E402
@@ -333,9 +333,7 @@ def main() -> int:
         print(f"{r['config']:<18} {r['truth_mean_ms']:>9.1f} {r['noise_floor_cv']:>9.1%} " + " ".join(
             f"{c['mean_ms']:>7.1f} {c['median_error']:>6.1%} ({c['median_signed_error']:+.1%}) "
             f"{c['error_ci95'][0]:.0%}-{c['error_ci95'][1]:.0%}".rjust(26) for c in cells))
-    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(a.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, out)
     return 0
 
 

@@ -17,7 +17,6 @@ requests) from a descheduled one (wall up, CPU not). Needs one core per rank.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -31,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _results import result_path  # noqa: E402
+from _results import result_path, write_json  # noqa: E402
 from comm_share import capture_segments, compare_segments, truth_split  # noqa: E402
 from prism.app.capture import capture_run  # noqa: E402
 from prism.app.netprofile import usable_cores  # noqa: E402
@@ -96,9 +95,7 @@ def main() -> int:
             print(f"{mode}: capture/truth CPU time per loop, median of {len(ratios)} pairs: {statistics.median(ratios):.3f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(a.out).write_text(json.dumps(res, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, res)
     return 0
 
 

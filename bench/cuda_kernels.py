@@ -26,7 +26,6 @@ Needs CUDA; prints a table and writes JSON (bench/README.md names the file).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import platform
 import statistics
@@ -42,7 +41,7 @@ import torch  # noqa: E402
 import cuda_ext  # noqa: E402
 from cuda_ext import reference  # noqa: E402
 
-from _results import result_path  # noqa: E402
+from _results import result_path, write_json  # noqa: E402
 
 
 def release_latency(mode: str, trials: int) -> dict:
@@ -155,9 +154,7 @@ def main() -> int:
     for c in res["compensation"]:
         print(f"  {c['dtype'] + ' ' + c['op']:<20} {c['kernel_GBps']:>12.0f} {c['device_copy_GBps']:>10.0f} "
               f"{c['ratio_to_copy']:>6.2f} {c['fallback_GBps']:>14.0f} {c['fallback_ratio_to_copy']:>6.2f}")
-    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(a.out).write_text(json.dumps(res, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, res)
     return 0
 
 

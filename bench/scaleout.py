@@ -13,7 +13,6 @@ Prints a table and writes ``bench/results/scaleout-DATE[-MACHINE].json``.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import platform
 import sys
@@ -32,7 +31,7 @@ from prism.core.synthetic import MegatronSpec, megatron_events  # noqa: E402
 from prism.shell.runfolder import read_run  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _results import result_path  # noqa: E402
+from _results import result_path, write_json  # noqa: E402
 
 
 def main() -> int:
@@ -88,9 +87,7 @@ def main() -> int:
            "command": "python " + " ".join(sys.argv), "source": source, "layout": str(layout), "cost_model": a.net,
            "machine": {"platform": platform.platform(), "python": platform.python_version(),
                        "numpy": np.__version__}, "rows": rows}
-    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(a.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, out)
     return 0
 
 
