@@ -68,8 +68,10 @@ def emulate(run: pathlib.Path, world: int, net: str, gpu: list[str] = ()) -> dic
     proc = prism("emulate", str(run), "--sandbox", str(sandbox), "--scale-dp", str(dp), "--net", net, *gpu,
                  "--name", f"scale-{world}-{time.strftime('%H%M%S')}", "--progress", "off", "--json")
     wall = time.perf_counter() - t0
-    if proc.returncode:
-        sys.exit(f"emulation at world {world} failed:\n{proc.stderr[-3000:]}\n{proc.stdout[-2000:]}")
+    if proc.returncode:  # kept as a row: the other worlds still run (a device call is dear)
+        print(f"emulation at world {world} failed:\n{proc.stderr[-3000:]}\n{proc.stdout[-2000:]}", file=sys.stderr)
+        return {"world": world, "dp": dp, "sandbox": sandbox, "process_wall_s": wall, "returncode": proc.returncode,
+                "error": proc.stderr[-3000:]}
     s = json.loads(proc.stdout)
     co, rk = s["coordinator"], s["ranks"][str(sandbox)]
     walls = rk["wall_iteration_ns"][s["warmup"]:]
@@ -124,10 +126,15 @@ def main() -> int:
         rows = []
         for w in worlds:
             rows.append(emulate(run, w, args.net, gpu))
-            print(f"world {w:,}: done in {rows[-1]['process_wall_s']:.1f} s", file=sys.stderr, flush=True)
-    print(table(rows))
-    base = rows[0]["wall_per_iteration_s"]
-    for r in rows[1:]:
+            print(f"world {w:,}: {'failed' if 'error' in rows[-1] else 'done'} in {rows[-1]['process_wall_s']:.1f} s",
+                  file=sys.stderr, flush=True)
+    ok = [r for r in rows if "error" not in r]
+    print(table(ok))
+    for r in rows:
+        if "error" in r:
+            print(f"world {r['world']:,}: failed (exit {r['returncode']}); its stderr is in the JSON")
+    base = ok[0]["wall_per_iteration_s"] if ok else None
+    for r in ok[1:] if ok and ok[0]["world"] == rows[0]["world"] else []:
         print(f"wall per emulated iteration at {r['world']:,}: {r['wall_per_iteration_s'] / base:.2f}x that at "
               f"{rows[0]['world']:,}")
     doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": platform.platform(),
@@ -137,7 +144,7 @@ def main() -> int:
     path = pathlib.Path(args.json) if args.json else result_path("scale")
     path.write_text(json.dumps(doc, indent=2))
     print(f"wrote {path}")
-    return 0
+    return 1 if len(ok) < len(rows) else 0
 
 
 if __name__ == "__main__":

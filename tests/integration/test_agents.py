@@ -45,14 +45,15 @@ def reap(*procs: subprocess.Popen) -> None:
         p.wait(timeout=30)
 
 
-def served(tmp_path: Path, world: int, command: list[str], agents: int, *extra: str):
-    """The capture (started first) and its agents, each on loopback tcp with CURVE."""
+def served(tmp_path: Path, world: int, command: list[str], agents: int, *extra: str, agent_args: tuple = ()):
+    """The capture (started first) and its agents, each on loopback tcp with
+    CURVE; ``agent_args``: more options for every agent."""
     make_keys(tmp_path / "keys")
     ep = free_tcp_endpoint()
     cap = start(tmp_path, "capture", "-n", str(world), "--agents", str(agents), "--listen", ep, "--keys", "keys",
                 "--out", "run", "--progress", "off", "--show-ranks", "none", *extra, "--", *command, out="cap.err")
-    ags = [start(tmp_path, "agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i), out=f"agent{i}.err")
-           for i in range(agents)]
+    ags = [start(tmp_path, "agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i), *agent_args,
+                 out=f"agent{i}.err") for i in range(agents)]
     return cap, ags
 
 
@@ -219,7 +220,7 @@ GPT_W4 = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "1", "--dp", "2", "-
 
 
 def emulated(tmp_path: Path, run: Path, sandbox: str, agents: int, name: str, *, ep: str | None = None,
-             wrap: dict[int, list[str]] | None = None):
+             wrap: dict[int, list[str]] | None = None, agent_args: tuple = ()):
     """``prism emulate RUN --agents N`` (started first) and its agents, on
     loopback tcp with CURVE (or ``ep``); ``wrap[i]``: a command agent i runs under."""
     make_keys(tmp_path / "keys")
@@ -228,7 +229,7 @@ def emulated(tmp_path: Path, run: Path, sandbox: str, agents: int, name: str, *,
                 "--keys", "keys", "--name", name, "--progress", "off", out="emu.out", keep_stdout=True)
     ags = []
     for i in range(agents):
-        args = ["agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i)]
+        args = ["agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i), *agent_args]
         if wrap and i in wrap:
             with open(tmp_path / f"agent{i}.err", "w") as err:
                 ags.append(subprocess.Popen([*wrap[i], sys.executable, "-m", "prism", *args], cwd=tmp_path, env=ENV,
@@ -528,4 +529,43 @@ def test_a_cuda_capture_gives_each_node_its_own_gpus(tmp_path):
 
     assert load_run_manifest(tmp_path / "run").device_kind == "cuda"
     assert f"with GPUs {offers[1]}" in (tmp_path / "agent1.err").read_text()
+    assert not forkservers(tmp_path)
+
+
+@pytest.mark.gpu(reason="two agents sharing GPU 0 serve a CUDA capture and an emulation of it")
+def test_two_agents_on_one_gpu_capture_and_emulate_like_one_machine(tmp_path, shared_captures):
+    """Issue 23 on a GPU: two agents offering the same GPU (two "nodes" of
+    one machine) serve a CUDA capture of GPT tp2 dp2; its trace equals a
+    one-machine CUDA capture's but for timing, its losses are equal; an
+    emulation of it through the agents (sandboxes 0 and 2, one per node)
+    gives the capture's losses bit for bit."""
+    cmd = [*GPT_W4, "--device", "cuda"]
+    cap, ags = served(tmp_path, 4, cmd, 2, "--record", "0,2", agent_args=("--gpus", "0"))
+    try:
+        assert cap.wait(timeout=240) == 0, (tmp_path / "cap.err").read_text()
+        assert [a.wait(timeout=30) for a in ags] == [0, 0]
+    finally:
+        reap(cap, *ags)
+    proc, plain = shared_captures.get(4, cmd, "--gpus", "0", "--record", "0,2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from prism.app.predict import load_run_manifest
+
+    assert load_run_manifest(tmp_path / "run").device_kind == "cuda"
+    got, want = runfolder.read_run(tmp_path / "run"), runfolder.read_run(plain)
+    assert not got.warnings and sorted(got.ranks) == sorted(want.ranks) == [0, 1, 2, 3]
+    for r in range(4):
+        assert timeless(got.ranks[r]) == timeless(want.ranks[r]), f"rank {r}"
+        losses = harness.parse_losses(runfolder.log_path(tmp_path / "run", r).read_text())
+        assert losses == harness.parse_losses(runfolder.log_path(plain, r).read_text()), f"rank {r}"
+    emu, ags = emulated(tmp_path, tmp_path / "run", "0,2", 2, "agents-gpu", agent_args=("--gpus", "0"))
+    try:
+        assert emu.wait(timeout=240) == 0, (tmp_path / "emu.out").read_text()
+        assert [a.wait(timeout=30) for a in ags] == [0, 0]
+    finally:
+        reap(emu, *ags)
+    s = json.loads((tmp_path / "run" / "emulation" / "agents-gpu" / "summary.json").read_text())
+    assert s["status"] == "ok" and [a["ranks"] for a in s["agents"]] == [[0], [2]]
+    for r in ("0", "2"):
+        info = s["ranks"][r]
+        assert info["losses"] and info["losses"] == info["capture_losses"], (r, info)
     assert not forkservers(tmp_path)
