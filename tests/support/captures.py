@@ -48,7 +48,7 @@ class SharedCaptures:
                 [sys.executable, "-m", "prism", "capture", "-n", str(world), "--out", str(run_dir),
                  "--progress", "off", "--show-ranks", "none", *extra, "--", *command],
                 capture_output=True, text=True, timeout=timeout, cwd=self.base,
-                env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)),
             )
             self.cache[key] = (proc, run_dir)
         return self.cache[key]
