@@ -68,8 +68,11 @@ CONFIGS: dict[int, dict[str, list[str]]] = {
     8: {"gpt-tp2-pp2-dp2": ["--tp", "2", "--pp", "2", "--dp", "2"], "gpt-tp2-dp4": ["--tp", "2", "--dp", "4"]},
     16: {"gpt-tp2-pp2-dp4": ["--tp", "2", "--pp", "2", "--dp", "4"], "gpt-tp4-dp4": ["--tp", "4", "--dp", "4"]},
 }
-#: The calibrated variants ``--variants`` chooses from: (symmetric, packed).
-CALIBRATIONS = {"calibrated": (False, False), "symmetric": (True, False), "packed": (False, True)}
+#: The calibrated variants ``--variants`` chooses from: (symmetric, packed, keep_clean).
+#: ``replace-clean``: every CPU segment replaced, also those the capture ran
+#: undisturbed (``prism calibrate --replace-clean``, the rule before PrismTrace 1.4).
+CALIBRATIONS = {"calibrated": (False, False, True), "symmetric": (True, False, True), "packed": (False, True, True),
+                "replace-clean": (False, False, False)}
 VARIANTS = ("bare", "calibrated", "symmetric")  # bare and --variants (set in main)
 
 
@@ -89,16 +92,18 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, profile: str, slots
     bare = predict(PredictConfig(run=d, net=profile, warmup=warmup))
     out["bare"] = {"step_ns": bare.result.iteration_times.tolist(), "mean_ns": bare.mean_iteration_ns}
     for name in VARIANTS[1:]:
-        sym, pack = CALIBRATIONS[name]
+        sym, pack, keep = CALIBRATIONS[name]
         t1 = time.monotonic()
         cal = calibrate(CalibrateConfig(run=d, slices=slices, symmetric=sym, pack=pack, name=name, net=profile,
-                                        cores=slice_cores, warmup=warmup))
+                                        cores=slice_cores, warmup=warmup, keep_clean=keep))
         wall = time.monotonic() - t1
         p = predict(PredictConfig(run=d, net=profile, warmup=warmup, calibration=name))
         out[name] = {"step_ns": p.result.iteration_times.tolist(), "mean_ns": p.mean_iteration_ns,
                      "slices": cal.manifest["slices"], "classes": cal.manifest["classes"], "wall_s": wall,
                      "compute_ns": {r: (v["bare_compute_ns"], v["calibrated_compute_ns"])
-                                    for r, v in cal.manifest["per_rank"].items()}}
+                                    for r, v in cal.manifest["per_rank"].items()},
+                     "segments_replaced_kept_clean": [sum(v["replaced"] for v in cal.manifest["per_rank"].values()),
+                                                      sum(v["kept_clean"] for v in cal.manifest["per_rank"].values())]}
     shutil.rmtree(d.parent, ignore_errors=True)
     return out
 
@@ -127,7 +132,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(result_path("calibration")))
     ap.add_argument("--variants", default="calibrated,symmetric",
                     help="calibrations beside bare: calibrated, symmetric, packed (calibrate --pack: slices run "
-                         "together up to the slice cores); default calibrated,symmetric")
+                         "together up to the slice cores), replace-clean (calibrate --replace-clean); default "
+                         "calibrated,symmetric")
     a = ap.parse_args()
     global VARIANTS
     chosen = [v for v in a.variants.split(",") if v]

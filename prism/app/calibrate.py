@@ -39,6 +39,7 @@ import numpy as np
 
 from prism.app.errors import InconsistentTraceError, PrismError, UsageError
 from prism.core.calibration import (
+    CLEAN_SHARE,
     CalibrationError,
     apply_calibration,
     expand_classes,
@@ -85,6 +86,9 @@ class CalibrateConfig:
     layout: str | None = None
     warmup: int = 1
     quiet_s: float = 30.0
+    #: Keep the segments the capture ran undisturbed (``prism.core.calibration.
+    #: CLEAN_SHARE``); False replaces every one-clock segment (``--replace-clean``).
+    keep_clean: bool = True
     # Agents, as ``prism emulate --agents``: each slice's emulation places its
     # ranks on them (an agent a slice has no rank for gets an empty launch), so
     # they must outlive one run: ``prism agent --runs 0``.
@@ -116,8 +120,12 @@ class CalibrationResult:
             lines.append(f"ranks left with their bare durations: {','.join(map(str, uncal))}")
         seg = sum(v["replaced"] for v in m["per_rank"].values())
         kept = sum(v["kept_two_clock"] for v in m["per_rank"].values())
+        clean = sum(v.get("kept_clean", 0) for v in m["per_rank"].values())
         lines.append(f"{seg:,} compute segments calibrated" + (f", {kept:,} two-clock (GPU) segments kept as captured"
-                                                               if kept else ""))
+                                                               if kept else "")
+                     + (f", {clean:,} kept as captured: their rank ran undisturbed (main thread on a CPU for "
+                        f"{CLEAN_SHARE:.0%} of the segment or more; --replace-clean to replace them too)"
+                        if clean else ""))
         b, c = m["bare_mean_ns"], m["calibrated_mean_ns"]
         if b and c:
             lines.append(f"predicted iteration time: bare {b / 1e6:,.3f} ms, calibrated {c / 1e6:,.3f} ms "
@@ -223,18 +231,18 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
             except Exception as e:  # noqa: BLE001 (TraceFormatError, OSError: named below)
                 raise CalibrationFailed(f"slice {k}: cannot read sandbox rank {r}'s trace {path}: {e}") from None
             try:
-                m = measured_durations(r, ranks[r], events)
+                m = measured_durations(r, ranks[r], events, keep_clean=config.keep_clean)
             except CalibrationError as e:
                 raise InconsistentTraceError(f"slice {k} ({outcome.out_dir}): {e}") from None
             table[r] = m.durations
             per_rank[str(r)] = {"slice": k, "source_rank": r, "segments": m.segments, "replaced": m.replaced,
-                                "kept_two_clock": m.kept_two_clock, "regrouped_gaps": m.regrouped,
+                                "kept_two_clock": m.kept_two_clock, "kept_clean": m.kept_clean, "regrouped_gaps": m.regrouped,
                                 "bare_compute_ns": _bare_total(ranks[r]),
                                 "calibrated_compute_ns": int(m.durations.sum())}
     classes: dict[str, list[int]] = {}
     if config.symmetric:
         try:
-            copied = expand_classes(ranks, table, rep_of)
+            copied = expand_classes(ranks, table, rep_of, keep_clean=config.keep_clean)
         except CalibrationError as e:
             raise UsageError(str(e)) from None
         for r, p in sorted(rep_of.items()):
@@ -243,7 +251,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
                 m = copied[r]
                 table[r] = m.durations
                 per_rank[str(r)] = {"slice": per_rank[str(p)]["slice"], "source_rank": p, "segments": m.segments,
-                                    "replaced": m.replaced, "kept_two_clock": m.kept_two_clock,
+                                    "replaced": m.replaced, "kept_two_clock": m.kept_two_clock, "kept_clean": m.kept_clean,
                                     "regrouped_gaps": m.regrouped, "bare_compute_ns": _bare_total(ranks[r]),
                                     "calibrated_compute_ns": int(m.durations.sum())}
     uncal = [r for r in range(world) if r not in table]
@@ -256,9 +264,12 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
         "symmetric": config.symmetric, "packed": config.pack, "classes": classes, "emulations": emu_names,
         "slice_wall_s": walls, "uncalibrated_ranks": uncal, "per_rank": per_rank,
         "rule": "one-clock (CPU-timed) compute segments take the slice's measurement; segments the capture timed "
-                "with two clocks (GPU) keep the capture's timing",
+                "with two clocks (GPU) keep the capture's timing"
+                + (", and so do segments whose main thread was on a CPU for clean_share of their wall time or more"
+                   if config.keep_clean else ""),
         "layout": None if layout is None else {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep},
         "cost_model": model_name, "warmup": config.warmup, "agents": config.agents,
+        "keep_clean": config.keep_clean, "clean_share": CLEAN_SHARE,
         "bare_mean_ns": bare_mean, "calibrated_mean_ns": cal_mean,
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the run's layout when the manifest has none")
     p.add_argument("--warmup", type=int, default=1, help="steps dropped before averaging (default: 1)")
     p.add_argument("--json", action="store_true", help="print the calibration's manifest as JSON")
+    p.add_argument("--replace-clean", action="store_true",
+                   help="replace every CPU-timed segment by its slice's measurement, also those the capture ran "
+                        "undisturbed (its main thread on a CPU for 95%% of the segment or more), which are kept "
+                        "by default")
     from prism.cli.agent import add_agent_options
 
     add_agent_options(p, "run each slice's ranks through `prism agent --runs 0` on other nodes (one emulation per "
@@ -46,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
                              name=args.name,
                              net=args.net, cores=args.cores, layout=args.layout, warmup=args.warmup,
                              agents=args.agents, listen=args.listen, keys=args.keys, insecure=args.insecure,
-                             agent_wait_s=args.agent_wait)
+                             agent_wait_s=args.agent_wait, keep_clean=not args.replace_clean)
     try:
         result = calibrate(config)
     except PrismError as e:

@@ -27,6 +27,13 @@ for its last member, every receive for its send), which is the alignment.
 Rule for GPU captures: a segment the capture timed with two clocks
 (``Compute.cpu_ns >= 0``, docs/GPU-TIMING.md) keeps its capture timing; only
 one-clock (CPU-timed) segments take the slice's measurement.
+
+Rule for CPU captures (PrismTrace 1.4): a one-clock segment whose main thread
+was on a CPU for ``CLEAN_SHARE`` of its wall time or more
+(``Compute.thread_cpu_ns``) was measured undisturbed and keeps its capture
+timing too; only polluted ones (the rank descheduled by context switching, or
+waiting for the GIL) take the slice's. ``keep_clean=False`` replaces every
+one-clock segment (the rule before 1.4, and for traces without the field).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from prism.core.graph import program_order
 from prism.core.scaleout import Layout
 from prism.core.trace import P2P, Collective, Compute, Event, Iteration
 
-__all__ = ["CalibrationError", "SLICE_MODES", "plan_slices", "pack_slices", "symmetry_classes", "symmetric_plan",
+__all__ = ["CLEAN_SHARE", "CalibrationError", "SLICE_MODES", "plan_slices", "pack_slices", "symmetry_classes", "symmetric_plan",
            "Measured", "measured_durations", "expand_classes", "apply_calibration"]
 
 #: Named ways to cut a run into slices (besides explicit ``"0,1;2,3"``).
@@ -204,6 +211,7 @@ class Measured:
     replaced: int  # those that took the slice's measurement
     kept_two_clock: int  # those kept because the capture timed them with two clocks
     regrouped: int  # gaps between calls whose segments were cut differently (their total split in proportion)
+    kept_clean: int = 0  # one-clock segments kept because the capture ran them undisturbed (CLEAN_SHARE)
 
 
 def _call_key(ev: Event) -> tuple:
@@ -241,7 +249,22 @@ def _walk(events: Sequence[Event]) -> tuple[list[tuple], list[list[Compute]]]:
     return calls, gaps
 
 
-def measured_durations(rank: int, bare: Sequence[Event], slice_events: Sequence[Event]) -> Measured:
+#: A one-clock segment whose main thread was on a CPU for at least this share
+#: of its wall time (``Compute.thread_cpu_ns``) ran undisturbed in the capture:
+#: calibration keeps its captured duration (``keep_clean``), since a slice run,
+#: itself an emulation, measures it no better. Below it the rank was
+#: descheduled or waited for the GIL: the measurement is polluted and the
+#: slice's replaces it.
+CLEAN_SHARE = 0.95
+
+
+def _clean(ev: Compute) -> bool:
+    wall = ev.end_ns - ev.start_ns
+    return ev.cpu_ns < 0 and ev.thread_cpu_ns >= 0 and ev.thread_cpu_ns >= CLEAN_SHARE * wall
+
+
+def measured_durations(rank: int, bare: Sequence[Event], slice_events: Sequence[Event], *,
+                       keep_clean: bool = True) -> Measured:
     """Rank ``rank``'s compute durations as its slice run measured them.
 
     ``bare``: the rank's events in the capture; ``slice_events``: its events
@@ -249,7 +272,9 @@ def measured_durations(rank: int, bare: Sequence[Event], slice_events: Sequence[
     step ends), else ``CalibrationError`` names the rank and the call. Where
     a gap between two calls holds as many segments in both, each takes its
     measured duration; otherwise the gap's measured total is split over the
-    capture's segments in proportion to their bare durations.
+    capture's segments in proportion to their bare durations. With
+    ``keep_clean`` the capture's undisturbed segments (``CLEAN_SHARE``) keep
+    their captured durations.
     """
     want, bgaps = _walk(bare)
     got, egaps = _walk(slice_events)
@@ -262,8 +287,8 @@ def measured_durations(rank: int, bare: Sequence[Event], slice_events: Sequence[
                                    f"has {_describe(key)}; the program took another path than in the capture, so "
                                    "its durations cannot calibrate this graph")
     measured = [[ev.end_ns - ev.start_ns for ev in g] for g in egaps]
-    d, replaced, kept, regrouped = _fill(bgaps, measured)
-    return Measured(rank, d, len(d), replaced, kept, regrouped)
+    d, replaced, kept, regrouped, clean = _fill(bgaps, measured, keep_clean)
+    return Measured(rank, d, len(d), replaced, kept, regrouped, clean)
 
 
 def _shape(key: tuple) -> tuple:
@@ -279,12 +304,14 @@ def _split(total: int, bare: Sequence[int]) -> list[int]:
     return [int(round(total / len(bare)))] * len(bare) if bare else []
 
 
-def _fill(bgaps: list[list[Compute]], measured: list[list[int]]) -> tuple[np.ndarray, int, int, int]:
+def _fill(bgaps: list[list[Compute]], measured: list[list[int]],
+          keep_clean: bool = True) -> tuple[np.ndarray, int, int, int, int]:
     """Per bare segment its new duration: one to one where a gap holds as many
     measured segments, else the gap's measured total split in proportion;
-    two-clock segments keep their bare duration."""
+    two-clock segments (and with ``keep_clean`` undisturbed ones) keep their
+    bare duration."""
     out: list[int] = []
-    replaced = kept = regrouped = 0
+    replaced = kept = regrouped = clean = 0
     for k, b in enumerate(bgaps):
         meas = measured[k] if k < len(measured) else []
         bare_d = [ev.end_ns - ev.start_ns for ev in b]
@@ -297,14 +324,17 @@ def _fill(bgaps: list[list[Compute]], measured: list[list[int]]) -> tuple[np.nda
             if ev.cpu_ns >= 0:
                 out.append(d_bare)
                 kept += 1
+            elif keep_clean and _clean(ev):
+                out.append(d_bare)
+                clean += 1
             else:
                 out.append(max(int(d_new), 0))
                 replaced += 1
-    return np.asarray(out, np.int64), replaced, kept, regrouped
+    return np.asarray(out, np.int64), replaced, kept, regrouped, clean
 
 
 def expand_classes(ranks: Mapping[int, Sequence[Event]], table: Mapping[int, np.ndarray],
-                   rep_of: Mapping[int, int]) -> dict[int, Measured]:
+                   rep_of: Mapping[int, int], *, keep_clean: bool = True) -> dict[int, Measured]:
     """Durations for every rank of ``rep_of`` from its representative's
     (``table``: per representative, its calibrated durations in program
     order). The member's calls must be the representative's (op and sequence,
@@ -328,8 +358,8 @@ def expand_classes(ranks: Mapping[int, Sequence[Event]], table: Mapping[int, np.
                     + (_describe(calls_p[k]) if a else "no more calls") + "; calibrate without --symmetric")
         durs = iter(table[p].tolist())
         measured = [[next(durs) for _ in g] for g in gaps_p]
-        d, replaced, kept, regrouped = _fill(gaps_r, measured)
-        out[r] = Measured(r, d, len(d), replaced, kept, regrouped)
+        d, replaced, kept, regrouped, clean = _fill(gaps_r, measured, keep_clean)
+        out[r] = Measured(r, d, len(d), replaced, kept, regrouped, clean)
     return out
 
 

@@ -54,6 +54,15 @@ class RankRecorder:
         self.closed = False
         #: GPU ranks: per-segment two-clock timing (``attach_gpu``).
         self.gpu: Any = None
+        #: CPU ranks: the main thread's CPU clock (the user's code runs there),
+        #: read at each segment's ends for ``Compute.thread_cpu_ns``; None
+        #: where the platform has no per-thread CPU clocks.
+        try:
+            self._cpu_clock: int | None = time.pthread_getcpuclockid(threading.main_thread().ident)
+            time.clock_gettime_ns(self._cpu_clock)
+        except (AttributeError, OSError, TypeError):
+            self._cpu_clock = None
+        self._segment_cpu = -1
 
     # --- events ------------------------------------------------------------
 
@@ -105,6 +114,16 @@ class RankRecorder:
             # waits for the rank's turn on a shared GPU; the segment starts then
             t_ns = max(t_ns, self.gpu.open(self.step, after_comm))
         self._segment_start = t_ns
+        self._segment_cpu = self._thread_cpu()
+
+    def _thread_cpu(self) -> int:
+        """The main thread's CPU time (ns), or -1 (GPU ranks, no such clock)."""
+        if self.gpu is not None or self._cpu_clock is None:
+            return -1
+        try:
+            return time.clock_gettime_ns(self._cpu_clock)
+        except OSError:  # the main thread is gone
+            return -1
 
     def start_segment(self, t_ns: int) -> None:
         """User code starts running with a slot (after init)."""
@@ -177,7 +196,9 @@ class RankRecorder:
             if t_ns is None:
                 t_ns = time.monotonic_ns()
             if start is not None and t_ns > start:
-                self.emit(trace.Compute(start_ns=start, end_ns=t_ns, step=self.step))
+                cpu0, cpu1 = self._segment_cpu, self._thread_cpu()
+                used = cpu1 - cpu0 if cpu0 >= 0 and cpu1 >= cpu0 else -1
+                self.emit(trace.Compute(start_ns=start, end_ns=t_ns, step=self.step, thread_cpu_ns=used))
             return t_ns
         free_ns, cold_ns = -1, 0
         if settle or script_join:

@@ -36,8 +36,18 @@ def compute_durations(prediction, rank):
 
 
 def test_calibrate_stores_durations_that_predict_and_emulate_use(run):
-    res = calibrate(CalibrateConfig(run=run, name="tp", cores=2))
+    # every CPU segment of the real ranks says how much CPU its main thread used
+    from prism.core.trace import Compute
+    from prism.shell import runfolder
+
+    segs = [ev for evs in runfolder.read_run(run).ranks.values() for ev in evs if isinstance(ev, Compute)]
+    assert segs and all(0 <= ev.thread_cpu_ns <= ev.end_ns - ev.start_ns + 2_000_000 for ev in segs)
+    # --replace-clean: every segment takes its slice's measurement (which ones a
+    # capture ran undisturbed depends on the machine's load: the unit tests
+    # check that rule)
+    res = calibrate(CalibrateConfig(run=run, name="tp", cores=2, keep_clean=False))
     m = res.manifest
+    assert m["keep_clean"] is False and all(v["kept_clean"] == 0 for v in m["per_rank"].values())
     assert m["slices"] == [[0, 1], [2, 3]] and not m["symmetric"] and m["uncalibrated_ranks"] == []
     assert sorted(p.name for p in res.out_dir.iterdir()) == ["durations.npz", "manifest.json"]
     assert json.loads((res.out_dir / "manifest.json").read_text())["emulations"] == m["emulations"]
@@ -62,7 +72,8 @@ def test_calibrate_stores_durations_that_predict_and_emulate_use(run):
 
 
 def test_symmetric_calibration_copies_one_slice_to_its_classes(run):
-    res = calibrate(CalibrateConfig(run=run, name="sym", cores=2, symmetric=True))
+    # --replace-clean: every segment from the representative (what is copied is the point here)
+    res = calibrate(CalibrateConfig(run=run, name="sym", cores=2, symmetric=True, keep_clean=False))
     m = res.manifest
     assert m["slices"] == [[0, 1]] and m["classes"] == {"0": [0, 2], "1": [1, 3]}
     assert m["per_rank"]["2"]["source_rank"] == 0 and m["per_rank"]["3"]["source_rank"] == 1

@@ -129,6 +129,27 @@ def test_two_clock_segments_keep_the_capture_timing():
     assert m.durations.tolist() == [300, 20, 310, 25] and m.kept_two_clock == 2
 
 
+def test_segments_the_capture_ran_undisturbed_keep_their_capture_timing():
+    # rank 0's thread CPU time per segment: all of it (clean), 96% (clean: over
+    # CLEAN_SHARE), half (descheduled: polluted), unknown (older trace: polluted)
+    import dataclasses
+
+    from prism.core.calibration import CLEAN_SHARE
+    from prism.core.trace import Compute
+
+    assert CLEAN_SHARE == 0.95
+    share = iter([1.0, 0.96, 0.5, None])
+    bare = [dataclasses.replace(ev, thread_cpu_ns=-1 if (f := next(share)) is None else
+                                int(f * (ev.end_ns - ev.start_ns)))
+            if isinstance(ev, Compute) else ev for ev in program(BARE).events[0]]
+    meas = program(SLICE).events[0]
+    m = measured_durations(0, bare, meas)
+    assert m.durations.tolist() == [100, 40, 90, 35]  # bare 100, 40 kept; slice 90, 35 taken
+    assert (m.replaced, m.kept_clean, m.kept_two_clock) == (2, 2, 0)
+    m = measured_durations(0, bare, meas, keep_clean=False)  # --replace-clean: the rule before PrismTrace 1.4
+    assert m.durations.tolist() == [80, 30, 90, 35] and (m.replaced, m.kept_clean) == (4, 0)
+
+
 def test_a_slice_that_took_another_path_is_refused_naming_rank_and_call():
     with pytest.raises(CalibrationError, match=r"rank 0, call 0: the slice run made broadcast on group 'world' "
                                                r"seq 0 where the capture has all_reduce on group 'world' seq 0"):

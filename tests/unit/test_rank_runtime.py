@@ -100,6 +100,26 @@ def test_the_next_step_opens_after_prisms_step_end_work(rt):
     assert [e["step"] for e in rt.client.events() if e["k"] == "iter"] == [0, 99]
 
 
+def test_cpu_segments_carry_the_main_threads_cpu_time(rt):
+    # a busy segment uses the CPU for (nearly) all its wall time, a sleeping
+    # one for almost none of it: what calibration tells a clean measurement by
+    import time
+
+    r = rt.recorder
+    t0 = time.monotonic_ns()
+    r.start_segment(t0)
+    while time.monotonic_ns() - t0 < 30_000_000:
+        pass
+    r.comm_enter(time.monotonic_ns())
+    r.comm_exit(time.monotonic_ns())
+    time.sleep(0.03)
+    r.finish(time.monotonic_ns(), "ok")
+    comp = [e for e in rt.client.events() if e["k"] == "compute"][-2:]
+    busy, idle = ((e["thread_cpu_ns"], e["end_ns"] - e["start_ns"]) for e in comp)
+    assert busy[1] >= 30_000_000 and 0.5 * busy[1] <= busy[0] <= busy[1] + 2_000_000, busy
+    assert idle[1] >= 30_000_000 and 0 <= idle[0] < 0.2 * idle[1], idle
+
+
 def test_batches_go_out_when_full(rt, monkeypatch):
     monkeypatch.setattr(rec_mod, "MAX_BATCH_EVENTS", 3)
     before = sum(isinstance(m, protocol.TraceRecords) for m in rt.client.sent)

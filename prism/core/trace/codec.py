@@ -44,6 +44,7 @@ _ADDED_IN_MINOR: dict[tuple[str, str], int] = {
     ("compute", "join"): 1,
     ("compute", "free_ns"): 2,
     ("compute", "cold_ns"): 2,
+    ("compute", "thread_cpu_ns"): 4,
 }
 
 _KINDS: dict[str, type] = {t.KIND: t for t in EVENT_TYPES}

@@ -22,7 +22,7 @@ from typing import ClassVar
 TRACE_VERSION = 1
 #: Minor version: a newer minor only adds optional fields and event kinds, so
 #: older readers skip what they do not know (see ``docs/TRACE.md``).
-TRACE_VERSION_MINOR = 3
+TRACE_VERSION_MINOR = 4
 #: Tensors up to this many bytes have their values kept (the small-tensor
 #: store) so replay can return them exactly: MoE token counts, split sizes,
 #: loss and grad-norm scalars.
@@ -146,6 +146,12 @@ class Compute:
     #: waiting there, does not pay (measured per rank; 0 after a join or at
     #: the step's start). The replay takes it off.
     cold_ns: int = 0
+    #: CPU ranks (PrismTrace 1.4), one-clock segments: the CPU time the
+    #: rank's main thread used over the segment; well under ``end_ns -
+    #: start_ns`` when the thread was descheduled or waited for the GIL (a
+    #: polluted measurement, which ``prism calibrate`` replaces). -1 when not
+    #: measured (GPU ranks, older traces).
+    thread_cpu_ns: int = -1
 
 
 @dataclass(frozen=True, slots=True)
