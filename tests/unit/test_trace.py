@@ -724,3 +724,20 @@ def test_compute_records_of_minor_0_get_the_1_1_defaults():
         T.decode_event(line)  # a 1.1 writer writes every field
     two = T.Compute(5, 9, 1, cpu_ns=3, gpu_ns=2, join=True)
     assert T.decode_event(T.encode_event(two)) == two
+
+
+def test_the_summary_says_how_much_of_the_compute_ran_on_a_cpu():
+    from prism.app.trace import summary_text
+
+    def seg(start, dur, cpu):
+        return T.Compute(start, start + dur, 0, thread_cpu_ns=cpu)
+
+    ranks = {r: rank_events(r) for r in range(W)}
+    # rank 0: one clean segment (100 of 100) and one half descheduled (50 of 100); rank 1: 90 of 100
+    ranks[0] = [*ranks[0][:2], seg(10, 100, 100), seg(200, 100, 50), *ranks[0][2:]]
+    ranks[1] = [*ranks[1][:2], seg(10, 100, 90), *ranks[1][2:]]
+    text = summary_text(T.Run("RUN", MANIFEST, ranks))
+    line = text.splitlines()[text.splitlines().index("") + 1:]
+    want = ("compute segments on a CPU (PrismTrace 1.4): the main threads used 80.0% of their wall time (lowest: "
+            "rank 0, 75.0%); 1 of 3 segments clean")
+    assert any(want in ln for ln in line), text
