@@ -68,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 from prism.app.capture import capture_run  # noqa: E402
 from prism.shell.profiles import load_profile  # noqa: E402
 from prism.core.graph import ExecutionGraph  # noqa: E402
+from prism.core.trace import Compute  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.shell.runfolder import read_run  # noqa: E402
 from prism.shell.launcher import launch_ranks  # noqa: E402
@@ -149,7 +150,13 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
     wall = time.monotonic() - t0
-    graph = ExecutionGraph.from_events(read_run(d).ranks)
+    ranks = read_run(d).ranks
+    segs = [ev for evs in ranks.values() for ev in evs if isinstance(ev, Compute) and ev.thread_cpu_ns >= 0]
+    seg_wall = sum(ev.end_ns - ev.start_ns for ev in segs)
+    # how much of the capture's compute its main threads spent on a CPU (PrismTrace 1.4): under 1, the capture's
+    # timing is polluted (ranks descheduled, or waiting for the GIL)
+    wall = (wall, sum(min(ev.thread_cpu_ns, ev.end_ns - ev.start_ns) for ev in segs) / seg_wall if seg_wall else None)
+    graph = ExecutionGraph.from_events(ranks)
     preds = {}
     for name, model in models.items():
         res = replay_batch(graph, cost_model=model)
@@ -295,7 +302,7 @@ def main() -> int:
             for i in range(a.runs):
                 times, twall, ends = run_truth(a.world, cmd, tmp, a.timeout)
                 t_mean = mean_iteration(ends, a.warmup)
-                preds, pwall, emu = run_prism(a.world, cmd, tmp, models, cores, a.warmup, emulate_with)
+                preds, (pwall, cpu_share), emu = run_prism(a.world, cmd, tmp, models, cores, a.warmup, emulate_with)
                 truth.append(t_mean)
                 for k, (_, m) in preds.items():
                     pred[k].append(m)
@@ -304,12 +311,13 @@ def main() -> int:
                     emu_sb.append(emu["sandbox_mean_ns"])
                 pairs.append({"truth_step_ns": times.tolist(), "truth_mean_ns": t_mean, "truth_wall_s": twall,
                               "prism": {k: {"step_ns": st.tolist(), "mean_ns": m} for k, (st, m) in preds.items()},
-                              "capture_wall_s": pwall, "emulation": emu})
+                              "capture_wall_s": pwall, "capture_cpu_share": cpu_share, "emulation": emu})
                 line = f"{name} run {i}: truth {t_mean / 1e6:.1f} ms, " + ", ".join(
                     f"{k} {m / 1e6:.1f}" for k, (_, m) in preds.items())
                 if emu is not None:
                     line += f", emulated job {emu['job_mean_ns'] / 1e6:.1f} (sandbox {emu['sandbox_mean_ns'] / 1e6:.1f})"
-                print(line + f"  (truth {twall:.0f} s, capture {pwall:.0f} s)", flush=True)
+                share = f", its compute {cpu_share:.0%} on a CPU" if cpu_share is not None else ""
+                print(line + f"  (truth {twall:.0f} s, capture {pwall:.0f} s{share})", flush=True)
             cv = statistics.stdev(truth) / statistics.mean(truth) if len(truth) > 1 else float("nan")
             row = {"config": name, "flags": CONFIGS[a.world][name], "world": a.world,
                    "truth_mean_ms": statistics.mean(truth) / 1e6, "noise_floor_cv": cv,
