@@ -554,10 +554,16 @@ def test_two_agents_on_one_gpu_capture_and_emulate_like_one_machine(tmp_path, sh
     assert load_run_manifest(tmp_path / "run").device_kind == "cuda"
     got, want = runfolder.read_run(tmp_path / "run"), runfolder.read_run(plain)
     assert not got.warnings and sorted(got.ranks) == sorted(want.ranks) == [0, 1, 2, 3]
+    def peaks(run, r):  # per step, the rank's torch peak
+        return {ev.step: ev.peak_allocated for ev in run.ranks[r] if isinstance(ev, T.Memory)}
+
     for r in range(4):
         assert timeless(got.ranks[r]) == timeless(want.ranks[r]), f"rank {r}"
         losses = harness.parse_losses(runfolder.log_path(tmp_path / "run", r).read_text())
         assert losses == harness.parse_losses(runfolder.log_path(plain, r).read_text()), f"rank {r}"
+        # the program's memory readings do not depend on where its ranks ran (a 4 KiB difference
+        # on rank 2 between an agents capture and its emulation was seen once, 2026-12-04)
+        assert peaks(got, r) == peaks(want, r) and peaks(got, r), (r, peaks(got, r), peaks(want, r))
     emu, ags = emulated(tmp_path, tmp_path / "run", "0,2", 2, "agents-gpu", agent_args=("--gpus", "0"))
     try:
         assert emu.wait(timeout=240) == 0, (tmp_path / "emu.out").read_text()
