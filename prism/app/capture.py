@@ -109,6 +109,8 @@ class CapturePlan:
     record: PL.RecordPlan | None = None
     #: A CUDA command served by agents: the ranks run on the agents' GPUs.
     agent_gpus: bool = False
+    #: ``--memory-limit`` through agents: torch's allocator budget per rank (bytes).
+    agent_memory_limit_bytes: int | None = None
 
 
 @dataclass
@@ -268,10 +270,9 @@ def _check_agents(config: CaptureConfig) -> None:
     if config.gpus is not None:
         raise UsageError("--gpus names this machine's GPUs; with --agents each node's agent offers its own "
                          "(`prism agent --gpus 0,1`, default every GPU it sees): drop --gpus")
-    if config.simulate_swaps is not None or config.memory_limit_gib is not None or config.resident is not None:
-        raise UsageError("--agents does not yet swap ranks on GPUs or limit their memory (--resident, "
-                         "--simulate-swaps, --memory-limit): every rank placed on a node stays resident on its "
-                         "GPUs; capture on one machine for those")
+    if config.simulate_swaps is not None or config.resident is not None:
+        raise UsageError("--agents does not yet swap ranks on GPUs (--resident, --simulate-swaps): every rank "
+                         "placed on a node stays resident on its GPUs; capture on one machine for those")
     check_agent_address(config.listen, config.keys, config.insecure)
     from prism.core.agents import assign_blocks
 
@@ -313,7 +314,10 @@ def plan_capture(config: CaptureConfig) -> CapturePlan:
             raise UsageError(f"--simulate-swaps {simulate}: seconds per swap must be 0 or more")
     if config.agents and device_kind_of(cmd) == "cuda":
         # the agents' GPUs, not this machine's: placed once the agents join (agent_gpu_env)
-        return CapturePlan(config, cmd, run_dir, config.slots or 0, None, [], record, agent_gpus=True)
+        notes: list[str] = []
+        limit = _allocator_budget(config, notes) if config.memory_limit_gib is not None else None
+        return CapturePlan(config, cmd, run_dir, config.slots or 0, None, notes, record, agent_gpus=True,
+                           agent_memory_limit_bytes=limit)
     try:
         gpu = plan_gpus(config.world_size, dict(layout_of(cmd)), uses_cuda=device_kind_of(cmd) == "cuda",
                         gpus=config.gpus or ("0" if simulate is not None else None), resident=config.resident,
@@ -331,17 +335,7 @@ def plan_capture(config: CaptureConfig) -> CapturePlan:
         if gpu is None or gpu.simulated:
             raise UsageError("--memory-limit emulates a smaller GPU for ranks that use one: give the script a cuda "
                              "device (or --gpus)")
-        budget = config.memory_limit_gib - config.memory_overhead_gib
-        if budget <= 0:
-            raise UsageError(f"--memory-limit {config.memory_limit_gib} GiB leaves nothing for torch's allocator "
-                             f"after --memory-overhead {config.memory_overhead_gib} GiB")
-        gpu.memory_limit_bytes = int(budget * 2**30)
-        notes.append(f"--memory-limit {config.memory_limit_gib:g} GiB: torch's allocator may hold {budget:.2f} GiB "
-                     f"per rank, the limit less {config.memory_overhead_gib:g} GiB (--memory-overhead) for what a "
-                     "rank's GPU holds outside the allocator and Prism cannot see: the CUDA context (about 0.6 GiB "
-                     "on an H200) and, in the real job, NCCL's buffers (0.8-1.5 GiB per rank measured on H200s; "
-                     "add them to --memory-overhead for a job that uses NCCL); a request past the budget raises "
-                     "torch.OutOfMemoryError in the rank")
+        gpu.memory_limit_bytes = _allocator_budget(config, notes)
     if gpu is None and simulate is None and not any(w == "cpu" or w.startswith("cpu:") for w in cmd):
         seen = visible_gpus()
         if seen:
@@ -351,6 +345,22 @@ def plan_capture(config: CaptureConfig) -> CapturePlan:
                          "script its CPU flag")
     slots = gpu.slots if gpu is not None else (config.slots or os.cpu_count() or 1)
     return CapturePlan(config, cmd, run_dir, slots, gpu, notes, record)
+
+
+def _allocator_budget(config: CaptureConfig, notes: list[str]) -> int:
+    """``--memory-limit``: torch's allocator budget per rank in bytes (the
+    limit less ``--memory-overhead``), with a note on what it leaves out."""
+    budget = config.memory_limit_gib - config.memory_overhead_gib
+    if budget <= 0:
+        raise UsageError(f"--memory-limit {config.memory_limit_gib} GiB leaves nothing for torch's allocator "
+                         f"after --memory-overhead {config.memory_overhead_gib} GiB")
+    notes.append(f"--memory-limit {config.memory_limit_gib:g} GiB: torch's allocator may hold {budget:.2f} GiB "
+                 f"per rank, the limit less {config.memory_overhead_gib:g} GiB (--memory-overhead) for what a "
+                 "rank's GPU holds outside the allocator and Prism cannot see: the CUDA context (about 0.6 GiB "
+                 "on an H200) and, in the real job, NCCL's buffers (0.8-1.5 GiB per rank measured on H200s; "
+                 "add them to --memory-overhead for a job that uses NCCL); a request past the budget raises "
+                 "torch.OutOfMemoryError in the rank")
+    return int(budget * 2**30)
 
 
 def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
@@ -363,7 +373,8 @@ def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
                        nproc_per_node=c.nproc_per_node, show_ranks=c.show_ranks, quiet_s=c.quiet_s,
                        progress=c.progress, gpu=plan.gpu, record=plan.record,
                        small_tensor_limit=c.small_tensor_limit, agents=c.agents, listen=c.listen, keys=c.keys,
-                       insecure=c.insecure, agent_wait_s=c.agent_wait_s, agent_gpus=plan.agent_gpus)
+                       insecure=c.insecure, agent_wait_s=c.agent_wait_s, agent_gpus=plan.agent_gpus,
+                       agent_memory_limit_bytes=plan.agent_memory_limit_bytes)
 
 
 def agent_key(hello: Any) -> tuple[str, str, int]:
@@ -407,13 +418,15 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
                 record: PL.RecordPlan | None = None,
                 small_tensor_limit: int = T.DEFAULT_SMALL_TENSOR_LIMIT, agents: int = 0,
                 listen: str | None = None, keys: str | os.PathLike[str] | None = None, insecure: bool = False,
-                agent_wait_s: float = 60.0, agent_gpus: bool = False) -> CaptureOutcome:
+                agent_wait_s: float = 60.0, agent_gpus: bool = False,
+                agent_memory_limit_bytes: int | None = None) -> CaptureOutcome:
     """Capture ``cmd`` as ``world_size`` ranks into ``run_dir``. ``gpu`` is a
     ``prism.shell.gpu_plan.GpuPlan`` (None: CPU); ``record`` what to keep of
     the chosen ranks' payloads. ``agents``: serve the ranks through that many
     ``prism agent`` processes joining ``listen`` (CURVE with ``keys`` unless
     ``insecure``); ``agent_gpus``: a CUDA command on the agents' GPUs
-    (``agent_gpu_env``). Raises ``UsageError`` when a GPU swap cannot be set up,
+    (``agent_gpu_env``), each rank's allocator held to
+    ``agent_memory_limit_bytes`` if given (``--memory-limit``). Raises ``UsageError`` when a GPU swap cannot be set up,
     ``AgentsError`` when the agents do not join."""
     run_dir = Path(run_dir)
     cmd = list(cmd)
@@ -434,6 +447,11 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         node_env: dict[tuple[str, str, int], dict[str, str]] = {}
         if agent_gpus:
             node_env = place_on_agent_gpus(agent_procs)
+            if agent_memory_limit_bytes is not None:
+                from prism.rank.oom import MEMORY_LIMIT_ENV
+
+                for e in node_env.values():
+                    e[MEMORY_LIMIT_ENV] = str(agent_memory_limit_bytes)
             # one rank computes per GPU at a time, as on one machine
             agent_slots = sum(agent_procs.node_slots(gpus=True)[1])
         # --slots caps the run as a whole; each node computes on its own slots.
@@ -442,7 +460,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
     # so (scripts that take CUDA when it is there); simulated swaps run on CPU.
     kind = ("cuda" if (gpu is not None and not getattr(gpu, "simulated", False)) or agent_gpus
             else device_kind_of(cmd))
-    limit = getattr(gpu, "memory_limit_bytes", None)
+    limit = getattr(gpu, "memory_limit_bytes", None) or (agent_memory_limit_bytes if agent_gpus else None)
     notes = (("allocator_limit_bytes", str(limit)),) if limit else ()
     if record is not None:
         notes += (("record_ranks", compact_ranks(sorted(record.ranks))),

@@ -147,11 +147,11 @@ def _check_agent_options(config: EmulateConfig, device_kind: str | None) -> None
     if config.gpus is not None:
         raise UsageError("--gpus names this machine's GPUs; with --agents each node's agent offers its own "
                          "(`prism agent --gpus 0,1`): drop --gpus")
-    if config.device_path:
-        raise UsageError("--agents does not yet run GPU sandboxes on the device path (--device-path): emulate on "
-                         "one machine for that, or drop --device-path (the host path runs through agents)")
     if config.memory_limit_gib is not None and device_kind != "cuda":
         raise UsageError("--memory-limit emulates a smaller GPU, but this capture ran on CPU")
+    if config.device_path and device_kind != "cuda":
+        raise UsageError("--device-path runs GPU sandboxes on the device path, but this capture ran on CPU: "
+                         "drop --device-path")
     check_agent_address(config.listen, config.keys, config.insecure)
 
 
@@ -224,49 +224,33 @@ def _gpu_limits(config: EmulateConfig, env: dict[str, str], pool_gib: float) -> 
     return env
 
 
-#: How long ``prepare_kernels`` waits for cuda_ext's build (s).
-KERNEL_BUILD_TIMEOUT_S = 900.0
-
-
-def prepare_kernels(env: dict[str, str], note: Any = None, timeout_s: float = KERNEL_BUILD_TIMEOUT_S) -> dict:
-    """``--device-path``: build (or just load) cuda_ext's kernels in a
-    short-lived process before any sandbox starts, and return its
-    ``cuda_ext.info()`` as a dict (``path``: "kernels" or "fallback",
-    ``reason``). A first build takes about a minute (nvcc); inside a sandbox
-    it would stall the rank's first call, trip ``--quiet`` and, killed
-    mid-build, leave torch's build lock behind for the next run (found on an
-    H200 with ``bench/scale.py --device cuda``, 2026-12-04). Once built the
-    check costs a torch import. ``env``: the sandboxes' environment (their
-    ``PRISM_CUDA_EXT_DIR``, if set, names the build)."""
-    import subprocess
+def prepare_kernels(env: dict[str, str], note: Any = None, timeout_s: float | None = None) -> dict:
+    """``--device-path`` on this machine: build (or just load) cuda_ext's
+    kernels before any sandbox starts (``prism.shell.kernels.check_kernels``;
+    through agents each node's agent does it) and return ``cuda_ext.info()``
+    as a dict (``path``: "kernels" or "fallback", ``reason``). ``env``: the
+    sandboxes' environment."""
     import sys
 
-    note = note or (lambda text: print(f"prism emulate: {text}", file=sys.stderr, flush=True))
-    code = "import json, cuda_ext; print(json.dumps(cuda_ext.info().__dict__))"
-    t0 = time.monotonic()
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
-                              text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise UsageError(f"--device-path: building cuda_ext's kernels took over {timeout_s:g} s; build them "
-                         "first with `python -c 'import cuda_ext; print(cuda_ext.info())'` (PRISM_CUDA_EXT_VERBOSE=1 "
-                         "shows the compiler), or emulate without --device-path") from None
-    import json
+    from prism.shell.kernels import KERNEL_BUILD_TIMEOUT_S, KernelCheckError, check_kernels, describe
 
+    note = note or (lambda text: print(f"prism emulate: {text}", file=sys.stderr, flush=True))
     try:
-        info = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise UsageError("--device-path: loading cuda_ext failed (exit code "
-                         f"{proc.returncode}): {' | '.join(tail) or 'no output'}") from None
-    took = time.monotonic() - t0
-    if info.get("build_s") and info["build_s"] > 5:
-        note(f"built cuda_ext's kernels in {info['build_s']:.0f} s into {info.get('build_dir')} (once per torch "
-             "version; later runs load them)")
-    elif info.get("path") != "kernels":
-        note(f"cuda_ext's kernels are not in use ({info.get('reason')}): the device path runs on its pure-torch "
-             f"fallback where it can (checked in {took:.1f} s)")
+        info = check_kernels(env, KERNEL_BUILD_TIMEOUT_S if timeout_s is None else timeout_s)
+    except KernelCheckError as e:
+        raise UsageError(f"--device-path: {e}") from None
+    if (line := describe(info)) is not None:
+        note(line)
     return info
+
+
+def agents_kernels(per_node: dict[str, dict]) -> dict:
+    """The summary's ``cuda_ext`` for sandboxes on agents' nodes: the path
+    all nodes took (or "mixed"), the first reason, and each node's check."""
+    paths = sorted({info.get("path") for info in per_node.values()})
+    reasons = [info.get("reason") for info in per_node.values() if info.get("reason")]
+    return {"path": paths[0] if len(paths) == 1 else "mixed", "reason": reasons[0] if reasons else "",
+            "nodes": per_node}
 
 
 _DP_FLAG = re.compile(r"--dp(?:=(\d+))?$")
@@ -444,7 +428,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     env = _gpu_env(config, manifest.device_kind, sandbox, pool / 2**30)
     from prism.rank.envnames import GPU_SANDBOX_ENV
 
-    kernels = prepare_kernels(env) if env.get(GPU_SANDBOX_ENV) == "1" else None
+    # through agents, each node checks its own (prism.shell.agent._prepare_kernels)
+    kernels = prepare_kernels(env) if env.get(GPU_SANDBOX_ENV) == "1" and not config.agents else None
     if recordings:
         from prism.rank.envnames import POOL_ENV, RECORDING_ENV
 
@@ -508,6 +493,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     finally:
         if agent_procs is not None:
             agent_procs.close()
+            if agent_procs.kernels:
+                kernels = agents_kernels(agent_procs.kernels)
     wall = time.perf_counter() - wall0
     rss["run"] = _peak_rss()
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)

@@ -4,7 +4,9 @@ a launcher's environment).
 
 An agent says ``AgentHello`` (its node, host, slots, GPUs, pid, protocol
 version); once the coordinator has every agent it expects it sends each a
-``Launch`` with its block of ranks. The agent starts them with its own fork
+``Launch`` with its block of ranks (for device-path sandboxes it first
+checks cuda_ext's kernels on its node and says ``Prepared``, beating while
+a build runs; protocol 2). The agent starts them with its own fork
 server and reports ``Exits`` as they end, with an ``AgentBeat`` every
 ``BEAT_S``; the coordinator beats back (``CoordinatorBeat``) and may send
 ``KillAll``. Messages are plain dicts (``encode``/``decode``; the shell
@@ -19,11 +21,11 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 __all__ = ["AGENT_PROTOCOL_VERSION", "BEAT_S", "AgentProtocolError", "AgentHello", "Launch", "Exits",
-           "AgentBeat", "CoordinatorBeat", "KillAll", "Refused", "encode", "decode", "assign_blocks",
+           "Prepared", "AgentBeat", "CoordinatorBeat", "KillAll", "Refused", "encode", "decode", "assign_blocks",
            "place_ranks",
            "Discovery", "discover", "expand_nodelist", "rank_span"]
 
-AGENT_PROTOCOL_VERSION = 1
+AGENT_PROTOCOL_VERSION = 2
 #: How often agents and the coordinator beat; an agent silent for
 #: ``LOST_AFTER_S`` counts as lost (its node died or its process was killed).
 BEAT_S = 0.5
@@ -75,6 +77,16 @@ class Exits:
 
 
 @dataclass(frozen=True, slots=True)
+class Prepared:
+    """A node checked cuda_ext's kernels before starting its device-path
+    sandboxes (``cuda_ext.info()`` as a dict, with ``checked_s``); ``error``:
+    the check failed (its ranks do not start and the run ends naming it)."""
+
+    kernels: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class AgentBeat:
     running: int
 
@@ -99,8 +111,8 @@ class Refused:
     retry: bool = False
 
 
-_TYPES: dict[str, type] = {c.__name__: c for c in (AgentHello, Launch, Exits, AgentBeat, CoordinatorBeat,
-                                                    KillAll, Refused)}
+_TYPES: dict[str, type] = {c.__name__: c for c in (AgentHello, Launch, Exits, Prepared, AgentBeat,
+                                                    CoordinatorBeat, KillAll, Refused)}
 _TUPLES = {"gpus", "ranks", "command", "show_ranks"}
 
 

@@ -38,6 +38,7 @@ import orjson
 import zmq
 
 from prism.core import agents as A
+from prism.rank.envnames import GPU_SANDBOX_ENV
 
 __all__ = ["AgentError", "AgentInterrupted", "AgentProcesses", "AgentConfig", "AgentOutcome", "run_agent"]
 
@@ -93,6 +94,8 @@ class AgentProcesses:
         self.returncodes: list[int | None] = [None] * world_size
         #: rank -> its process's peak resident memory (bytes), as its agent reported at its exit
         self.peak_rss: dict[int, int] = {}
+        #: node -> its ``Prepared.kernels`` (device-path sandboxes: cuda_ext as checked on that node)
+        self.kernels: dict[str, dict] = {}
         self._peers: dict[bytes, _Peer] = {}
         #: Whether ``launch`` sent the Launches (``close`` refuses agents otherwise).
         self._launched = False
@@ -199,6 +202,17 @@ class AgentProcesses:
                         self.returncodes[rank] = code
                         if rank in msg.rss:
                             self.peak_rss[rank] = msg.rss[rank]
+                self._cond.notify_all()
+            elif isinstance(msg, A.Prepared):
+                if msg.error:
+                    if not self._lost_text:
+                        self._lost_text = (f"{peer.describe()} could not start its device-path sandboxes: "
+                                           f"{msg.error} (on that node)")
+                    for r in peer.ranks:
+                        if self.returncodes[r] is None:
+                            self.returncodes[r] = 1
+                else:
+                    self.kernels[peer.hello.node] = dict(msg.kernels)
                 self._cond.notify_all()
 
     def _check_lost(self, now: float) -> None:
@@ -491,6 +505,9 @@ def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) 
         env = dict(launch.env)
         if keys is not None and not launch.insecure:
             env[C.KEYS_ENV] = str(keys)
+        if env.get(GPU_SANDBOX_ENV) == "1" and not _prepare_kernels(env, send, len(launch.ranks), on_note):
+            return AgentOutcome(list(launch.ranks), {r: 1 for r in launch.ranks},
+                                "cuda_ext's kernels could not be checked on this node")
         procs = launch_ranks(launch.world_size, launch.endpoint, launch.run_dir, list(launch.command),
                              nproc_per_node=launch.nproc_per_node, show_ranks=list(launch.show_ranks), env=env,
                              cwd=launch.cwd, ranks=list(launch.ranks))
@@ -505,6 +522,25 @@ def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) 
         sock.disable_monitor()
         mon.close(linger=0)
         sock.close()
+
+
+def _prepare_kernels(env: dict[str, str], send: Callable[[object], None], ranks: int,
+                     on_note: Callable[[str], None]) -> bool:
+    """Device-path sandboxes on this node: build or load cuda_ext's kernels
+    here first (``prism.shell.kernels``), beating while a build runs, and
+    tell the coordinator (``Prepared``). False when the check failed."""
+    from prism.shell.kernels import KernelCheckError, check_kernels, describe
+
+    try:
+        info = check_kernels(env, tick=lambda: send(A.AgentBeat(ranks)), tick_s=A.BEAT_S)
+    except KernelCheckError as e:
+        on_note(f"--device-path: {e}")
+        send(A.Prepared({}, str(e)))
+        return False
+    if (line := describe(info)) is not None:
+        on_note(line)
+    send(A.Prepared(info))
+    return True
 
 
 def _recv(sock: zmq.Socket) -> object:

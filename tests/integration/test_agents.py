@@ -220,14 +220,15 @@ GPT_W4 = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "1", "--dp", "2", "-
 
 
 def emulated(tmp_path: Path, run: Path, sandbox: str, agents: int, name: str, *, ep: str | None = None,
-             wrap: dict[int, list[str]] | None = None, agent_args: tuple = ()):
+             wrap: dict[int, list[str]] | None = None, agent_args: tuple = (), emu_args: tuple = ()):
     """``prism emulate RUN --agents N`` (started first) and its agents, on
-    loopback tcp with CURVE (or ``ep``); ``wrap[i]``: a command agent i runs under."""
+    loopback tcp with CURVE (or ``ep``); ``wrap[i]``: a command agent i runs
+    under; ``emu_args``: more options for the emulation."""
     if not (tmp_path / "keys").exists():  # a capture served by agents in the same test made them
         make_keys(tmp_path / "keys")
     ep = ep or free_tcp_endpoint()
     emu = start(tmp_path, "emulate", str(run), "--sandbox", sandbox, "--agents", str(agents), "--listen", ep,
-                "--keys", "keys", "--name", name, "--progress", "off", out="emu.out", keep_stdout=True)
+                "--keys", "keys", "--name", name, "--progress", "off", *emu_args, out="emu.out", keep_stdout=True)
     ags = []
     for i in range(agents):
         args = ["agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i), *agent_args]
@@ -513,8 +514,8 @@ def test_a_cuda_capture_gives_each_node_its_own_gpus(tmp_path):
     make_keys(tmp_path / "keys")
     ep = free_tcp_endpoint()
     cap = start(tmp_path, "capture", "-n", "4", "--agents", "2", "--listen", ep, "--keys", "keys", "--out", "run",
-                "--progress", "off", "--show-ranks", "none", "--", str(SCRIPTS / "env_worker.py"), str(tmp_path),
-                "--device", "cuda", out="cap.err")
+                "--progress", "off", "--show-ranks", "none", "--memory-limit", "3", "--",
+                str(SCRIPTS / "env_worker.py"), str(tmp_path), "--device", "cuda", out="cap.err")
     ags = [start(tmp_path, "agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i), "--gpus", g,
                  out=f"agent{i}.err") for i, g in enumerate(offers)]
     try:
@@ -526,9 +527,13 @@ def test_a_cuda_capture_gives_each_node_its_own_gpus(tmp_path):
     envs = [json.loads((tmp_path / f"env{r}.json").read_text())["env"] for r in range(4)]
     assert [(e["PRISM_GPUS"], e["PRISM_NODE_RANKS"]) for e in envs] == [(offers[0], "0-1"), (offers[0], "0-1"),
                                                                         (offers[1], "2-3"), (offers[1], "2-3")]
+    # --memory-limit through agents: each node's ranks get the same allocator budget (3 GiB less the 0.6 overhead)
+    budget = int((3 - 0.6) * 2**30)
+    assert [e.get("PRISM_MEMORY_LIMIT_BYTES") for e in envs] == [str(budget)] * 4
     from prism.app.predict import load_run_manifest
 
-    assert load_run_manifest(tmp_path / "run").device_kind == "cuda"
+    manifest = load_run_manifest(tmp_path / "run")
+    assert manifest.device_kind == "cuda" and dict(manifest.notes)["allocator_limit_bytes"] == str(budget)
     assert f"with GPUs {offers[1]}" in (tmp_path / "agent1.err").read_text()
     assert not forkservers(tmp_path)
 
@@ -578,4 +583,53 @@ def test_two_agents_on_one_gpu_capture_and_emulate_like_one_machine(tmp_path, sh
         info = s["ranks"][r]
         assert info["recorded"] and not info["divergence"] and info["peaks_equal"] is True, (r, info)
     assert s["calls"]["compensated"] == 0 and s["calls"]["recorded"] > 0
+    assert not forkservers(tmp_path)
+
+
+@pytest.mark.gpu(reason="device-path sandboxes on two agents' nodes (both on GPU 0)")
+def test_device_path_sandboxes_through_agents_give_the_captures_losses(tmp_path, shared_captures):
+    """``--device-path`` through agents: each agent checks cuda_ext's kernels
+    on its node before its sandboxes start (the summary's ``cuda_ext`` names
+    every node's check); the recorded sandboxes 0 and 2, one per node, give
+    the capture's losses and torch peaks."""
+    cmd = [*GPT_W4, "--device", "cuda"]
+    proc, plain = shared_captures.get(4, cmd, "--gpus", "0", "--record", "0,2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    emu, ags = emulated(tmp_path, plain, "0,2", 2, "agents-dp", agent_args=("--gpus", "0"),
+                        emu_args=("--device-path",))
+    try:
+        assert emu.wait(timeout=300) == 0, (tmp_path / "emu.out").read_text()
+        assert [a.wait(timeout=30) for a in ags] == [0, 0]
+    finally:
+        reap(emu, *ags)
+    s = json.loads((plain / "emulation" / "agents-dp" / "summary.json").read_text())
+    assert s["status"] == "ok" and [a["ranks"] for a in s["agents"]] == [[0], [2]]
+    assert s["cuda_ext"]["path"] == "kernels" and len(s["cuda_ext"]["nodes"]) == 2, s["cuda_ext"]
+    assert s["ranks"]["0"]["losses_equal"] is True, s["ranks"]["0"]
+    for r in ("0", "2"):
+        info = s["ranks"][r]
+        assert info["recorded"] and not info["divergence"] and info["peaks_equal"] is True, (r, info)
+    assert s["calls"]["reached_on_gpu"] > 0, s["calls"]
+    assert not forkservers(tmp_path)
+
+
+@pytest.mark.gpu(reason="an OOM under --memory-limit on an agent's GPU")
+def test_an_oom_under_a_memory_limit_through_agents_is_a_named_result(tmp_path):
+    """``--memory-limit`` through agents: each node's ranks get the
+    allocator budget, and the rank that passes it is reported as on one machine
+    (the script reads only its first argument; ``--device cuda`` tells Prism
+    it runs on CUDA, as a training script's flag would)."""
+    from tests.support.rank_harness import SCRIPTS
+
+    cap, ags = served(tmp_path, 2, [str(SCRIPTS / "oom_worker.py"), "0.5", "--device", "cuda"], 2, "--memory-limit", "4.6",
+                      agent_args=("--gpus", "0"))
+    try:
+        # rank 1 asks for 1, 2, 3, 4 GiB: the 4 GiB of step 3 passes the 4.0 GiB budget (4.6 - 0.6)
+        assert cap.wait(timeout=240) == 3, (tmp_path / "cap.err").read_text()
+        [a.wait(timeout=30) for a in ags]
+    finally:
+        reap(cap, *ags)
+    err = (tmp_path / "cap.err").read_text()
+    assert "capture FAILED (oom)" in err and "rank 1 ran out of GPU memory in step 3" in err, err[-3000:]
+    assert "against the --memory-limit allocator budget of 4.00 GiB" in err, err[-3000:]
     assert not forkservers(tmp_path)

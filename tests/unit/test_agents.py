@@ -11,6 +11,7 @@ from prism.core import agents as A
     A.AgentHello("n1#1", "n1", 16, (0, 1), 123, node_rank=1),
     A.Launch((4, 5, 6, 7), 8, "tcp://h:1", "/shared/run", ("-m", "x", "--tp", "2"), "/w", 8, {"A": "1"}, (4,)),
     A.Exits({3: 0, 7: -9}), A.Exits({2: 0}, {2: 123 << 20}),
+    A.Prepared({"path": "kernels", "reason": "", "checked_s": 1.5}), A.Prepared({}, "loading cuda_ext failed"),
     A.AgentBeat(2), A.CoordinatorBeat(), A.KillAll("why"), A.Refused("no"),
 ])
 def test_messages_round_trip_through_json(msg):
@@ -21,12 +22,12 @@ def test_messages_round_trip_through_json(msg):
 
 def test_another_version_or_a_bad_message_is_named():
     d = A.encode(A.AgentBeat(1))
-    with pytest.raises(A.AgentProtocolError, match="version 99, this side speaks 1: run the same Prism"):
+    with pytest.raises(A.AgentProtocolError, match="version 99, this side speaks 2: run the same Prism"):
         A.decode({**d, "v": 99})
     with pytest.raises(A.AgentProtocolError, match="unknown agent message type 'Nope'"):
         A.decode({**d, "t": "Nope"})
     with pytest.raises(A.AgentProtocolError, match="bad Exits"):
-        A.decode({"t": "Exits", "v": 1, "codes": {"x": 1}})
+        A.decode({"t": "Exits", "v": A.AGENT_PROTOCOL_VERSION, "codes": {"x": 1}})
     with pytest.raises(A.AgentProtocolError, match="not an agent message"):
         A.decode([1])
 
@@ -145,7 +146,17 @@ def test_capture_options_for_agents_are_checked(tmp_path):
     # a CUDA command through agents: planned on the agents' GPUs once they join, not this machine's
     plan = plan_capture(CaptureConfig(4, [*cmd, "--device", "cuda"], out=tmp_path / "run", agents=2,
                                       listen="tcp://127.0.0.1:1", insecure=True))
-    assert plan.agent_gpus and plan.gpu is None
+    assert plan.agent_gpus and plan.gpu is None and plan.agent_memory_limit_bytes is None
+    # --memory-limit through agents: every node's ranks get the same allocator budget
+    plan = plan_capture(CaptureConfig(4, [*cmd, "--device", "cuda"], out=tmp_path / "run", agents=2,
+                                      listen="tcp://127.0.0.1:1", insecure=True, memory_limit_gib=2.6))
+    assert plan.agent_memory_limit_bytes == 2 * 2**30 and "torch's allocator may hold 2.00 GiB" in plan.notes[0]
+    for kw, match in [(dict(memory_limit_gib=0.5), "leaves nothing for torch's allocator"),
+                      (dict(memory_limit_gib=4, cpu=True), "emulates a smaller GPU for ranks that use one")]:
+        cpu = kw.pop("cpu", False)
+        with pytest.raises(UsageError, match=match):
+            plan_capture(CaptureConfig(4, [*cmd, "--device", "cpu" if cpu else "cuda"], out=tmp_path / "run",
+                                       agents=2, listen="tcp://127.0.0.1:1", insecure=True, **kw))
 
 
 def test_a_cuda_capture_puts_each_nodes_ranks_on_its_own_gpus():

@@ -34,7 +34,7 @@ def test_gpus_must_be_visible_and_well_formed(monkeypatch):
 @pytest.mark.parametrize("kw, match", [
     ({"keys": "k"}, "--listen, --keys and --insecure are for an emulation served by agents: add --agents N"),
     ({"agents": 2, "gpus": "0"}, "each node's agent offers its own"),
-    ({"agents": 2, "device_path": True}, "--agents does not yet run GPU sandboxes on the device path"),
+    ({"agents": 2, "device_path": True}, "--device-path runs GPU sandboxes on the device path, but this capture ran on CPU"),
     ({"agents": 2, "memory_limit_gib": 4}, "--memory-limit emulates a smaller GPU, but this capture ran on CPU"),
     ({"agents": 2}, "needs --listen tcp://HOST:PORT"),
     ({"agents": 2, "listen": "tcp://127.0.0.1:1"}, "pass --keys DIR .* or --insecure"),
@@ -99,3 +99,52 @@ def test_the_device_path_checks_cuda_ext_before_any_sandbox_starts(tmp_path, mon
     with pytest.raises(UsageError, match="loading cuda_ext failed .exit code 1.: .*no such build"):
         monkeypatch.chdir(tmp_path)
         E.prepare_kernels({}, notes.append)
+
+
+def test_a_kernel_check_beats_while_it_runs_and_names_a_broken_build(tmp_path, monkeypatch):
+    from prism.shell.kernels import KernelCheckError, check_kernels
+
+    ticks = []
+    info = check_kernels({"PRISM_CUDA_EXT": "off"}, tick=lambda: ticks.append(1), tick_s=0.01)
+    assert info["path"] == "fallback" and info["checked_s"] > 0 and ticks  # a python start outlasts 10 ms
+    (tmp_path / "cuda_ext.py").write_text("import time; time.sleep(30)\n")  # a build that never ends
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(KernelCheckError, match="took over 0.3 s; build them first"):
+        check_kernels({}, timeout_s=0.3, tick_s=0.05)
+
+
+def test_an_agent_checks_the_kernels_on_its_node_before_its_device_path_sandboxes(tmp_path, monkeypatch):
+    """Through agents each node builds or loads cuda_ext itself (a Prepared
+    to the coordinator, beating meanwhile); a node whose check fails starts
+    none of its ranks and the run's report names it."""
+    import threading
+
+    from prism.shell import agent as AG
+    from transport.endpoints import free_tcp_endpoint
+
+    sent = []
+    assert AG._prepare_kernels({"PRISM_CUDA_EXT": "off"}, sent.append, 2, lambda _: None)
+    prepared = [m for m in sent if isinstance(m, AG.A.Prepared)]
+    assert len(prepared) == 1 and prepared[0].kernels["reason"] == "PRISM_CUDA_EXT=off" and not prepared[0].error
+
+    (tmp_path / "cuda_ext.py").write_text("raise ImportError('no such build')\n")  # this node's install is broken
+    monkeypatch.chdir(tmp_path)
+    ep = free_tcp_endpoint()
+    procs = AG.AgentProcesses(ep, 1, 4, keys=None, insecure=True)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(o=AG.run_agent(AG.AgentConfig(ep, insecure=True, node="n7",
+                                                                                  wait_s=20))))
+    t.start()
+    try:
+        procs.wait_agents(20)
+        procs.place(1, [2])
+        procs.launch("tcp://127.0.0.1:1", tmp_path / "emu", ["-c", "raise SystemExit(3)"],
+                     env={"PRISM_GPU_SANDBOX": "1"})
+        assert procs.wait(timeout=20)[2] == 1
+        assert "agent n7" in procs.lost() and "ranks 2" in procs.lost()
+        assert "could not start its device-path sandboxes: loading cuda_ext failed" in procs.lost()
+        assert "no such build" in procs.lost() and not procs.kernels
+    finally:
+        procs.close()
+        t.join(timeout=20)
+    assert out["o"].codes == {2: 1} and "could not be checked" in out["o"].stopped

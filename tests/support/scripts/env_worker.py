@@ -23,7 +23,7 @@ record = {
     "env": {k: os.environ.get(k) for k in (
         "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
         "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "PRISM_COORDINATOR", "PRISM_GPUS",
-        "PRISM_NODE_RANKS")},
+        "PRISM_NODE_RANKS", "PRISM_MEMORY_LIMIT_BYTES")},
     "threads": torch.get_num_threads(),
     "cpus": sorted(os.sched_getaffinity(0)),
     "backend": dist.get_backend(),
