@@ -27,7 +27,7 @@
 #   SEGS     truth-segments / truth-timeline workloads (gpt-tp2, pp2, moe, fsdp2)
 #   SMI=0    do not sample the GPUs' clocks into $OUT/r/smi.csv (nccl-accuracy*)
 #   PROBE=1  nccl-accuracy*: sample the CPU's single-thread speed beside the runs
-#   TESTS    gpu-tests: the test files (run with -m gpu)
+#   TESTS    gpu-tests: the test files (run with -m gpu); TG its bound in s (default 200)
 set -u
 OUT=${OUT:-/tmp/prism-out}
 R=$OUT/r
@@ -116,7 +116,7 @@ suite_netprofile() {  # NCCL collectives on this machine's GPUs, fitted into a c
 
 suite_gpu_tests() {  # the tests marked gpu
   # shellcheck disable=SC2086 (TESTS splits on purpose)
-  x "$R/gpu-tests.txt" 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  x "$R/gpu-tests.txt" "${TG:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu \
     ${TESTS:-tests/integration/test_gputime.py tests/integration/test_devices.py tests/integration/test_backend.py tests/unit/test_netprofile.py tests/integration/test_swap.py}
 }
 
