@@ -141,14 +141,16 @@ suite_emulate_accuracy_16() {  # the same at world 16 (GPT in two layouts, the M
     --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} --out "$R/accuracy-world16.json"
 }
 
-suite_calibration() {  # slice calibration vs truth on the host's cores: bare, calibrated, symmetric; W=8 16; POLLUTED=1 (PLAIN=0: only that)
+suite_calibration() {  # slice calibration vs truth on the host's cores: bare, calibrated, symmetric; W=8 16; POLLUTED=1 (PLAIN=0: only that; CALCONFIGS: --configs)
   local netp=${NETP:-bench/results/netprofile-2026-12-02-h200cpu-gloo.toml} w
   for w in ${W:-8}; do
     [ "${PLAIN:-1}" != 0 ] && x "$R/calibration-world$w.txt" ${TW:-280} python3 bench/calibration.py --world "$w" \
-      --runs ${RUNS:-3} --net "$netp" --variants ${VARIANTS:-calibrated,symmetric} --out "$R/calibration-world$w.json"
+      --runs ${RUNS:-3} --net "$netp" --variants ${VARIANTS:-calibrated,symmetric} ${CALCONFIGS:+--configs $CALCONFIGS} \
+      --out "$R/calibration-world$w.json"
     if [ -n "${POLLUTED:-}" ]; then  # a capture of every rank at once on a quarter of the cores
       x "$R/calibration-world$w-polluted.txt" ${TW:-280} python3 bench/calibration.py --world "$w" --runs ${RUNS:-3} \
-        --capture-cores $((w / 4)) --capture-slots "$w" --net "$netp" --variants ${VARIANTS:-calibrated,symmetric} --out "$R/calibration-world$w-polluted.json"
+        --capture-cores $((w / 4)) --capture-slots "$w" --net "$netp" --variants ${VARIANTS:-calibrated,symmetric} \
+        ${CALCONFIGS:+--configs $CALCONFIGS} --out "$R/calibration-world$w-polluted.json"
     fi
   done
 }
