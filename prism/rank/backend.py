@@ -206,6 +206,8 @@ class _Op:
         #: ``release_flag`` (releaser, slot, value), flipped at the release;
         #: a wait from the host returns at once, as NCCL's does.
         self.release_flag: tuple[Any, int, int] | None = None
+        #: The device path's call-log record (``PRISM_DEVICE_CALL_LOG``), if any.
+        self.call_log: dict | None = None
         #: An async device-path call on the side stream (``devicepath.SideStream``):
         #: the event after its outputs, which a wait (or the future) orders
         #: the consumer's stream behind; its tensors, held until then (NCCL's
@@ -565,6 +567,9 @@ class PrismProcessGroup(dist.ProcessGroup):
         pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
         pending.release_flag = (rel, slot, value)
+        dev = anyt[0].device if anyt else None
+        rec = pending.call_log = devicepath.call_record(op=op, gid=self.gid, seq=seq, t0=t0, async_op=async_op,
+                                                        recorded=recorded, busy0=devicepath.stream_busy(dev))
         pending.hold_weakly()
         nbytes = sum(t.numel() * t.element_size() for t in declared)
 
@@ -582,6 +587,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         # release can come (the flags only grow: a release before the wait
         # is queued lets it pass at once).
         rt.send_call(msg)
+        if rec is not None:
+            rec["t_sent"] = time.monotonic_ns()
         rt.on_done(fut, lambda f: _complete_from_future(pending, f))
         side = devicepath.side_stream(anyt[0].device) if async_op and anyt else None
         with side.run(pending, anyt) if side is not None else contextlib.nullcontext():
@@ -591,7 +598,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             if reach:
                 gid = self.gid
                 rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, seq, rt.emu_ns(at))),
-                          rt.add_dilation)
+                          rt.add_dilation, rec)
             if recorded:
                 with torch.no_grad():
                     for r, o in zip(refs, outputs):
@@ -600,7 +607,10 @@ class PrismProcessGroup(dist.ProcessGroup):
                 devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs,
                                         in_splits, out_splits)
         work = self._issued(PrismWork(pending))
-        devicepath.count_issue(time.monotonic_ns() - t0)
+        t1 = time.monotonic_ns()
+        devicepath.count_issue(t1 - t0)
+        if rec is not None:
+            rec["t1"], rec["busy1"] = t1, devicepath.stream_busy(dev)
         return work
 
     def _check_len(self, call: str, what: str, items: Sequence[Any], n: int) -> None:
@@ -888,6 +898,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         pending.wait_key = wait_key_p2p(peer, rt.rank, tag, pseq)
         pending.release_flag = (rel, slot, value)
         pending.hold_weakly()
+        rec = pending.call_log = devicepath.call_record(op="recv", peer=peer, tag=tag, pseq=pseq, t0=t0,
+                                                        busy0=devicepath.stream_busy(t.device))
 
         def finish(p: _Op) -> list[Any]:
             return [trace.P2P(
@@ -912,14 +924,17 @@ class PrismProcessGroup(dist.ProcessGroup):
         if reach:
             gid = protocol.recv_reach_gid(peer, tag)
             rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, pseq, rt.emu_ns(at))),
-                      rt.add_dilation)
+                      rt.add_dilation, rec)
         with torch.no_grad():
             if recorded:
                 feed.deliver(ref, t)  # type: ignore[union-attr]
             else:
                 t.zero_()
         work = self._issued(PrismWork(pending))
-        devicepath.count_issue(time.monotonic_ns() - t0)
+        t1 = time.monotonic_ns()
+        devicepath.count_issue(t1 - t0)
+        if rec is not None:
+            rec["t1"], rec["busy1"] = t1, devicepath.stream_busy(t.device)
         return work
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> PrismWork:
@@ -975,6 +990,9 @@ def _complete_from_future(pending: _Op, fut: Any) -> None:
         # is flipped now and no Python thread has to wake on time.
         rel, slot, value = pending.release_flag
         rel.release(slot, value, pending.release_mono_ns, getattr(reply, "tail_ns", 0))
+        if pending.call_log is not None:
+            pending.call_log["due"] = pending.release_mono_ns
+            pending.call_log["tail"] = getattr(reply, "tail_ns", 0)
     else:
         _hold_until(pending.release_mono_ns)
     pending.complete(tuple(reply.payloads), None)

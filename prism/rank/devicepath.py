@@ -92,6 +92,51 @@ def count_issue(ns: int) -> None:
     _issued[2] = max(_issued[2], ns)
 
 
+CALL_LOG_ENV = "PRISM_DEVICE_CALL_LOG"
+#: ``PRISM_DEVICE_CALL_LOG=PATH`` (a diagnostic): every device-path call's
+#: host and GPU moments, one JSON line each, written to PATH (``{rank}`` is
+#: filled in) when the rank ends: ``t0`` the backend's entry, ``t_sent`` the
+#: call's message out, ``t1`` its return (monotonic ns); ``busy0``/``busy1``
+#: whether the caller's stream still had work queued at entry and return
+#: (``query()``: False means the GPU had drained and waited for this host);
+#: ``reach`` the GPU's reach (monotonic ns), ``due`` the release the emulated
+#: job asked for, ``tail`` the call's time after the reach, ``late`` how late
+#: the wait ended past its due moment.
+_call_log: list[dict] | None = None
+
+
+def call_record(**fields: Any) -> dict | None:
+    """A new record of the call log (None unless ``PRISM_DEVICE_CALL_LOG`` is set)."""
+    global _call_log
+    if not os.environ.get(CALL_LOG_ENV):
+        return None
+    if _call_log is None:
+        _call_log = []
+    rec = dict(fields)
+    _call_log.append(rec)
+    return rec
+
+
+def stream_busy(device: Any) -> bool | None:
+    """Whether the current stream of ``device`` still has queued work (None off a GPU)."""
+    if device is None or getattr(device, "type", "") != "cuda":
+        return None
+    return not torch.cuda.current_stream(device).query()
+
+
+def _write_call_log(rank: int) -> None:
+    global _call_log
+    path = os.environ.get(CALL_LOG_ENV)
+    if not path or not _call_log:
+        return
+    import json
+
+    with open(path.format(rank=rank), "w") as f:
+        for rec in _call_log:
+            f.write(json.dumps(rec) + "\n")
+    _call_log = None
+
+
 def issue_stats() -> tuple[int, float, int]:
     """(calls, mean ns, max ns) of the device-path calls issued so far."""
     n, total, top = _issued
@@ -103,6 +148,12 @@ def report() -> None:
     bootstrap calls it before the fork server's ``os._exit``, which skips
     ``atexit``)."""
     _report_issue()
+    try:
+        _write_call_log(int(os.environ.get("RANK", "0")))
+    except OSError as e:
+        import sys
+
+        print(f"prism: device path: the call log ({CALL_LOG_ENV}) could not be written: {e}", file=sys.stderr)
     if isinstance(_feed, RecordedFeed):
         _feed._report()
 
@@ -200,13 +251,14 @@ class Releaser:
         self.reports_reach = self.mode == "kernel"
         self._watcher: _Watcher | None = None
 
-    def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any) -> None:
+    def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None) -> None:
         """Report the reach of the wait just queued on ``slot`` (issued by the
         CPU at ``issue_mono_ns``): ``on_reach(reach_mono_ns)`` from the
-        watcher thread; ``on_late(ns)`` for Prism's delay it carried."""
+        watcher thread; ``on_late(ns)`` for Prism's delay it carried; ``rec``
+        (the call log's record, if any) gets ``reach`` and ``late``."""
         if self._watcher is None:
             self._watcher = _Watcher(self.flags, self.POLL_S)
-        self._watcher.add(slot, issue_mono_ns, on_reach, on_late)
+        self._watcher.add(slot, issue_mono_ns, on_reach, on_late, rec)
 
     def prepare(self, slot: int) -> None:
         """Before a wait on ``slot`` is queued: clear its stamps (a reach seen later is this call's)."""
@@ -246,15 +298,15 @@ class _Watcher:
 
         self.flags = flags
         self.poll_s = poll_s
-        self._calls: collections.deque = collections.deque()  # (slot, issue, on_reach, on_late)
-        self._reached: collections.deque = collections.deque()  # slots reached, their lateness not yet read
+        self._calls: collections.deque = collections.deque()  # (slot, issue, on_reach, on_late, rec)
+        self._reached: collections.deque = collections.deque()  # (slot, rec) reached, their lateness not yet read
         self._late = 0
         self._cond = threading.Condition()
         threading.Thread(target=self._loop, name="prism-reach", daemon=True).start()
 
-    def add(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any) -> None:
+    def add(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None) -> None:
         with self._cond:
-            self._calls.append((slot, issue_mono_ns, on_reach, on_late))
+            self._calls.append((slot, issue_mono_ns, on_reach, on_late, rec))
             self._cond.notify()
 
     def _loop(self) -> None:
@@ -268,12 +320,14 @@ class _Watcher:
             moved = False
             while True:
                 # the waits before (their ends precede the next reach on a stream) ...
-                while self._reached and (late := flags.late_ns(self._reached[0])) is not None:
-                    self._reached.popleft()
+                while self._reached and (late := flags.late_ns(self._reached[0][0])) is not None:
+                    _, done = self._reached.popleft()
                     self._late += late
+                    if done is not None:
+                        done["late"] = late
                 if not self._calls:
                     break
-                slot, issue, on_reach, on_late = self._calls[0]
+                slot, issue, on_reach, on_late, rec = self._calls[0]
                 reach = flags.reached_mono_ns(slot)  # ... then the next call's reach
                 if not reach:
                     break
@@ -283,8 +337,10 @@ class _Watcher:
                 self._late = 0
                 if carried:
                     on_late(carried)
+                if rec is not None:
+                    rec["reach"] = reach
                 on_reach(reach)
-                self._reached.append(slot)
+                self._reached.append((slot, rec))
                 moved = True
             if not moved:
                 time.sleep(self.poll_s)
@@ -297,10 +353,13 @@ class _NullReleaser:
     mode = "cpu-test"
     reports_reach = True
 
-    def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any) -> None:
+    def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None) -> None:
         import time
 
-        on_reach(time.monotonic_ns())
+        at = time.monotonic_ns()
+        if rec is not None:
+            rec["reach"] = at
+        on_reach(at)
 
     def prepare(self, slot: int) -> None:
         pass

@@ -108,7 +108,8 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     # recording, the rank delivers the capture's recorded outputs itself from
     # its prefetch pool (protocol 7's recorded calls): its losses are the
     # capture's, digit for digit, with no payload through the coordinator.
-    env = dict(ENV, PRISM_GPU_SANDBOX="cpu-test")
+    calls = gpt_run.parent / "devrec-calls-{rank}.jsonl"
+    env = dict(ENV, PRISM_GPU_SANDBOX="cpu-test", PRISM_DEVICE_CALL_LOG=str(calls))
     dev = prism("emulate", str(gpt_run), "--sandbox", "4", "--name", "devrec", "--progress", "off", "--json",
                 "--prefetch-pool", "1", cwd=gpt_run.parent, env=env)
     assert dev.returncode == 0, dev.stderr[-3000:]
@@ -124,6 +125,13 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     assert r4["losses"] and r4["losses_equal"] is True, (r4["losses"], r4["capture_losses"])
     log = (gpt_run / "emulation" / "devrec" / runfolder.LOGS_DIR / "rank-000004.log").read_text()
     assert "prism: prefetch pool: 1 MiB" in log and "recorded outputs delivered" in log, log[-2000:]
+    # the diagnostic call log (PRISM_DEVICE_CALL_LOG): one line per device-path call, host and "GPU" moments
+    recs = [json.loads(line) for line in (gpt_run.parent / "devrec-calls-4.jsonl").read_text().splitlines()]
+    colls = [r for r in recs if r["op"] != "recv"]
+    assert colls and all(r["t0"] <= r["t_sent"] <= r["t1"] and r["reach"] for r in colls), colls[:3]
+    # on CPU nothing waits for the release, so the rank may end before the later ones come
+    assert any(r.get("due", 0) > r["t0"] for r in colls), colls[:3]
+    assert all(r["busy0"] is None and r["recorded"] for r in colls)  # CPU tensors: no stream to ask
 
 
 # A variant of test_the_device_path_delivers_the_recording_from_the_prefetch_pool
