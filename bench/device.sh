@@ -160,7 +160,8 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
   # GPU tests and kernel bench; REC=1 records rank 0 in the capture (the device path then delivers the
   # recording from its prefetch pool), COMP=1 adds a device-path run without it; OOM=GIB adds a capture
   # and a device-path emulation of the first workload under --memory-limit GIB; POOL=MIB sets the device-path
-  # runs' --prefetch-pool; SWITCH=US the sandboxes' PRISM_SWITCH_INTERVAL_US (the GIL's switch interval).
+  # runs' --prefetch-pool; SWITCH=US the sandboxes' PRISM_SWITCH_INTERVAL_US (the GIL's switch interval);
+  # CALLLOG=1 writes each device-path emulation's call log (PRISM_DEVICE_CALL_LOG) to $R/calls-WL-NAME-rRANK.jsonl.
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
   if [ "${KERNELS:-1}" != 0 ]; then
@@ -178,9 +179,12 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
     # shellcheck disable=SC2046 (the words split on purpose)
     x "$R/capture-$w.txt" 120 python3 -m prism capture -n 2 --gpus 0 "${rec[@]}" --out "$R/cap-$w" --progress off -- \
       $(workload_args "$w")
-    x "$R/emulate-$w-device.txt" 120 env "${sw[@]}" python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
+    local cl=() clc=()
+    [ "${CALLLOG:-0}" = 1 ] && cl=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-device-r{rank}.jsonl") \
+      && clc=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-device-comp-r{rank}.jsonl")
+    x "$R/emulate-$w-device.txt" 120 env "${sw[@]}" "${cl[@]}" python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
       --device-path "${pool[@]}" --net "$NET" --warmup 3 --name device --quiet 25 --progress off
-    [ "${COMP:-0}" = 1 ] && x "$R/emulate-$w-device-comp.txt" 120 env "${sw[@]}" python3 -m prism emulate \
+    [ "${COMP:-0}" = 1 ] && x "$R/emulate-$w-device-comp.txt" 120 env "${sw[@]}" "${clc[@]}" python3 -m prism emulate \
       "$R/cap-$w" --sandbox 0 --device-path --no-recording --net "$NET" --warmup 3 --name device-comp --quiet 25 \
       --progress off
     [ "${HOST:-1}" = 0 ] || x "$R/emulate-$w-host.txt" 200 python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
