@@ -517,6 +517,12 @@ class ReleaseFlags:
         t = int(self._st[2 * slot])
         return t + self.clock_offset_ns() if t else 0
 
+    def ended_mono_ns(self, slot: int) -> int:
+        """When the wait on ``slot`` let its stream go on, on this host's
+        monotonic clock; 0 while it has not (``kernel`` and ``host`` modes)."""
+        t = int(self._st[2 * slot + 1])
+        return t + self.clock_offset_ns() if t else 0
+
     def late_ns(self, slot: int) -> int | None:
         """How long the wait on ``slot`` held its stream past the moment the
         release asked for (``max(at_ns, reached + tail_ns)``): the release

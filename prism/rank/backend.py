@@ -568,8 +568,10 @@ class PrismProcessGroup(dist.ProcessGroup):
         pending.wait_key = wait_key_coll(self.gid, seq)
         pending.release_flag = (rel, slot, value)
         dev = anyt[0].device if anyt else None
+        busy0 = devicepath.stream_busy(dev)
+        drained = self._charge_entry(rt, t0, busy0)
         rec = pending.call_log = devicepath.call_record(op=op, gid=self.gid, seq=seq, t0=t0, async_op=async_op,
-                                                        recorded=recorded, busy0=devicepath.stream_busy(dev))
+                                                        recorded=recorded, busy0=busy0)
         pending.hold_weakly()
         nbytes = sum(t.numel() * t.element_size() for t in declared)
 
@@ -598,7 +600,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             if reach:
                 gid = self.gid
                 rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, seq, rt.emu_ns(at))),
-                          rt.add_dilation, rec)
+                          rt.add_dilation, rec, drained)
             if recorded:
                 with torch.no_grad():
                     for r, o in zip(refs, outputs):
@@ -609,9 +611,30 @@ class PrismProcessGroup(dist.ProcessGroup):
         work = self._issued(PrismWork(pending))
         t1 = time.monotonic_ns()
         devicepath.count_issue(t1 - t0)
+        self._charge_return(rel, slot, t0, t1, drained)
         if rec is not None:
             rec["t1"], rec["busy1"] = t1, devicepath.stream_busy(dev)
         return work
+
+    @staticmethod
+    def _charge_entry(rt: Any, t0: int, busy0: bool | None) -> bool:
+        """A device-path call enters with its stream ``busy0``: charge Prism's
+        issue time the GPU waited for (``devicepath.HostCharge``). Returns
+        whether the stream had drained (and the charge is on)."""
+        hc = devicepath.host_charge()
+        if hc is None:
+            return False
+        drained = busy0 is False
+        charge = hc.on_entry(t0, drained)
+        if charge:
+            rt.add_dilation(charge)
+        return drained
+
+    @staticmethod
+    def _charge_return(rel: Any, slot: int, t0: int, t1: int, drained: bool) -> None:
+        hc = devicepath.host_charge()
+        if hc is not None:
+            hc.on_return(t0, t1, drained, rel.moments(slot))
 
     def _check_len(self, call: str, what: str, items: Sequence[Any], n: int) -> None:
         if len(items) != n:
@@ -898,8 +921,10 @@ class PrismProcessGroup(dist.ProcessGroup):
         pending.wait_key = wait_key_p2p(peer, rt.rank, tag, pseq)
         pending.release_flag = (rel, slot, value)
         pending.hold_weakly()
+        busy0 = devicepath.stream_busy(t.device)
+        drained = self._charge_entry(rt, t0, busy0)
         rec = pending.call_log = devicepath.call_record(op="recv", peer=peer, tag=tag, pseq=pseq, t0=t0,
-                                                        busy0=devicepath.stream_busy(t.device))
+                                                        busy0=busy0)
 
         def finish(p: _Op) -> list[Any]:
             return [trace.P2P(
@@ -924,7 +949,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         if reach:
             gid = protocol.recv_reach_gid(peer, tag)
             rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, pseq, rt.emu_ns(at))),
-                      rt.add_dilation, rec)
+                      rt.add_dilation, rec, drained)
         with torch.no_grad():
             if recorded:
                 feed.deliver(ref, t)  # type: ignore[union-attr]
@@ -933,6 +958,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         work = self._issued(PrismWork(pending))
         t1 = time.monotonic_ns()
         devicepath.count_issue(t1 - t0)
+        self._charge_return(rel, slot, t0, t1, drained)
         if rec is not None:
             rec["t1"], rec["busy1"] = t1, devicepath.stream_busy(t.device)
         return work

@@ -169,6 +169,11 @@ def _report_issue() -> None:
         return
     print(f"prism: device path: {n} calls issued, {mean / 1e3:.1f} us of CPU each in Prism's backend "
           f"(max {top / 1e3:.1f} us)", file=sys.stderr, flush=True)
+    hc = _host_charge
+    if hc is not None and hc.charges:
+        print(f"prism: device path: the GPU waited {hc.charged_ns / 1e6:.2f} ms in all for Prism's issue time "
+              f"({hc.charges} charges beyond NCCL's {hc.nominal_ns / 1e3:.0f} us a call), taken out of the "
+              f"emulated time ({HOST_CHARGE_ENV}=0: kept)", file=sys.stderr, flush=True)
 
 
 REACH_ENV = "PRISM_DEVICE_REACH"
@@ -251,14 +256,23 @@ class Releaser:
         self.reports_reach = self.mode == "kernel"
         self._watcher: _Watcher | None = None
 
-    def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None) -> None:
+    def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None,
+              drained: bool = False) -> None:
         """Report the reach of the wait just queued on ``slot`` (issued by the
         CPU at ``issue_mono_ns``): ``on_reach(reach_mono_ns)`` from the
         watcher thread; ``on_late(ns)`` for Prism's delay it carried; ``rec``
-        (the call log's record, if any) gets ``reach`` and ``late``."""
+        (the call log's record, if any) gets ``reach`` and ``late``;
+        ``drained``: the stream had drained when the call came (the GPU
+        waited for Prism's issue: ``HostCharge.pre``)."""
         if self._watcher is None:
             self._watcher = _Watcher(self.flags, self.POLL_S)
-        self._watcher.add(slot, issue_mono_ns, on_reach, on_late, rec)
+        self._watcher.add(slot, issue_mono_ns, on_reach, on_late, rec, drained)
+
+    def moments(self, slot: int) -> Any:
+        """A reader of the GPU's (reach, wait end) of the wait on ``slot``, on
+        this host's clock (0 while not known; read before the slot comes round again)."""
+        flags = self.flags
+        return lambda: (flags.reached_mono_ns(slot), flags.ended_mono_ns(slot))
 
     def prepare(self, slot: int) -> None:
         """Before a wait on ``slot`` is queued: clear its stamps (a reach seen later is this call's)."""
@@ -281,6 +295,89 @@ class Releaser:
         self.flags.release(slot, value, at_ns, tail_ns)
 
 
+#: What NCCL's host side takes to issue a collective (25-42 us per call by op,
+#: measured on two H200s, ``bench/results/archive/nccl_accuracy-2026-11.md``):
+#: the part of Prism's own issue time the real job would spend too.
+NCCL_ISSUE_NS = 30_000
+HOST_CHARGE_ENV = "PRISM_DEVICE_HOST_CHARGE"
+
+
+def host_charge_enabled() -> bool:
+    """Whether Prism's host time a drained stream waited for is taken out of
+    the sandbox's clock (``HostCharge``; ``PRISM_DEVICE_HOST_CHARGE=0``: not)."""
+    return os.environ.get(HOST_CHARGE_ENV, "1") != "0"
+
+
+class HostCharge:
+    """Prism's issue time on the host that the GPU waited for (sans-IO).
+
+    A device-path call costs the host a few hundred microseconds in Prism's
+    backend where NCCL's costs ``NCCL_ISSUE_NS``. While the GPU is ahead (its
+    stream still busy when the next call comes) that time is hidden, as in
+    the real job; where the host is the bottleneck (MoE's token counts read
+    back every layer, the stream found drained at a call's entry) it delays
+    the GPU and everything after it, so it is Prism's, not the job's, and
+    comes out of the rank's dilated clock. Two parts:
+
+    - a call entered with the stream drained: from its entry to the GPU's
+      reach, less ``nominal`` (``pre``: the watcher carries it, as it learns
+      the reach);
+    - at the next drained entry, the previous call's overhead that may have
+      left the stream idle (``on_entry``): for a call entered busy, its whole
+      time in Prism less ``nominal``; for one entered drained, its time in
+      Prism after the GPU passed it; either bounded by the time from the GPU
+      passing the previous call to this entry (no more than the stream can
+      have idled)."""
+
+    def __init__(self, nominal_ns: int = NCCL_ISSUE_NS) -> None:
+        self.nominal_ns = nominal_ns
+        self._prev: tuple[int, int, bool, Any] | None = None
+        self.charged_ns = 0
+        self.charges = 0
+
+    def pre(self, issue_ns: int, reach_ns: int) -> int:
+        """The charge of a call entered drained, once its reach is known."""
+        return max(0, reach_ns - issue_ns - self.nominal_ns)
+
+    def on_entry(self, t0: int, drained: bool | None) -> int:
+        """A call enters at ``t0`` with its stream ``drained`` (None: unknown):
+        what to charge now for the previous call."""
+        prev, self._prev = self._prev, None
+        if not drained or prev is None:
+            return 0
+        p0, p1, p_drained, moments = prev
+        gpu_past = max(moments())  # (reach, wait end) of the previous call on this host's clock; 0: unknown
+        if not gpu_past:
+            return 0
+        pend = p1 - gpu_past if p_drained else p1 - p0 - self.nominal_ns
+        charge = max(0, min(pend, t0 - gpu_past))
+        if charge:
+            self.charged_ns += charge
+            self.charges += 1
+        return charge
+
+    def on_return(self, t0: int, t1: int, drained: bool | None, moments: Any) -> None:
+        """The call entered at ``t0`` returns at ``t1``; ``moments()`` gives its
+        GPU reach and wait end later (0 while unknown)."""
+        self._prev = (t0, t1, bool(drained), moments)
+
+    def add_pre(self, ns: int) -> None:
+        if ns:
+            self.charged_ns += ns
+            self.charges += 1
+
+
+_host_charge: HostCharge | None = None
+
+
+def host_charge() -> HostCharge | None:
+    """The process's ``HostCharge`` (None where it is off)."""
+    global _host_charge
+    if _host_charge is None and host_charge_enabled():
+        _host_charge = HostCharge()
+    return _host_charge
+
+
 class _Watcher:
     """The thread behind ``Releaser.watch``.
 
@@ -298,15 +395,16 @@ class _Watcher:
 
         self.flags = flags
         self.poll_s = poll_s
-        self._calls: collections.deque = collections.deque()  # (slot, issue, on_reach, on_late, rec)
+        self._calls: collections.deque = collections.deque()  # (slot, issue, on_reach, on_late, rec, drained)
         self._reached: collections.deque = collections.deque()  # (slot, rec) reached, their lateness not yet read
         self._late = 0
         self._cond = threading.Condition()
         threading.Thread(target=self._loop, name="prism-reach", daemon=True).start()
 
-    def add(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None) -> None:
+    def add(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None,
+            drained: bool = False) -> None:
         with self._cond:
-            self._calls.append((slot, issue_mono_ns, on_reach, on_late, rec))
+            self._calls.append((slot, issue_mono_ns, on_reach, on_late, rec, drained))
             self._cond.notify()
 
     def _loop(self) -> None:
@@ -327,13 +425,21 @@ class _Watcher:
                         done["late"] = late
                 if not self._calls:
                     break
-                slot, issue, on_reach, on_late, rec = self._calls[0]
+                slot, issue, on_reach, on_late, rec, drained = self._calls[0]
                 reach = flags.reached_mono_ns(slot)  # ... then the next call's reach
                 if not reach:
                     break
                 with self._cond:
                     self._calls.popleft()
-                carried = min(self._late, max(0, reach - issue))
+                hc = _host_charge if drained else None
+                if hc is not None:
+                    # The stream had drained: it waited for this host from the
+                    # call's entry, so the lateness before was absorbed and
+                    # what delays it is Prism's issue time.
+                    carried = hc.pre(issue, reach)
+                    hc.add_pre(carried)
+                else:
+                    carried = min(self._late, max(0, reach - issue))
                 self._late = 0
                 if carried:
                     on_late(carried)
@@ -353,7 +459,8 @@ class _NullReleaser:
     mode = "cpu-test"
     reports_reach = True
 
-    def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None) -> None:
+    def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None,
+              drained: bool = False) -> None:
         import time
 
         at = time.monotonic_ns()
@@ -363,6 +470,9 @@ class _NullReleaser:
 
     def prepare(self, slot: int) -> None:
         pass
+
+    def moments(self, slot: int) -> Any:
+        return lambda: (0, 0)
 
     def reserve(self) -> tuple[int, int]:
         return 0, 0

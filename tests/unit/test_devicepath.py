@@ -191,3 +191,65 @@ def test_a_recorded_output_of_another_size_is_refused_and_its_block_returned(tmp
             break
         time.sleep(0.01)
     assert feed.pool.pool.used == 0
+
+
+def test_host_charge_takes_out_only_the_issue_time_a_drained_stream_waited_for():
+    # Prism's issue time counts against the job only where the GPU waited for
+    # the host: the next call found the stream drained.
+    hc = devicepath.HostCharge(nominal_ns=30)
+    gpu = {"reach": 0, "end": 0}
+    moments = lambda: (gpu["reach"], gpu["end"])  # noqa: E731
+    # call A entered busy at 1,000 and returned at 1,500 (500 in Prism; NCCL: 30)
+    assert hc.on_entry(1000, False) == 0
+    hc.on_return(1000, 1500, False, moments)
+    gpu.update(reach=1400, end=1450)  # the GPU passed A's wait at 1,450
+    # call B enters busy: the GPU was ahead, A's time hidden; nothing charged, A forgotten
+    assert hc.on_entry(2000, False) == 0
+    hc.on_return(2000, 2500, False, moments)
+    gpu.update(reach=2600, end=2700)
+    # call C enters drained at 2,900: the stream can have idled since 2,700 at most (200),
+    # less than B's 470 beyond NCCL's: 200 charged
+    assert hc.on_entry(2900, True) == 200
+    hc.on_return(2900, 3400, True, moments)
+    gpu.update(reach=3100, end=3300)  # C: reached at 3,100 (its pre: 3,100 - 2,900 - 30 = 170), passed at 3,300
+    assert hc.pre(2900, 3100) == 170
+    # call D enters drained at 3,600: C entered drained, so only its time in Prism after
+    # the GPU passed it (3,400 - 3,300 = 100) can have held the stream
+    assert hc.on_entry(3600, True) == 100
+    hc.on_return(3600, 3700, True, lambda: (0, 0))
+    # E drained, but D's GPU moments are unknown: nothing charged
+    assert hc.on_entry(3800, True) == 0
+    # drained with no call before it: nothing
+    assert devicepath.HostCharge().on_entry(10, True) == 0
+    assert hc.charged_ns == 300 and hc.charges == 2
+    # unknown (off a GPU): never drained
+    hc.on_return(4000, 4500, False, lambda: (4100, 4200))
+    assert hc.on_entry(5000, None) == 0
+
+
+def test_the_watcher_carries_prisms_issue_time_for_a_drained_call_instead_of_the_lateness(monkeypatch):
+    # Call 0 ends 2,000 late; call 1 entered with its stream drained at 7,500 and
+    # was reached at 8,000: the GPU had caught up and waited for the host, so the
+    # lateness was absorbed and what delayed it is Prism's issue time beyond
+    # NCCL's (8,000 - 7,500 - 100 = 400).
+    import threading
+
+    import cuda_ext
+
+    hc = devicepath.HostCharge(nominal_ns=100)
+    monkeypatch.setattr(devicepath, "_host_charge", hc)
+    flags = cuda_ext.ReleaseFlags(4, "cpu")
+    w = devicepath._Watcher(flags, 1e-4)
+    got: list = []
+    done = threading.Event()
+    for slot in range(2):
+        flags.clear_stamps(slot)
+    w.add(0, 900, lambda at: got.append(("reach", 0, at)), lambda ns: got.append(("late", ns)))
+    w.add(1, 7500, lambda at: (got.append(("reach", 1, at)), done.set()), lambda ns: got.append(("late", ns)),
+          None, True)
+    flags._dl[0], flags._dl[1] = 5000, 0
+    flags._st[0], flags._st[1] = 1000, 7000
+    flags._st[2] = 8000
+    assert done.wait(5), got
+    assert got == [("reach", 0, 1000), ("late", 400), ("reach", 1, 8000)]
+    assert hc.charged_ns == 400 and hc.charges == 1
