@@ -12,6 +12,9 @@ from prism.core import agents as A
     A.Launch((4, 5, 6, 7), 8, "tcp://h:1", "/shared/run", ("-m", "x", "--tp", "2"), "/w", 8, {"A": "1"}, (4,)),
     A.Exits({3: 0, 7: -9}), A.Exits({2: 0}, {2: 123 << 20}),
     A.Prepared({"path": "kernels", "reason": "", "checked_s": 1.5}), A.Prepared({}, "loading cuda_ext failed"),
+    A.Prepared({}, "no checkpoint API", stage="swaps"),
+    A.Launch((0, 1), 2, "tcp://h:1", "/r", ("x",), "/w", 8, swap={"driver": "simulated", "delay_s": 0.0}),
+    A.Swap(7, 3, 4242, "out", 2), A.Swapped(7, "ok", 12.5, 0.25, 1 << 30), A.Swapped(8, error="restore failed"),
     A.AgentBeat(2), A.CoordinatorBeat(), A.KillAll("why"), A.Refused("no"),
 ])
 def test_messages_round_trip_through_json(msg):
@@ -20,9 +23,33 @@ def test_messages_round_trip_through_json(msg):
     assert A.decode(orjson.loads(orjson.dumps(A.encode(msg)))) == msg
 
 
+def test_swap_messages_are_checked():
+    with pytest.raises(A.AgentProtocolError, match="bad Swap message: swap direction 'sideways'"):
+        A.decode({**A.encode(A.Swap(1, 0, 10, "out")), "direction": "sideways"})
+    assert A.swap_spec({"driver": "checkpoint"}) == ("checkpoint", 0.0)
+    assert A.swap_spec({"driver": "simulated", "delay_s": 0.5}) == ("simulated", 0.5)
+    for spec, match in [({}, "swap driver None: expected one of checkpoint, simulated"),
+                        ({"driver": "cuda"}, "swap driver 'cuda'"),
+                        ({"driver": "simulated", "delay_s": -1}, "expected seconds, 0 or more"),
+                        ({"driver": "simulated", "delay_s": "1"}, "expected seconds"),
+                        ({"driver": "checkpoint", "delay_s": 1}, "takes no delay_s")]:
+        with pytest.raises(ValueError, match=match):
+            A.swap_spec(spec)
+
+
+def test_ranks_share_their_nodes_gpus_in_blocks_for_the_swap_policy():
+    # node 0: ranks 0-3 on GPUs (0, 1); node 1: ranks 4-7 on one GPU (its GPU 2: another index)
+    assert A.node_gpu_of([[0, 1, 2, 3], [4, 5, 6, 7]], [(0, 1), (2,)]) == {0: 0, 1: 0, 2: 1, 3: 1,
+                                                                          4: 2, 5: 2, 6: 2, 7: 2}
+    # one simulated GPU per node: a GPU per node
+    assert A.node_gpu_of([[0, 1], [2, 3], []], [(0,), (0,), (0,)]) == {0: 0, 1: 0, 2: 1, 3: 1}
+    with pytest.raises(ValueError, match="node 1 has ranks 2-3 but no GPU"):
+        A.node_gpu_of([[0, 1], [2, 3]], [(0,), ()])
+
+
 def test_another_version_or_a_bad_message_is_named():
     d = A.encode(A.AgentBeat(1))
-    with pytest.raises(A.AgentProtocolError, match="version 99, this side speaks 2: run the same Prism"):
+    with pytest.raises(A.AgentProtocolError, match="version 99, this side speaks 3: run the same Prism"):
         A.decode({**d, "v": 99})
     with pytest.raises(A.AgentProtocolError, match="unknown agent message type 'Nope'"):
         A.decode({**d, "t": "Nope"})
