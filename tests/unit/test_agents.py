@@ -243,3 +243,31 @@ def test_each_node_computes_on_its_own_slots():
         S.Scheduler(2, range(2), nodes={0: 0, 1: 0})
     with pytest.raises(ValueError, match="at least 1 slot"):
         S.Scheduler(2, range(2), nodes={0: 0, 1: 1}, node_slots=[1, 0])
+
+
+def test_a_swap_policy_picks_among_the_ranks_a_nodes_slot_can_take():
+    """With ranks on nodes, the scheduler asks the swap policy which rank to
+    grant among those whose node has a free slot (as on one machine): a
+    resident rank goes before one that would swap a gang out, and nothing is
+    granted while the policy holds the slots back."""
+    from prism.core import scheduler as S
+    from prism.core.residency import GangResidency
+
+    # Node 0: ranks 0-3 on its one GPU (gangs {0,1}, {2,3}), --resident 2; node 1: ranks 4-7 likewise.
+    gangs = {r: r // 2 for r in range(8)}
+    policy = GangResidency(2, gangs, {r: r // 4 for r in range(8)})
+    sched = S.Scheduler(2, range(8), policy, nodes={r: r // 4 for r in range(8)}, node_slots=[1, 1])
+    def acts(actions):
+        return [(type(a).__name__, a.rank) for a in actions]
+
+    assert acts(sched.request(0)) == [("Grant", 0)]  # gang {0,1} comes in
+    assert sched.request(1) == []  # node 0's slot is taken
+    assert acts(sched.release(0)) == [("Grant", 1)]
+    assert sched.request(2) == [] and sched.request(0) == []  # line: 2, then 0
+    # rank 1 blocks: rank 0 (resident, behind rank 2 in line) goes first; no swap
+    assert acts(sched.release(1)) == [("Grant", 0)]
+    # rank 0 blocks: rank 2's gang comes in, swapping gang {0,1} out
+    got = acts(sched.release(0))
+    assert got[-1] == ("Grant", 2) and ("SwapOut", 0) in got and ("SwapOut", 1) in got, got
+    # a grant for node 1 is not held up by node 0
+    assert acts(sched.request(4)) == [("Grant", 4)]
