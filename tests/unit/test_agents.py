@@ -166,10 +166,27 @@ def test_capture_options_for_agents_are_checked(tmp_path):
         (dict(agents=3, listen="tcp://127.0.0.1:1", insecure=True), "3 agents for 2 gang"),
         (dict(keys="k"), "add --agents N"),
         (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, gpus="0"), "each node's agent offers its own"),
-        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, resident=1), "does not yet swap ranks on GPUs"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, resident=2), "the command runs on CPU: give the "
+                                                                                "script its cuda device"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, gang="tp"), "add it, or drop --gang"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, resident=2, simulate_swaps=0.0,
+              memory_limit_gib=4), "emulates a smaller GPU"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, resident=1, simulate_swaps=0.0),
+         "--resident 1 is less than the gang size 2"),
+        # world 4 = tp2 x pp2: the pipeline (ranks 0-3) would span the two nodes
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, resident=4, gang="tpxpp", simulate_swaps=0.0),
+         r"--gang tpxpp with --agents 2: gang 0 \(ranks 0-3\) would span nodes \[0, 1\].*use --gang tp"),
     ]:
         with pytest.raises(UsageError, match=match):
             plan_capture(CaptureConfig(4, cmd, out=tmp_path / "run", **kw))
+    # --resident through agents: the swap plan's driver goes to each agent; its GPUs come when they join
+    plan = plan_capture(CaptureConfig(4, cmd, out=tmp_path / "run", agents=2, listen="tcp://127.0.0.1:1",
+                                      insecure=True, resident=2, simulate_swaps=0.25))
+    assert not plan.agent_gpus and plan.gpu.simulated and plan.gpu.gang == "tp"
+    assert plan.gpu.agent_swap == {"driver": "simulated", "delay_s": 0.25} and plan.gpu.rank_gpu is None
+    plan = plan_capture(CaptureConfig(4, [*cmd, "--device", "cuda"], out=tmp_path / "run", agents=2,
+                                      listen="tcp://127.0.0.1:1", insecure=True, resident=2))
+    assert plan.agent_gpus and plan.gpu.agent_swap == {"driver": "checkpoint"} and not plan.gpu.simulated
     # a CUDA command through agents: planned on the agents' GPUs once they join, not this machine's
     plan = plan_capture(CaptureConfig(4, [*cmd, "--device", "cuda"], out=tmp_path / "run", agents=2,
                                       listen="tcp://127.0.0.1:1", insecure=True))
@@ -271,3 +288,46 @@ def test_a_swap_policy_picks_among_the_ranks_a_nodes_slot_can_take():
     assert got[-1] == ("Grant", 2) and ("SwapOut", 0) in got and ("SwapOut", 1) in got, got
     # a grant for node 1 is not held up by node 0
     assert acts(sched.request(4)) == [("Grant", 4)]
+
+
+def test_a_cuda_swap_plan_through_agents_takes_each_nodes_gpus(tmp_path):
+    """Once the agents joined: each rank's GPU is its node's (a GPU index per
+    (node, GPU)), the policy and the coordinator's ``AgentSwapper`` exist
+    only where a GPU holds more ranks than --resident, and a gang split over
+    two GPUs of a node refuses the agents with the reason."""
+    from prism.app.capture import CaptureConfig, plan_capture, setup_agent_swaps
+    from prism.app.errors import UsageError
+    from prism.shell.agent import AgentSwapper
+
+    class Procs:
+        def __init__(self, gpus):
+            self.hellos = [A.AgentHello(f"n{i}", f"h{i}", 8, g, 10 + i, node_rank=i) for i, g in enumerate(gpus)]
+            self.closed = None
+
+        def placement(self):
+            return [(h, list(range(4 * i, 4 * i + 4))) for i, h in enumerate(self.hellos)]
+
+        def close(self, reason):
+            self.closed = reason
+
+    def plan(resident, gang=None, layout=("--tp", "2", "--pp", "1", "--dp", "4")):
+        return plan_capture(CaptureConfig(8, ["-m", "prism.workloads.gpt", *layout, "--device", "cuda"],
+                                          out=tmp_path / "run", agents=2, listen="tcp://127.0.0.1:1", insecure=True,
+                                          resident=resident, gang=gang)).gpu
+
+    gpu = plan(2)
+    setup_agent_swaps(gpu, Procs([(0,), (3, 5)]), tmp_path)
+    assert gpu.rank_gpu == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 2, 7: 2}
+    assert gpu.swapping and isinstance(gpu.executor, AgentSwapper) and gpu.policy.max_resident == 2
+    assert gpu.settings["ranks_per_gpu"] == 4 and gpu.settings["agents"][1] == {
+        "node": "n1", "host": "h1", "ranks": "4-7", "gpus": [3, 5]}
+    gpu.executor.close()
+    gpu = plan(2)
+    setup_agent_swaps(gpu, Procs([(0, 1), (0, 1)]), tmp_path)  # two ranks per GPU: all resident
+    assert not gpu.swapping and gpu.policy is None and gpu.executor is None
+    # node 0's 4 ranks over its 3 GPUs: 0, 0, 1, 2, so TP group {2, 3} would span GPUs 1 and 2
+    gpu = plan(2)
+    procs = Procs([(0, 1, 2), (0,)])
+    with pytest.raises(UsageError, match=r"--resident 2 through agents: gang 1 \(ranks \[2, 3\]\) spans GPUs \[1, 2\]"):
+        setup_agent_swaps(gpu, procs, tmp_path)
+    assert procs.closed and "spans GPUs" in procs.closed
