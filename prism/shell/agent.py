@@ -9,7 +9,9 @@ capture places the whole world; an emulation only its sandbox ranks. An agent
 whose beats stop for ``LOST_AFTER_S`` (its node died, its process was
 killed) is *lost*: ``lost()`` names it and its ranks, which count as killed,
 so the coordinator stops the run with that report instead of waiting out a
-deadlock's quiet period.
+deadlock's quiet period. ``AgentSwapper`` is the coordinator's ``Swapper``
+for a capture that swaps ranks on GPUs through agents: each swap goes to
+the agent running the rank (``AgentProcesses.swap``).
 
 ``run_agent`` is the node side: connect, say hello, wait for a ``Launch``,
 start the assigned ranks with this node's own fork server
@@ -20,7 +22,10 @@ stopped): after each it connects again to the same address, where the next
 run's coordinator (a new process, or the next slice of a calibration)
 binds once the last one has closed; a coordinator still busy with its run
 refuses it with ``retry`` and it tries again. A run may have nothing for
-an agent (an empty ``Launch``: fewer sandbox TP groups than agents).
+an agent (an empty ``Launch``: fewer sandbox TP groups than agents). A
+``Launch`` with ``swap`` makes the agent load that swap driver first
+(``Prepared`` "swaps") and carry out each ``Swap`` of its ranks in a worker
+thread, answering ``Swapped``.
 """
 
 from __future__ import annotations

@@ -858,3 +858,43 @@ def test_an_agent_checks_its_swap_driver_and_swaps_in_a_worker_thread(monkeypatc
     assert "rank 5 does not run on this node (its ranks are 2-3)" in G._swap_refusal(A.Swap(1, 5, 1, "in"), [2, 3], Procs())
     assert G._swap_refusal(A.Swap(1, 3, 43, "in"), [2, 3], Procs()) == \
         "rank 3 (pid 43) already exited (status -9) when it was to be swapped in"
+
+
+@pytest.mark.gpu(reason="the checkpoint driver swaps ranks through two agents sharing GPU 0")
+def test_two_agents_checkpoint_their_ranks_on_gpus_as_one_machine_does(tmp_path, shared_captures):
+    """``--resident 2`` of a CUDA capture through two agents (both offering
+    GPU 0; the policy counts one GPU per node): each agent checkpoints its
+    own ranks with the CUDA driver; the trace and losses equal a one-machine
+    capture's with ``--gpus 0 --resident 2``, every swap is "ok" with the
+    process's GPU memory, and every rank ends restored."""
+    from prism.shell.swap import CheckpointDriver
+
+    if not CheckpointDriver.available():
+        pytest.skip("needs a CUDA driver with the checkpoint API (570 or newer)")
+    cmd = [*GPT_W8_DP4, "--device", "cuda"]
+    cap, ags = served(tmp_path, 8, cmd, 2, "--resident", "2", agent_args=("--gpus", "0"))
+    try:
+        assert cap.wait(timeout=300) == 0, (tmp_path / "cap.err").read_text()
+        assert [a.wait(timeout=30) for a in ags] == [0, 0]
+    finally:
+        reap(cap, *ags)
+    text = (tmp_path / "cap.err").read_text()
+    assert "on the agents' GPUs, 2 agents, gang tp]" in text, text
+    assert "swapping this node's ranks with the checkpoint driver" in (tmp_path / "agent0.err").read_text()
+    proc, plain = shared_captures.get(8, cmd, "--gpus", "0", "--resident", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = runfolder.read_run(tmp_path / "run"), runfolder.read_run(plain)
+    assert not got.warnings and sorted(got.ranks) == sorted(want.ranks) == list(range(8))
+    for r in range(8):
+        assert timeless(got.ranks[r]) == timeless(want.ranks[r]), f"rank {r}"
+        losses = harness.parse_losses(runfolder.log_path(tmp_path / "run", r).read_text())
+        assert losses == harness.parse_losses(runfolder.log_path(plain, r).read_text()), f"rank {r}"
+    doc = json.loads(runfolder.swap_report_path(tmp_path / "run").read_text())
+    s = doc["summary"]
+    assert s["swaps_out"] > 0 and s["swaps_out"] == s["swaps_in"], s
+    ok = [x for x in doc["records"] if x["status"] == "ok"]
+    assert ok and all(x["bytes"] > 0 for x in ok if x["direction"] == "out"), ok[:4]
+    for rank in range(8):
+        dirs = [x["direction"] for x in ok if x["rank"] == rank]
+        assert dirs == ["out", "in"] * (len(dirs) // 2), (rank, dirs)
+    assert not forkservers(tmp_path)
