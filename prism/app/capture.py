@@ -39,7 +39,7 @@ DEFAULT_MEMORY_OVERHEAD_GIB = 0.6
 
 __all__ = ["AgentsError", "CaptureConfig", "CapturePlan", "CaptureOutcome", "capture", "plan_capture", "capture_run",
            "serve_coordinator", "default_out", "layout_of", "device_kind_of", "manifest_for", "join_agents",
-           "advertised", "gang_of"]
+           "advertised", "gang_of", "setup_agent_swaps"]
 
 
 @dataclass(frozen=True)
@@ -270,9 +270,13 @@ def _check_agents(config: CaptureConfig) -> None:
     if config.gpus is not None:
         raise UsageError("--gpus names this machine's GPUs; with --agents each node's agent offers its own "
                          "(`prism agent --gpus 0,1`, default every GPU it sees): drop --gpus")
-    if config.simulate_swaps is not None or config.resident is not None:
-        raise UsageError("--agents does not yet swap ranks on GPUs (--resident, --simulate-swaps): every rank "
-                         "placed on a node stays resident on its GPUs; capture on one machine for those")
+    if config.resident is not None and config.simulate_swaps is None and device_kind_of(config.command) != "cuda":
+        raise UsageError("--resident through agents swaps ranks on the agents' GPUs, but the command runs on CPU: "
+                         "give the script its cuda device (e.g. --device cuda), or add --simulate-swaps for a CPU "
+                         "dry run of the swaps")
+    if config.resident is None and config.gang is not None:
+        raise UsageError("--gang chooses the ranks --resident swaps together; through agents every rank stays "
+                         "resident unless --resident K is given: add it, or drop --gang")
     check_agent_address(config.listen, config.keys, config.insecure)
     from prism.core.agents import assign_blocks
 
@@ -312,12 +316,18 @@ def plan_capture(config: CaptureConfig) -> CapturePlan:
             raise UsageError("--simulate-swaps needs --resident K (how many ranks the GPU would hold)")
         if simulate < 0:
             raise UsageError(f"--simulate-swaps {simulate}: seconds per swap must be 0 or more")
-    if config.agents and device_kind_of(cmd) == "cuda":
+    if config.agents and (device_kind_of(cmd) == "cuda" or simulate is not None):
         # the agents' GPUs, not this machine's: placed once the agents join (agent_gpu_env)
         notes: list[str] = []
+        if simulate is not None and config.memory_limit_gib is not None:
+            raise UsageError("--memory-limit emulates a smaller GPU for ranks that use one: give the script a cuda "
+                             "device (or --gpus)")
         limit = _allocator_budget(config, notes) if config.memory_limit_gib is not None else None
-        return CapturePlan(config, cmd, run_dir, config.slots or 0, None, notes, record, agent_gpus=True,
-                           agent_memory_limit_bytes=limit)
+        gpu = _agent_swap_plan(config, cmd, simulate) if config.resident is not None else None
+        if gpu is not None:
+            notes += gpu.notes
+        return CapturePlan(config, cmd, run_dir, config.slots or 0, gpu, notes, record,
+                           agent_gpus=device_kind_of(cmd) == "cuda", agent_memory_limit_bytes=limit)
     try:
         gpu = plan_gpus(config.world_size, dict(layout_of(cmd)), uses_cuda=device_kind_of(cmd) == "cuda",
                         gpus=config.gpus or ("0" if simulate is not None else None), resident=config.resident,
@@ -345,6 +355,77 @@ def plan_capture(config: CaptureConfig) -> CapturePlan:
                          "script its CPU flag")
     slots = gpu.slots if gpu is not None else (config.slots or os.cpu_count() or 1)
     return CapturePlan(config, cmd, run_dir, slots, gpu, notes, record)
+
+
+def _agent_swap_plan(config: CaptureConfig, cmd: list[str], simulate: float | None) -> Any:
+    """``--resident`` through agents: the swap plan (``GpuPlan`` with
+    ``agent_swap``, the driver each node's agent loads) of ranks placed on
+    the agents in whole TP groups. Its GPUs are the agents' (CUDA: known
+    once they join, ``setup_agent_swaps``) or, with ``--simulate-swaps``,
+    one simulated GPU per node, holding ``--resident`` ranks as one machine's
+    simulated GPU does. A gang must lie on one node; ``UsageError`` otherwise."""
+    from prism.core.agents import assign_blocks
+    from prism.shell.gpu_plan import GpuPlanError, plan_gpus
+
+    try:
+        # One GPU as a stand-in while the agents' GPUs are unknown: it checks
+        # the layout, the gang and --resident against the gang size.
+        gpu = plan_gpus(config.world_size, dict(layout_of(cmd)), uses_cuda=False, gpus="0", resident=config.resident,
+                        gang=config.gang, slots=None, rank_memory_gib=config.rank_memory_gib)
+    except (GpuPlanError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    assert gpu is not None  # resident is given
+    blocks = assign_blocks(config.world_size, config.agents, gang_of(cmd))
+    node_of = {r: i for i, block in enumerate(blocks) for r in block}
+    members: dict[int, list[int]] = {}
+    for r, g in gpu.gang_of.items():
+        members.setdefault(g, []).append(r)
+    for g, ranks in sorted(members.items()):
+        nodes = sorted({node_of[r] for r in ranks})
+        if len(nodes) > 1:
+            raise UsageError(f"--gang {gpu.gang} with --agents {config.agents}: gang {g} (ranks "
+                             f"{compact_ranks(sorted(ranks))}) would span nodes {nodes}, but a gang swaps as one on "
+                             "one GPU; the agents get whole TP groups, so use --gang tp or --gang 1")
+    if simulate is not None:
+        gpu.agent_swap = {"driver": "simulated", "delay_s": simulate}
+        gpu.simulated = True
+        gpu.settings["simulated"] = {"driver": "SIGSTOP/SIGCONT", "seconds_per_swap": simulate,
+                                     "gpus": "one per agent's node"}
+    else:
+        gpu.agent_swap = {"driver": "checkpoint"}
+    gpu.settings["gpus"] = "the agents'"
+    return gpu
+
+
+def setup_agent_swaps(gpu: Any, agent_procs: Any, run_dir: Path) -> None:
+    """Once the agents joined and the ranks are placed: each rank's GPU
+    (its node's GPUs, or the node's one simulated GPU), the swap policy and
+    the coordinator's ``AgentSwapper`` (when some GPU holds more ranks than
+    ``--resident``). ``UsageError`` (the agents refused with it) when a
+    gang would span two GPUs of a node."""
+    from prism.core.agents import node_gpu_of
+    from prism.core.residency import GangResidency
+    from prism.shell.agent import AgentSwapper
+
+    placed = agent_procs.placement()
+    blocks = [ranks for _, ranks in placed]
+    gpus = [(0,) if gpu.simulated else tuple(h.gpus) for h, _ in placed]
+    try:
+        gpu.rank_gpu = node_gpu_of(blocks, gpus)
+        if gpu.swapping:
+            gpu.policy = GangResidency(gpu.resident, gpu.gang_of, gpu.rank_gpu)
+    except ValueError as e:
+        text = f"--resident {gpu.resident} through agents: {e}"
+        agent_procs.close(reason=text)
+        raise UsageError(text) from None
+    per_gpu: dict[int, int] = {}
+    for g in gpu.rank_gpu.values():
+        per_gpu[g] = per_gpu.get(g, 0) + 1
+    gpu.settings["ranks_per_gpu"] = max(per_gpu.values(), default=0)
+    gpu.settings["agents"] = [{"node": h.node, "host": h.host, "ranks": compact_ranks(ranks),
+                               "gpus": list(g)} for (h, ranks), g in zip(placed, gpus)]
+    if gpu.swapping:
+        gpu.executor = AgentSwapper(agent_procs, log=Path(run_dir) / "telemetry" / "swaps.jsonl")
 
 
 def _allocator_budget(config: CaptureConfig, notes: list[str]) -> int:
@@ -439,7 +520,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
     from transport.endpoints import default_endpoint
 
     runfolder.make_run_dir(run_dir)
-    agent_procs = agent_endpoint = None
+    agent_procs = agent_endpoint = node_slots = None
     if agents:
         agent_procs, agent_endpoint, agent_slots = join_agents(listen, agents, world_size, keys, insecure,
                                                                 agent_wait_s)
@@ -454,6 +535,13 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
                     e[MEMORY_LIMIT_ENV] = str(agent_memory_limit_bytes)
             # one rank computes per GPU at a time, as on one machine
             agent_slots = sum(agent_procs.node_slots(gpus=True)[1])
+        node_slots = agent_procs.node_slots(gpus=agent_gpus)
+        if gpu is not None and gpu.agent_swap is not None:
+            setup_agent_swaps(gpu, agent_procs, run_dir)
+            if gpu.simulated:
+                # one simulated GPU per node: one rank computes on it at a time, as on one machine
+                node_slots = (node_slots[0], [1] * len(node_slots[1]))
+                agent_slots = len(node_slots[1])
         # --slots caps the run as a whole; each node computes on its own slots.
         slots = slots or agent_slots
     # A GPU plan means the ranks drive GPUs, whether or not the command says
@@ -468,7 +556,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
                   ("record_limit_bytes", str(record.limit_bytes)))
     runfolder.write_manifest(run_dir, manifest_for(run_dir, world_size, cmd, slots, kind, notes))
 
-    env = gpu.env() if gpu is not None else {}
+    env = gpu.env() if gpu is not None and agent_procs is None else {}
     if coordinator is not None:
         procs = launch_ranks(world_size, coordinator, run_dir, cmd, nproc_per_node=nproc_per_node,
                              show_ranks=show_ranks, env=env)
@@ -477,7 +565,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
         return CaptureOutcome(run_dir, 1 if bad else 0, failed_exits=bad, coordinator=coordinator,
                               world_size=world_size)
 
-    if gpu is not None:
+    if gpu is not None and agent_procs is None:
         from prism.shell.swap import SwapError
 
         try:
@@ -493,21 +581,28 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
     if agent_procs is not None:
         endpoint = agent_endpoint
 
+        swap_spec = gpu.agent_swap if gpu is not None and gpu.executor is not None else None
+
         def launch(endpoint: str) -> Any:
             return agent_procs.launch(advertised(endpoint, listen), run_dir, cmd, nproc_per_node=nproc_per_node,
                                       show_ranks=show_ranks if show_ranks != "all" else range(world_size),
-                                      env_of=lambda hello, _ranks: node_env.get(agent_key(hello), {}))
+                                      env_of=lambda hello, _ranks: node_env.get(agent_key(hello), {}),
+                                      swap=swap_spec)
     coord = Coordinator(run_dir, world_size, slots=slots, endpoint=endpoint,
                         quiet_s=quiet_s, progress=Progress(world_size, mode=progress),
                         launch=launch, curve_keys=None if insecure else keys,
                         authenticated=bool(agents),
-                        node_slots=agent_procs.node_slots(gpus=agent_gpus) if agent_procs is not None else None,
+                        node_slots=node_slots,
                         policy=gpu.policy if gpu is not None else None,
                         swapper=gpu.executor if gpu is not None else None, record=record,
                         small_tensor_limit=small_tensor_limit, stop_signals=default_stop_signals())
+    if agent_procs is not None and gpu is not None and gpu.executor is not None:
+        # A rank's swap times come on its node's clock: its offset maps them onto this one.
+        gpu.executor.offset_of = lambda rank: getattr(coord.sessions.get(rank), "clock_offset_ns", 0)
     from prism.shell.telemetry import GpuSampler
 
-    sampler = GpuSampler(run_dir, gpu.gpus if gpu is not None and not gpu.simulated else None)
+    sampler = GpuSampler(run_dir, gpu.gpus if gpu is not None and not gpu.simulated and agent_procs is None
+                         else None)
     sampler.start()
     try:
         result = trio.run(coord.run)
@@ -526,7 +621,11 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
             gpu.executor.close()
         outcome.swaps = swap.write_report(run_dir, gpu.executor.records if gpu.executor else [], result.steps_done,
                                           gpu.settings, rescues=coord.rescues)
-        where = "simulated on CPU" if gpu.simulated else f"on GPUs {gpu.gpus}"
+        if agent_procs is not None:
+            where = ("simulated on CPU, one per agent's node" if gpu.simulated
+                     else "on the agents' GPUs") + f", {len(outcome.placement)} agents"
+        else:
+            where = "simulated on CPU" if gpu.simulated else f"on GPUs {gpu.gpus}"
         outcome.swap_line = (swap.format_summary(outcome.swaps)
                              + f" [resident {gpu.resident}/GPU {where}, gang {gpu.gang}]")
     return outcome

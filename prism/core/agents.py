@@ -9,7 +9,10 @@ checks cuda_ext's kernels on its node and says ``Prepared``, beating while
 a build runs; protocol 2). The agent starts them with its own fork
 server and reports ``Exits`` as they end, with an ``AgentBeat`` every
 ``BEAT_S``; the coordinator beats back (``CoordinatorBeat``) and may send
-``KillAll``. Messages are plain dicts (``encode``/``decode``; the shell
+``KillAll``. A capture that swaps ranks on GPUs (``--resident``) names the
+driver in its ``Launch`` (``swap``); the agent checks it loads on its node
+(``Prepared`` with ``stage`` "swaps"), then carries out each ``Swap`` of one
+of its ranks and answers ``Swapped`` (protocol 3). Messages are plain dicts (``encode``/``decode``; the shell
 serialises them with orjson) tagged ``"t"`` and carrying ``"v"``: another
 version is refused at the hello with both versions named.
 """
@@ -21,15 +24,18 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 __all__ = ["AGENT_PROTOCOL_VERSION", "BEAT_S", "AgentProtocolError", "AgentHello", "Launch", "Exits",
-           "Prepared", "AgentBeat", "CoordinatorBeat", "KillAll", "Refused", "encode", "decode", "assign_blocks",
+           "Prepared", "Swap", "Swapped", "AgentBeat", "CoordinatorBeat", "KillAll", "Refused", "encode", "decode",
+           "SWAP_DRIVERS", "swap_spec", "node_gpu_of", "assign_blocks",
            "place_ranks",
            "Discovery", "discover", "expand_nodelist", "rank_span"]
 
-AGENT_PROTOCOL_VERSION = 2
+AGENT_PROTOCOL_VERSION = 3
 #: How often agents and the coordinator beat; an agent silent for
 #: ``LOST_AFTER_S`` counts as lost (its node died or its process was killed).
 BEAT_S = 0.5
 LOST_AFTER_S = 5.0
+#: The swap drivers a ``Launch.swap`` may name.
+SWAP_DRIVERS = ("checkpoint", "simulated")
 
 
 class AgentProtocolError(ValueError):
@@ -64,6 +70,10 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
     show_ranks: tuple[int, ...] = ()
     insecure: bool = False
+    #: GPU swapping of these ranks (empty: every rank stays resident):
+    #: ``{"driver": "checkpoint"}`` (the CUDA driver's checkpoint API) or
+    #: ``{"driver": "simulated", "delay_s": S}`` (SIGSTOP/SIGCONT, ``--simulate-swaps``).
+    swap: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +88,48 @@ class Exits:
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A node checked cuda_ext's kernels before starting its device-path
-    sandboxes (``cuda_ext.info()`` as a dict, with ``checked_s``); ``error``:
-    the check failed (its ranks do not start and the run ends naming it)."""
+    """A node checked, before starting its ranks, what they need there:
+    ``stage`` "kernels": cuda_ext's kernels for device-path sandboxes
+    (``cuda_ext.info()`` as a dict, with ``checked_s``); "swaps": the swap
+    driver its ``Launch`` names. ``error``: the check failed (its ranks do
+    not start and the run ends naming it)."""
 
     kernels: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    stage: str = "kernels"
+
+
+@dataclass(frozen=True, slots=True)
+class Swap:
+    """Swap ``rank`` (its process ``pid`` on the agent's node, as the rank
+    said in its Hello: the process that holds its CUDA context) ``direction``
+    "out" (checkpoint its GPU state to host memory) or "in" (restore it);
+    ``step``: the capture's slowest rank's step; ``token`` pairs the answer.
+    The agent carries it out only for one of its own ranks still running."""
+
+    token: int
+    rank: int
+    pid: int
+    direction: str
+    step: int = -1
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("out", "in"):
+            raise ValueError(f"swap direction {self.direction!r}: expected 'out' or 'in'")
+
+
+@dataclass(frozen=True, slots=True)
+class Swapped:
+    """The answer to ``Swap`` ``token``: its ``prism.shell.swap.SwapRecord``
+    fields (``status`` "ok"/"skipped", ``t_start`` in seconds on the agent's
+    node's CLOCK_MONOTONIC, the clock its ranks stamp, ``seconds``,
+    ``bytes``), or ``error``: the swap failed (the capture stops)."""
+
+    token: int
+    status: str = ""
+    t_start: float = 0.0
+    seconds: float = 0.0
+    bytes: int = 0
     error: str = ""
 
 
@@ -111,7 +158,7 @@ class Refused:
     retry: bool = False
 
 
-_TYPES: dict[str, type] = {c.__name__: c for c in (AgentHello, Launch, Exits, Prepared, AgentBeat,
+_TYPES: dict[str, type] = {c.__name__: c for c in (AgentHello, Launch, Exits, Prepared, Swap, Swapped, AgentBeat,
                                                     CoordinatorBeat, KillAll, Refused)}
 _TUPLES = {"gpus", "ranks", "command", "show_ranks"}
 
@@ -149,6 +196,40 @@ def decode(d: Any) -> Any:
         return cls(**args)
     except (TypeError, ValueError, AttributeError) as e:
         raise AgentProtocolError(f"bad {d['t']} message: {e}") from None
+
+
+def swap_spec(spec: Mapping[str, Any]) -> tuple[str, float]:
+    """``(driver, delay_s)`` of a ``Launch.swap``; ``ValueError`` naming what
+    is wrong (an unknown driver, a bad delay)."""
+    driver = spec.get("driver")
+    if driver not in SWAP_DRIVERS:
+        raise ValueError(f"swap driver {driver!r}: expected one of {', '.join(SWAP_DRIVERS)}")
+    delay = spec.get("delay_s", 0.0)
+    if driver == "checkpoint" and delay:
+        raise ValueError("the checkpoint driver takes no delay_s (that is --simulate-swaps's)")
+    if not isinstance(delay, (int, float)) or isinstance(delay, bool) or delay < 0:
+        raise ValueError(f"swap delay_s {delay!r}: expected seconds, 0 or more")
+    return driver, float(delay)
+
+
+def node_gpu_of(blocks: Sequence[Sequence[int]], gpus: Sequence[Sequence[int]]) -> dict[int, int]:
+    """``rank -> GPU`` for a swap policy over several nodes: node ``i``'s
+    ranks ``blocks[i]`` share its GPUs ``gpus[i]`` in contiguous blocks (as
+    each rank picks its GPU, ``prism.rank.devices.choose_node_gpu``); every
+    (node, GPU) pair gets an index of its own, in node order. ``ValueError``
+    for a node with ranks and no GPU."""
+    if len(blocks) != len(gpus):
+        raise ValueError(f"{len(blocks)} blocks of ranks for {len(gpus)} nodes")
+    out: dict[int, int] = {}
+    base = 0
+    for i, (block, node) in enumerate(zip(blocks, gpus)):
+        ranks = sorted(block)
+        if ranks and not node:
+            raise ValueError(f"node {i} has ranks {rank_span(ranks)} but no GPU")
+        for k, r in enumerate(ranks):
+            out[r] = base + k * len(node) // len(ranks)
+        base += len(node)
+    return out
 
 
 def assign_blocks(world_size: int, agents: int, gang: int = 1) -> list[list[int]]:

@@ -336,18 +336,22 @@ class Scheduler:
             self._node_busy[self.nodes[rank]] -= 1
 
     def _fill_nodes(self) -> list[Action]:
-        """Grant in FIFO order, each rank only from its own node's slots (a
-        rank whose node is full lets the ones behind it from other nodes by)."""
+        """Grant each rank only from its own node's slots (a rank whose node
+        is full lets the ones behind it from other nodes by), in the order the
+        policy picks among the ranks whose node has a free slot (FIFO but for
+        a swap policy's preferences, as ``_fill``)."""
         actions: list[Action] = []
         assert self.nodes is not None and self.node_slots is not None
-        i = 0
-        while i < len(self._queue) and len(self.running) < self.slots:
-            rank = self._queue[i]
+        while self._queue and len(self.running) < self.slots:
+            eligible = [r for r in self._queue if self._node_busy[self.nodes[r]] < self.node_slots[self.nodes[r]]]
+            if not eligible:
+                break
+            i = self.policy.pick(eligible, self)
+            if i is None:
+                break  # the policy holds the slots back; ``poke`` retries
+            rank = eligible[i]
             node = self.nodes[rank]
-            if self._node_busy[node] >= self.node_slots[node]:
-                i += 1
-                continue
-            del self._queue[i]
+            self._queue.remove(rank)
             actions += self.policy.before_grant(rank, self)
             self._state[rank] = RankState.RUNNING
             self.running.append(rank)

@@ -9,7 +9,9 @@ capture places the whole world; an emulation only its sandbox ranks. An agent
 whose beats stop for ``LOST_AFTER_S`` (its node died, its process was
 killed) is *lost*: ``lost()`` names it and its ranks, which count as killed,
 so the coordinator stops the run with that report instead of waiting out a
-deadlock's quiet period.
+deadlock's quiet period. ``AgentSwapper`` is the coordinator's ``Swapper``
+for a capture that swaps ranks on GPUs through agents: each swap goes to
+the agent running the rank (``AgentProcesses.swap``).
 
 ``run_agent`` is the node side: connect, say hello, wait for a ``Launch``,
 start the assigned ranks with this node's own fork server
@@ -20,7 +22,10 @@ stopped): after each it connects again to the same address, where the next
 run's coordinator (a new process, or the next slice of a calibration)
 binds once the last one has closed; a coordinator still busy with its run
 refuses it with ``retry`` and it tries again. A run may have nothing for
-an agent (an empty ``Launch``: fewer sandbox TP groups than agents).
+an agent (an empty ``Launch``: fewer sandbox TP groups than agents). A
+``Launch`` with ``swap`` makes the agent load that swap driver first
+(``Prepared`` "swaps") and carry out each ``Swap`` of its ranks in a worker
+thread, answering ``Swapped``.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ import zmq
 from prism.core import agents as A
 from prism.rank.envnames import GPU_SANDBOX_ENV
 
-__all__ = ["AgentError", "AgentInterrupted", "AgentProcesses", "AgentConfig", "AgentOutcome", "run_agent"]
+__all__ = ["AgentError", "AgentInterrupted", "AgentProcesses", "AgentSwapper", "AgentConfig", "AgentOutcome",
+           "run_agent"]
 
 _POLL_MS = 50
 
@@ -96,11 +102,21 @@ class AgentProcesses:
         self.peak_rss: dict[int, int] = {}
         #: node -> its ``Prepared.kernels`` (device-path sandboxes: cuda_ext as checked on that node)
         self.kernels: dict[str, dict] = {}
+        #: node -> its swap driver as it checked it (``Prepared`` stage "swaps")
+        self.swap_drivers: dict[str, dict] = {}
+        #: ``Swap`` token -> its ``Swapped`` answer (None while awaited)
+        self._swaps: dict[int, A.Swapped | None] = {}
+        self._next_token = 0
         self._peers: dict[bytes, _Peer] = {}
         #: Whether ``launch`` sent the Launches (``close`` refuses agents otherwise).
         self._launched = False
         self._cond = threading.Condition()
         self._outbox: queue.SimpleQueue[tuple[bytes, dict]] = queue.SimpleQueue()
+        #: A byte here wakes the socket's thread for the outbox (a swap waits
+        #: for its round trip; the poll's timeout would add up to ``_POLL_MS``).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._lost_text = ""
         self._stop = threading.Event()
         self._refused: list[str] = []
@@ -138,6 +154,15 @@ class AgentProcesses:
 
     # --- the socket's thread -----------------------------------------------------
 
+    def _post(self, identity: bytes, msg: object) -> None:
+        """Queue ``msg`` for an agent (any thread) and wake the socket's thread."""
+        self._outbox.put((identity, A.encode(msg)))
+        if (fd := self._wake_w) >= 0:
+            try:
+                os.write(fd, b"x")
+            except OSError:
+                pass  # a wake-up is pending already (a full pipe) or the handle just closed
+
     def _send(self, identity: bytes, msg: object) -> None:
         try:
             self._sock.send_multipart([identity, orjson.dumps(A.encode(msg))], flags=zmq.NOBLOCK)
@@ -147,9 +172,17 @@ class AgentProcesses:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         last_beat = 0.0
         while not self._stop.is_set():
-            if poller.poll(_POLL_MS):
+            ready = dict(poller.poll(_POLL_MS))
+            if self._wake_r in ready:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            if self._sock in ready:
                 while True:
                     try:
                         identity, data = self._sock.recv_multipart(flags=zmq.NOBLOCK)
@@ -206,14 +239,21 @@ class AgentProcesses:
             elif isinstance(msg, A.Prepared):
                 if msg.error:
                     if not self._lost_text:
-                        self._lost_text = (f"{peer.describe()} could not start its device-path sandboxes: "
-                                           f"{msg.error} (on that node)")
+                        what = "its ranks (it cannot swap them)" if msg.stage == "swaps" else \
+                            "its device-path sandboxes"
+                        self._lost_text = f"{peer.describe()} could not start {what}: {msg.error} (on that node)"
                     for r in peer.ranks:
                         if self.returncodes[r] is None:
                             self.returncodes[r] = 1
+                elif msg.stage == "swaps":
+                    self.swap_drivers[peer.hello.node] = dict(msg.kernels)
                 else:
                     self.kernels[peer.hello.node] = dict(msg.kernels)
                 self._cond.notify_all()
+            elif isinstance(msg, A.Swapped):
+                if msg.token in self._swaps and self._swaps[msg.token] is None:
+                    self._swaps[msg.token] = msg
+                    self._cond.notify_all()
 
     def _check_lost(self, now: float) -> None:
         with self._cond:
@@ -277,9 +317,11 @@ class AgentProcesses:
     def launch(self, rank_endpoint: str, run_dir: str | os.PathLike[str], command: Sequence[str], *,
                nproc_per_node: int = 8, show_ranks: Sequence[int] = (),
                env: dict[str, str] | None = None, cwd: str | None = None,
-               env_of: Callable[[A.AgentHello, list[int]], dict[str, str]] | None = None) -> AgentProcesses:
+               env_of: Callable[[A.AgentHello, list[int]], dict[str, str]] | None = None,
+               swap: dict | None = None) -> AgentProcesses:
         """Send each agent its ``Launch`` (after ``place``); ``env_of(hello,
-        ranks)``: more environment for one node's ranks (its GPUs)."""
+        ranks)``: more environment for one node's ranks (its GPUs); ``swap``:
+        the swap driver (``Launch.swap``) when the capture swaps ranks on GPUs."""
         self._launched = True
         for peer in self._ordered():
             block = peer.ranks
@@ -288,9 +330,55 @@ class AgentProcesses:
             node_env = {**(env or {}), **(env_of(peer.hello, list(block)) if env_of is not None and block else {})}
             msg = A.Launch(tuple(block), self.world_size, rank_endpoint, os.path.abspath(os.fspath(run_dir)),
                            tuple(command), cwd or os.getcwd(), nproc_per_node, node_env,
-                           tuple(int(r) for r in show_ranks), self.insecure)
-            self._outbox.put((peer.identity, A.encode(msg)))
+                           tuple(int(r) for r in show_ranks), self.insecure, dict(swap or {}))
+            self._post(peer.identity, msg)
         return self
+
+    def swap(self, rank: int, pid: int, direction: str, step: int = -1,
+             timeout_s: float = 600.0) -> tuple[A.AgentHello, A.Swapped]:
+        """Ask the agent that runs ``rank`` to swap its process ``pid``
+        ``direction`` ("out"/"in") and wait for the answer: that agent and its
+        ``Swapped`` (which may carry the agent's ``error``). ``SwapError``
+        naming the agent, the rank and the direction when the agent is lost
+        meanwhile, ends its run without answering, or does not answer within
+        ``timeout_s``; blocks (call it from a worker thread)."""
+        from prism.shell.swap import SwapError
+
+        with self._cond:
+            peer = next((p for p in self._peers.values() if rank in p.ranks), None)
+            if peer is None:
+                raise SwapError(f"rank {rank} is placed on no agent: cannot swap it {direction}; please report this")
+            what = f"swapping rank {rank} (pid {pid}) {direction} at step {step} on {peer.describe()}"
+            if peer.lost:
+                raise SwapError(f"{what} failed: the agent is lost. {self._lost_text}")
+            token = self._next_token
+            self._next_token += 1
+            self._swaps[token] = None
+            self._post(peer.identity, A.Swap(token, rank, pid, direction, step))
+            deadline = time.monotonic() + timeout_s
+            ended_at = None
+            try:
+                while (answer := self._swaps[token]) is None:
+                    now = time.monotonic()
+                    if peer.lost:
+                        raise SwapError(f"{what} failed: the agent was lost before it answered (no word from it "
+                                        f"for {self.lost_after_s:g} s: its node died or its process was killed); "
+                                        "the capture stops")
+                    if self._stop.is_set():
+                        raise SwapError(f"{what} failed: the run's connection to its agents closed before it "
+                                        "answered")
+                    if all(self.returncodes[r] is not None for r in peer.ranks):
+                        # Its run ended there: it answers what it took on before it leaves.
+                        ended_at = ended_at or now
+                        if now - ended_at > self.lost_after_s:
+                            raise SwapError(f"{what} failed: every rank of that agent ended and it never answered")
+                    if now > deadline:
+                        raise SwapError(f"{what} failed: no answer within {timeout_s:g} s although the agent "
+                                        "still beats (the driver's call hangs on that node); the capture stops")
+                    self._cond.wait(timeout=min(0.5, max(deadline - now, 0.01)))
+            finally:
+                del self._swaps[token]
+            return peer.hello, answer
 
     def placement(self) -> list[tuple[A.AgentHello, list[int]]]:
         """Each agent and its ranks."""
@@ -311,7 +399,7 @@ class AgentProcesses:
     def kill_all(self) -> None:
         for peer in self._ordered():
             if not peer.lost:
-                self._outbox.put((peer.identity, A.encode(A.KillAll("the coordinator stops the run"))))
+                self._post(peer.identity, A.KillAll("the coordinator stops the run"))
 
     def _placed(self) -> list[int]:
         return [r for p in self._peers.values() for r in p.ranks]
@@ -335,7 +423,7 @@ class AgentProcesses:
             launched = self._launched and any(p.ranks for p in self._peers.values())
         if not launched:
             for peer in self._ordered():
-                self._outbox.put((peer.identity, A.encode(A.Refused(reason, retry=True))))
+                self._post(peer.identity, A.Refused(reason, retry=True))
             time.sleep(3 * _POLL_MS / 1000)
         elif self.running():
             self.kill_all()
@@ -345,10 +433,68 @@ class AgentProcesses:
         self._close_socket()
 
     def _close_socket(self) -> None:
+        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
         self._sock.close(linger=500)
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+
+
+class AgentSwapper:
+    """The coordinator's ``Swapper`` for ranks served by agents: each swap
+    goes to the agent that runs the rank (``AgentProcesses.swap``), which
+    carries it out with its node's ``prism.shell.swap.SwapExecutor`` and
+    answers with the record. ``records``: a ``SwapRecord`` per swap, with
+    ``t_start`` on the coordinator's clock (seconds of CLOCK_MONOTONIC, as
+    the one-machine executor's ``perf_counter``): the agent's time plus
+    ``offset_of(rank)``, the rank's clock offset in ns (``RankSession``'s:
+    0 on one host; the rank runs on the agent's node, so its offset is that
+    node's). A swap the agent could not carry out, or an agent lost while
+    it swaps, raises ``SwapError`` naming the agent, the rank and the
+    direction; the coordinator stops the capture with it. Each record is
+    appended to ``log`` as it comes (``RUN/telemetry/swaps.jsonl``)."""
+
+    def __init__(self, agents: AgentProcesses, *, log: str | os.PathLike[str] | None = None,
+                 timeout_s: float = 600.0) -> None:
+        self.agents = agents
+        self.timeout_s = timeout_s
+        self.offset_of: Callable[[int], int] = lambda rank: 0
+        self.records: list = []
+        self._log = None
+        if log is not None:
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(log, "a", buffering=1)
+
+    def swap_out(self, rank: int, pid: int, step: int = -1):
+        return self._swap(rank, pid, "out", step)
+
+    def swap_in(self, rank: int, pid: int, step: int = -1):
+        return self._swap(rank, pid, "in", step)
+
+    def _swap(self, rank: int, pid: int, direction: str, step: int):
+        import json
+        from dataclasses import asdict
+
+        from prism.shell.swap import SwapError, SwapRecord
+
+        hello, answer = self.agents.swap(rank, pid, direction, step, self.timeout_s)
+        if answer.error:
+            raise SwapError(f"agent {hello.node} (host {hello.host}, pid {hello.pid}) could not swap rank {rank} "
+                            f"{direction}: {answer.error}")
+        rec = SwapRecord(rank, pid, direction, answer.status, answer.t_start + self.offset_of(rank) / 1e9,
+                         answer.seconds, answer.bytes, step)
+        self.records.append(rec)
+        if self._log is not None:
+            self._log.write(json.dumps(asdict(rec)) + "\n")
+        return rec
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
 
 # --- the node's side -------------------------------------------------------------------
@@ -461,6 +607,7 @@ def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) 
     hello = A.AgentHello(config.node or f"{host}:{os.getpid()}", host, config.slots or os.cpu_count() or 1,
                          tuple(config.gpus), os.getpid(), node_rank=config.node_rank)
     procs = None
+    swaps: _NodeSwaps | None = None
     try:
         try:
             sock.connect(config.coordinator)
@@ -508,10 +655,17 @@ def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) 
         if env.get(GPU_SANDBOX_ENV) == "1" and not _prepare_kernels(env, send, len(launch.ranks), on_note):
             return AgentOutcome(list(launch.ranks), {r: 1 for r in launch.ranks},
                                 "cuda_ext's kernels could not be checked on this node")
+        if launch.swap:
+            swaps = _prepare_swaps(launch.swap, hello.node, send, on_note, ctx)
+            if swaps is None:
+                return AgentOutcome(list(launch.ranks), {r: 1 for r in launch.ranks},
+                                    "the swap driver could not be loaded on this node")
         procs = launch_ranks(launch.world_size, launch.endpoint, launch.run_dir, list(launch.command),
                              nproc_per_node=launch.nproc_per_node, show_ranks=list(launch.show_ranks), env=env,
                              cwd=launch.cwd, ranks=list(launch.ranks))
-        return _watch(sock, poller, procs, list(launch.ranks), send, on_note)
+        if swaps is not None:
+            poller.register(swaps.wake, zmq.POLLIN)
+        return _watch(sock, poller, procs, list(launch.ranks), send, on_note, swaps)
     except KeyboardInterrupt as e:
         if isinstance(e, AgentInterrupted) or procs is None:
             raise
@@ -519,6 +673,8 @@ def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) 
     finally:
         if procs is not None:
             procs.close()
+        if swaps is not None:
+            swaps.close()
         sock.disable_monitor()
         mon.close(linger=0)
         sock.close()
@@ -543,6 +699,117 @@ def _prepare_kernels(env: dict[str, str], send: Callable[[object], None], ranks:
     return True
 
 
+def _prepare_swaps(spec: dict, node: str, send: Callable[[object], None], on_note: Callable[[str], None],
+                   ctx: zmq.Context) -> _NodeSwaps | None:
+    """A capture that swaps ranks on GPUs (``Launch.swap``): load its driver
+    on this node and tell the coordinator (``Prepared`` "swaps"); None (the
+    error sent) when it cannot load."""
+    from prism.shell import swap, telemetry
+
+    try:
+        driver_name, delay_s = A.swap_spec(spec)
+        t0 = time.monotonic()
+        driver = swap.SimulatedDriver(delay_s) if driver_name == "simulated" else swap.CheckpointDriver()
+    except (ValueError, swap.SwapError) as e:
+        what = ("GPU swapping (--resident) needs the CUDA driver's checkpoint API on every node that runs ranks: "
+                "update that node's NVIDIA driver (570 or newer), or capture with --simulate-swaps on CPU")
+        text = f"cannot swap ranks on node {node}: {e}; {what}"
+        on_note(text)
+        send(A.Prepared({}, text, stage="swaps"))
+        return None
+    info = {"driver": driver_name, "delay_s": delay_s, "checked_s": round(time.monotonic() - t0, 6)}
+    on_note(f"swapping this node's ranks with the {driver_name} driver"
+            + (f" ({delay_s:g} s per swap)" if driver_name == "simulated" else ""))
+    send(A.Prepared(info, stage="swaps"))
+    # Times on CLOCK_MONOTONIC, the clock the ranks stamp: the coordinator
+    # maps them with this node's clock offset.
+    executor = swap.SwapExecutor(driver, memory_of=telemetry.process_memory, clock=time.monotonic)
+    return _NodeSwaps(executor, ctx)
+
+
+class _NodeSwaps:
+    """This node's swaps: a worker thread carries out each ``Swap`` with the
+    executor (a checkpoint blocks for up to seconds, and the agent must keep
+    beating meanwhile) and queues the ``Swapped`` answers for the agent's
+    loop, which owns the socket to the coordinator; the worker wakes that
+    loop through an inproc socket (``wake``, in its poller)."""
+
+    def __init__(self, executor: object, ctx: zmq.Context) -> None:
+        self.executor = executor
+        self._ctx = ctx
+        self._jobs: queue.SimpleQueue[A.Swap | None] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[A.Swapped] = queue.SimpleQueue()
+        self._addr = f"inproc://prism-agent-swaps-{os.getpid()}-{id(self)}"
+        self.wake = ctx.socket(zmq.PULL)
+        self.wake.linger = 0
+        self.wake.bind(self._addr)
+        self.pending = 0
+        self._thread = threading.Thread(target=self._work, name="prism-agent-swaps", daemon=True)
+        self._thread.start()
+
+    def submit(self, msg: A.Swap) -> None:
+        self.pending += 1
+        self._jobs.put(msg)
+
+    def _work(self) -> None:
+        push = self._ctx.socket(zmq.PUSH)
+        push.linger = 0
+        push.connect(self._addr)
+        try:
+            while (job := self._jobs.get()) is not None:
+                fn = self.executor.swap_out if job.direction == "out" else self.executor.swap_in
+                try:
+                    rec = fn(job.rank, job.pid, job.step)
+                    answer = A.Swapped(job.token, rec.status, rec.t_start, rec.seconds, rec.bytes)
+                except Exception as e:  # SwapError names the rank, pid and step; anything else too
+                    answer = A.Swapped(job.token, error=str(e) or type(e).__name__)
+                self._answers.put(answer)
+                try:
+                    push.send(b"", flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the loop polls the answers anyway
+        finally:
+            push.close()
+
+    def answers(self) -> list[A.Swapped]:
+        """The answers ready (clearing the wake-ups)."""
+        while True:
+            try:
+                self.wake.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        out = []
+        while True:
+            try:
+                out.append(self._answers.get_nowait())
+            except queue.Empty:
+                break
+        self.pending -= len(out)
+        return out
+
+    def finish(self, timeout_s: float) -> list[A.Swapped]:
+        """Let the swaps submitted end (within ``timeout_s``): their answers."""
+        self._jobs.put(None)
+        self._thread.join(timeout=timeout_s)
+        return self.answers()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+        self.wake.close(linger=0)
+
+
+def _swap_refusal(msg: A.Swap, ranks: list[int], procs) -> str:
+    """Why this node does not carry out ``msg`` ("" when it does)."""
+    if msg.rank not in ranks:
+        return (f"rank {msg.rank} does not run on this node (its ranks are {A.rank_span(ranks)}): "
+                "the coordinator sent its swap to the wrong agent; please report this")
+    code = procs.poll(msg.rank)
+    if code is not None:
+        return f"rank {msg.rank} (pid {msg.pid}) already exited (status {code}) when it was to be swapped {msg.direction}"
+    return ""
+
+
 def _recv(sock: zmq.Socket) -> object:
     try:
         return A.decode(orjson.loads(sock.recv()))
@@ -550,15 +817,20 @@ def _recv(sock: zmq.Socket) -> object:
         raise AgentError(f"the coordinator sent a message this agent cannot read: {e}") from None
 
 
-def _watch(sock: zmq.Socket, poller: zmq.Poller, procs, ranks: list[int], send, on_note) -> AgentOutcome:
+def _watch(sock: zmq.Socket, poller: zmq.Poller, procs, ranks: list[int], send, on_note,
+           swaps: _NodeSwaps | None = None) -> AgentOutcome:
     """Report exits and beat until every rank ended; obey ``KillAll``; kill the
-    ranks when the coordinator falls silent."""
+    ranks when the coordinator falls silent; carry out ``Swap`` (in
+    ``swaps``' worker thread) and answer ``Swapped``."""
     codes: dict[int, int] = {}
     stopped = ""
     last_beat = 0.0
     heard = time.monotonic()
     while len(codes) < len(ranks):
         ready = dict(poller.poll(_POLL_MS * 2))
+        if swaps is not None and (swaps.wake in ready or swaps.pending):
+            for answer in swaps.answers():
+                send(answer)
         if sock in ready:
             while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 msg = _recv(sock)
@@ -566,6 +838,13 @@ def _watch(sock: zmq.Socket, poller: zmq.Poller, procs, ranks: list[int], send, 
                 if isinstance(msg, A.KillAll) and not stopped:
                     stopped = f"killed by the coordinator: {msg.reason}"
                     procs.kill_all()
+                elif isinstance(msg, A.Swap):
+                    why = ("this capture's Launch named no swap driver; please report this" if swaps is None
+                           else _swap_refusal(msg, ranks, procs))
+                    if why:
+                        send(A.Swapped(msg.token, error=why))
+                    else:
+                        swaps.submit(msg)
         now = time.monotonic()
         if now - heard > A.LOST_AFTER_S and not stopped:
             stopped = f"the coordinator fell silent for {A.LOST_AFTER_S:g} s: killing this node's ranks"
@@ -579,4 +858,8 @@ def _watch(sock: zmq.Socket, poller: zmq.Poller, procs, ranks: list[int], send, 
         if now - last_beat >= A.BEAT_S:
             last_beat = now
             send(A.AgentBeat(len(ranks) - len(codes)))
+    if swaps is not None and swaps.pending:
+        # A swap the coordinator waits for: answer it before leaving.
+        for answer in swaps.finish(timeout_s=A.LOST_AFTER_S):
+            send(answer)
     return AgentOutcome(ranks, codes, stopped)

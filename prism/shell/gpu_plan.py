@@ -58,9 +58,20 @@ class GpuPlan:
     notes: list[str] = field(default_factory=list)
     #: torch's allocator budget per rank under ``--memory-limit`` (None: the device's memory).
     memory_limit_bytes: int | None = None
+    #: Ranks served by agents (``prism capture --agents``): each node's agent
+    #: swaps its own ranks with the driver ``agent_swap`` names (``Launch.swap``);
+    #: ``rank_gpu`` (rank -> a (node, GPU) index, ``prism.core.agents.node_gpu_of``)
+    #: is set once the agents joined. ``setup`` does not apply.
+    agent_swap: dict | None = None
+    rank_gpu: dict[int, int] | None = None
 
     @property
     def swapping(self) -> bool:
+        if self.rank_gpu is not None:
+            per_gpu: dict[int, int] = {}
+            for g in self.rank_gpu.values():
+                per_gpu[g] = per_gpu.get(g, 0) + 1
+            return self.resident < max(per_gpu.values(), default=0)
         return self.resident < math.ceil(self.world_size / len(self.gpus))
 
     def env(self) -> dict[str, str]:
@@ -74,12 +85,16 @@ class GpuPlan:
         return env
 
     def gpu_of(self) -> dict[int, int]:
+        if self.rank_gpu is not None:
+            return dict(self.rank_gpu)
         return {r: D.choose_gpu(r, self.world_size, self.gpus) for r in range(self.world_size)}
 
     def setup(self, run_dir: str | os.PathLike[str]) -> None:
         """Make the swap policy and executor (when swapping) of a capture into
         ``run_dir``: ``policy`` and ``executor``, for the coordinator. Raises
         ``prism.shell.swap.SwapError`` when the checkpoint driver cannot load."""
+        if self.agent_swap is not None:
+            raise ValueError("a capture through agents swaps on their nodes: see prism.app.capture.setup_agent_swaps")
         if not self.swapping:
             return
         from prism.shell import swap, telemetry

@@ -633,3 +633,268 @@ def test_an_oom_under_a_memory_limit_through_agents_is_a_named_result(tmp_path):
     assert "capture FAILED (oom)" in err and "rank 1 ran out of GPU memory in step 3" in err, err[-3000:]
     assert "against the --memory-limit allocator budget of 4.00 GiB" in err, err[-3000:]
     assert not forkservers(tmp_path)
+
+
+# --- GPU swaps through agents (protocol 3) ---------------------------------------------
+
+#: GPT tp2 x dp4 (world 8), tiny: two agents get 4 ranks (two TP groups) each.
+GPT_W8_DP4 = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "1", "--dp", "4", "--layers", "1", "--hidden", "16",
+              "--heads", "2", "--seq-len", "8", "--steps", "2"]
+
+
+@pytest.mark.slow
+def test_two_agents_swap_their_ranks_as_one_machine_does(tmp_path, shared_captures):
+    """``--resident 2 --simulate-swaps 0`` through two agents: each node's
+    agent stops and continues its own ranks (one simulated GPU per node, 4
+    ranks on it, 2 resident); the trace and losses equal a one-machine
+    capture's with the same options, and the swaps are reported the same way."""
+    swaps = ("--resident", "2", "--simulate-swaps", "0")
+    cap, ags = served(tmp_path, 8, GPT_W8_DP4, 2, *swaps)
+    try:
+        assert cap.wait(timeout=120) == 0, (tmp_path / "cap.err").read_text()
+        assert [a.wait(timeout=30) for a in ags] == [0, 0]
+    finally:
+        reap(cap, *ags)
+    text = (tmp_path / "cap.err").read_text()
+    assert "ran ranks 0-3" in text and "ran ranks 4-7" in text, text
+    assert "simulated on CPU, one per agent's node, 2 agents, gang tp]" in text, text
+    for i in range(2):
+        assert "swapping this node's ranks with the simulated driver" in (tmp_path / f"agent{i}.err").read_text()
+    proc, plain = shared_captures.get(8, GPT_W8_DP4, *swaps)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = runfolder.read_run(tmp_path / "run"), runfolder.read_run(plain)
+    assert not got.warnings and sorted(got.ranks) == sorted(want.ranks) == list(range(8))
+    for r in range(8):
+        assert timeless(got.ranks[r]) == timeless(want.ranks[r]), f"rank {r}"
+        losses = harness.parse_losses(runfolder.log_path(tmp_path / "run", r).read_text())
+        assert losses == harness.parse_losses(runfolder.log_path(plain, r).read_text()), f"rank {r}"
+    docs = [json.loads(runfolder.swap_report_path(run).read_text()) for run in (tmp_path / "run", plain)]
+    for doc in docs:
+        s = doc["summary"]
+        assert s["swaps_out"] > 0 and s["swaps_out"] == s["swaps_in"] and s["steps"] == 2, s
+        assert doc["settings"]["simulated"]["driver"] == "SIGSTOP/SIGCONT"
+        assert f"prism: {s['swaps']} swaps ({s['swaps_out']} out, {s['swaps_in']} in)" in (
+            text if doc is docs[0] else proc.stderr)
+    doc = docs[0]
+    assert [a["ranks"] for a in doc["settings"]["agents"]] == ["0-3", "4-7"]
+    pids = {r: next(e.pid for e in got.ranks[r] if isinstance(e, T.RankStart)) for r in range(8)}
+    for rank in range(8):
+        recs = [x for x in doc["records"] if x["rank"] == rank and x["status"] == "ok"]
+        dirs = [x["direction"] for x in recs]
+        assert dirs == ["out", "in"] * (len(dirs) // 2), (rank, dirs)  # every rank ends resident
+        assert all(x["pid"] == pids[rank] for x in recs)
+    # one machine-wide log, on the coordinator's clock (one host: offset 0), in the order of the swaps
+    lines = [json.loads(x) for x in (tmp_path / "run" / "telemetry" / "swaps.jsonl").read_text().splitlines()]
+    assert lines == doc["records"]
+    starts = [x["t_start"] for x in lines]
+    assert starts == sorted(starts) and abs(starts[0] - time.monotonic()) < 300
+    assert not forkservers(tmp_path)
+
+
+class _FakeAgent:
+    """An agent's socket in a thread of its own: says hello, takes its
+    Launch, beats (until ``silent``) and answers each Swap with ``reply(msg)``
+    (None: no answer)."""
+
+    def __init__(self, endpoint: str, node: str, node_rank: int, reply) -> None:
+        import threading
+
+        import zmq
+
+        self.node, self.node_rank, self.reply = node, node_rank, reply
+        self.launch = None
+        self.swaps: list = []
+        self.silent = threading.Event()
+        self.stop = threading.Event()
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.connect(endpoint)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _send(self, msg) -> None:
+        import orjson
+
+        from prism.core import agents as A
+
+        self.sock.send(orjson.dumps(A.encode(msg)))
+
+    def _run(self) -> None:
+        import orjson
+
+        from prism.core import agents as A
+
+        self._send(A.AgentHello(self.node, "h", 4, (), 100 + self.node_rank, node_rank=self.node_rank))
+        last = 0.0
+        while not self.stop.is_set():
+            if self.sock.poll(20):
+                msg = A.decode(orjson.loads(self.sock.recv()))
+                if isinstance(msg, A.Launch):
+                    self.launch = msg
+                    self._send(A.Prepared({"driver": msg.swap.get("driver")}, stage="swaps"))
+                elif isinstance(msg, A.Swap):
+                    self.swaps.append(msg)
+                    if not self.silent.is_set() and (answer := self.reply(msg)) is not None:
+                        self._send(answer)
+            if not self.silent.is_set() and time.monotonic() - last > 0.2:
+                last = time.monotonic()
+                self._send(A.AgentBeat(2))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+def test_swaps_go_to_the_agent_that_runs_the_rank_and_failures_name_it(tmp_path):
+    """The coordinator's side of protocol 3: ``AgentSwapper`` sends each swap
+    to the agent running the rank and maps its answer onto the coordinator's
+    clock (the rank's offset); an agent's error, or an agent lost while the
+    coordinator waits, is a ``SwapError`` naming the agent, the rank and the
+    direction, within the lost period (never a hang)."""
+    from prism.core import agents as A
+    from prism.shell.agent import AgentSwapper
+    from prism.shell.swap import SwapError, SwapRecord
+
+    procs = AgentProcesses(free_tcp_endpoint(), 2, 4, keys=None, insecure=True, lost_after_s=1.0)
+    ok = lambda m: A.Swapped(m.token, "ok", 10.0, 0.5, 1 << 20)  # noqa: E731
+    failing = lambda m: A.Swapped(m.token, error=f"swapping rank {m.rank} (pid {m.pid}) {m.direction} failed: boom")  # noqa: E731
+    agents = [_FakeAgent(procs.endpoint, "n0", 0, failing), _FakeAgent(procs.endpoint, "n1", 1, ok)]
+    try:
+        procs.wait_agents(10)
+        procs.place(2)
+        procs.launch("tcp://h:1", tmp_path, ["-m", "x"], swap={"driver": "simulated", "delay_s": 0.0})
+        deadline = time.monotonic() + 10
+        while len(procs.swap_drivers) < 2:
+            assert time.monotonic() < deadline, procs.swap_drivers
+            time.sleep(0.02)
+        assert [a.launch.swap for a in agents] == [{"driver": "simulated", "delay_s": 0.0}] * 2
+        assert procs.swap_drivers == {"n0": {"driver": "simulated"}, "n1": {"driver": "simulated"}}
+        swapper = AgentSwapper(procs, log=tmp_path / "swaps.jsonl")
+        swapper.offset_of = lambda rank: 2_000_000_000 if rank >= 2 else 0  # node 1's clock is 2 s behind
+        rec = swapper.swap_out(3, 4242, 1)
+        assert rec == SwapRecord(3, 4242, "out", "ok", 12.0, 0.5, 1 << 20, 1)
+        assert [(m.rank, m.pid, m.direction, m.step) for m in agents[1].swaps] == [(3, 4242, "out", 1)]
+        assert agents[0].swaps == []
+        with pytest.raises(SwapError, match=r"agent n0 \(host h, pid 100\) could not swap rank 1 in: swapping "
+                                            r"rank 1 \(pid 7\) in failed: boom"):
+            swapper.swap_in(1, 7, 1)
+        agents[1].silent.set()  # node 1 dies while it swaps
+        t0 = time.monotonic()
+        with pytest.raises(SwapError, match=r"swapping rank 2 \(pid 9\) out at step 1 on agent n1 \(host h, pid 101, "
+                                            r"ranks 2-3\) failed: the agent was lost before it answered"):
+            swapper.swap_out(2, 9, 1)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(SwapError, match="rank 2 .* on agent n1 .* failed: the agent is lost"):
+            swapper.swap_in(2, 9, 1)  # and at once afterwards
+        swapper.close()
+        assert [json.loads(x)["t_start"] for x in (tmp_path / "swaps.jsonl").read_text().splitlines()] == [12.0]
+    finally:
+        for a in agents:
+            a.close()
+        procs.close()
+
+
+def test_an_agent_checks_its_swap_driver_and_swaps_in_a_worker_thread(monkeypatch):
+    """The node's side of protocol 3: a driver that does not load is a
+    ``Prepared`` error naming the node and what to do; a loaded one swaps in
+    a worker thread whose answers (records, or the executor's error) wake
+    the agent's loop; a swap of a rank not on the node, or one that exited,
+    is refused with the reason."""
+    import zmq
+
+    from prism.core import agents as A
+    from prism.shell import agent as G
+    from prism.shell import swap
+
+    sent: list = []
+    ctx = zmq.Context.instance()
+
+    def broken():
+        raise swap.SwapError("the CUDA driver has no cuCheckpointProcessLock: GPU swapping needs driver 570 or newer")
+
+    monkeypatch.setattr(swap, "CheckpointDriver", broken)
+    assert G._prepare_swaps({"driver": "checkpoint"}, "gpu7#3", sent.append, lambda _: None, ctx) is None
+    assert sent[-1].stage == "swaps" and sent[-1].error.startswith(
+        "cannot swap ranks on node gpu7#3: the CUDA driver has no cuCheckpointProcessLock")
+    assert "update that node's NVIDIA driver (570 or newer), or capture with --simulate-swaps" in sent[-1].error
+    assert G._prepare_swaps({"driver": "nope"}, "n", sent.append, lambda _: None, ctx) is None
+    assert "swap driver 'nope'" in sent[-1].error
+
+    swaps = G._prepare_swaps({"driver": "simulated", "delay_s": 0.0}, "n", sent.append, lambda _: None, ctx)
+    try:
+        assert sent[-1] == A.Prepared({"driver": "simulated", "delay_s": 0.0, "checked_s": sent[-1].kernels["checked_s"]},
+                                      stage="swaps")
+
+        class Executor:
+            def swap_out(self, rank, pid, step):
+                return swap.SwapRecord(rank, pid, "out", "ok", 5.0, 0.25, 64, step)
+
+            def swap_in(self, rank, pid, step):
+                raise swap.SwapError(f"swapping rank {rank} (pid {pid}) in at step {step} failed: gone")
+
+        swaps.executor = Executor()
+        swaps.submit(A.Swap(1, 2, 42, "out", 0))
+        swaps.submit(A.Swap(2, 2, 42, "in", 0))
+        poller = zmq.Poller()
+        poller.register(swaps.wake, zmq.POLLIN)
+        got: list = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2:
+            assert time.monotonic() < deadline, got
+            poller.poll(1000)
+            got += swaps.answers()
+        assert got == [A.Swapped(1, "ok", 5.0, 0.25, 64),
+                       A.Swapped(2, error="swapping rank 2 (pid 42) in at step 0 failed: gone")]
+        assert swaps.pending == 0
+    finally:
+        swaps.close()
+
+    class Procs:
+        def poll(self, rank):
+            return {2: None, 3: -9}[rank]
+
+    assert G._swap_refusal(A.Swap(1, 2, 42, "out"), [2, 3], Procs()) == ""
+    assert "rank 5 does not run on this node (its ranks are 2-3)" in G._swap_refusal(A.Swap(1, 5, 1, "in"), [2, 3], Procs())
+    assert G._swap_refusal(A.Swap(1, 3, 43, "in"), [2, 3], Procs()) == \
+        "rank 3 (pid 43) already exited (status -9) when it was to be swapped in"
+
+
+@pytest.mark.gpu(reason="the checkpoint driver swaps ranks through two agents sharing GPU 0")
+def test_two_agents_checkpoint_their_ranks_on_gpus_as_one_machine_does(tmp_path, shared_captures):
+    """``--resident 2`` of a CUDA capture through two agents (both offering
+    GPU 0; the policy counts one GPU per node): each agent checkpoints its
+    own ranks with the CUDA driver; the trace and losses equal a one-machine
+    capture's with ``--gpus 0 --resident 2``, every swap is "ok" with the
+    process's GPU memory, and every rank ends restored."""
+    from prism.shell.swap import CheckpointDriver
+
+    if not CheckpointDriver.available():
+        pytest.skip("needs a CUDA driver with the checkpoint API (570 or newer)")
+    cmd = [*GPT_W8_DP4, "--device", "cuda"]
+    cap, ags = served(tmp_path, 8, cmd, 2, "--resident", "2", agent_args=("--gpus", "0"))
+    try:
+        assert cap.wait(timeout=300) == 0, (tmp_path / "cap.err").read_text()
+        assert [a.wait(timeout=30) for a in ags] == [0, 0]
+    finally:
+        reap(cap, *ags)
+    text = (tmp_path / "cap.err").read_text()
+    assert "on the agents' GPUs, 2 agents, gang tp]" in text, text
+    assert "swapping this node's ranks with the checkpoint driver" in (tmp_path / "agent0.err").read_text()
+    proc, plain = shared_captures.get(8, cmd, "--gpus", "0", "--resident", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = runfolder.read_run(tmp_path / "run"), runfolder.read_run(plain)
+    assert not got.warnings and sorted(got.ranks) == sorted(want.ranks) == list(range(8))
+    for r in range(8):
+        assert timeless(got.ranks[r]) == timeless(want.ranks[r]), f"rank {r}"
+        losses = harness.parse_losses(runfolder.log_path(tmp_path / "run", r).read_text())
+        assert losses == harness.parse_losses(runfolder.log_path(plain, r).read_text()), f"rank {r}"
+    doc = json.loads(runfolder.swap_report_path(tmp_path / "run").read_text())
+    s = doc["summary"]
+    assert s["swaps_out"] > 0 and s["swaps_out"] == s["swaps_in"], s
+    ok = [x for x in doc["records"] if x["status"] == "ok"]
+    assert ok and all(x["bytes"] > 0 for x in ok if x["direction"] == "out"), ok[:4]
+    for rank in range(8):
+        dirs = [x["direction"] for x in ok if x["rank"] == rank]
+        assert dirs == ["out", "in"] * (len(dirs) // 2), (rank, dirs)
+    assert not forkservers(tmp_path)

@@ -12,6 +12,9 @@ from prism.core import agents as A
     A.Launch((4, 5, 6, 7), 8, "tcp://h:1", "/shared/run", ("-m", "x", "--tp", "2"), "/w", 8, {"A": "1"}, (4,)),
     A.Exits({3: 0, 7: -9}), A.Exits({2: 0}, {2: 123 << 20}),
     A.Prepared({"path": "kernels", "reason": "", "checked_s": 1.5}), A.Prepared({}, "loading cuda_ext failed"),
+    A.Prepared({}, "no checkpoint API", stage="swaps"),
+    A.Launch((0, 1), 2, "tcp://h:1", "/r", ("x",), "/w", 8, swap={"driver": "simulated", "delay_s": 0.0}),
+    A.Swap(7, 3, 4242, "out", 2), A.Swapped(7, "ok", 12.5, 0.25, 1 << 30), A.Swapped(8, error="restore failed"),
     A.AgentBeat(2), A.CoordinatorBeat(), A.KillAll("why"), A.Refused("no"),
 ])
 def test_messages_round_trip_through_json(msg):
@@ -20,9 +23,33 @@ def test_messages_round_trip_through_json(msg):
     assert A.decode(orjson.loads(orjson.dumps(A.encode(msg)))) == msg
 
 
+def test_swap_messages_are_checked():
+    with pytest.raises(A.AgentProtocolError, match="bad Swap message: swap direction 'sideways'"):
+        A.decode({**A.encode(A.Swap(1, 0, 10, "out")), "direction": "sideways"})
+    assert A.swap_spec({"driver": "checkpoint"}) == ("checkpoint", 0.0)
+    assert A.swap_spec({"driver": "simulated", "delay_s": 0.5}) == ("simulated", 0.5)
+    for spec, match in [({}, "swap driver None: expected one of checkpoint, simulated"),
+                        ({"driver": "cuda"}, "swap driver 'cuda'"),
+                        ({"driver": "simulated", "delay_s": -1}, "expected seconds, 0 or more"),
+                        ({"driver": "simulated", "delay_s": "1"}, "expected seconds"),
+                        ({"driver": "checkpoint", "delay_s": 1}, "takes no delay_s")]:
+        with pytest.raises(ValueError, match=match):
+            A.swap_spec(spec)
+
+
+def test_ranks_share_their_nodes_gpus_in_blocks_for_the_swap_policy():
+    # node 0: ranks 0-3 on GPUs (0, 1); node 1: ranks 4-7 on one GPU (its GPU 2: another index)
+    assert A.node_gpu_of([[0, 1, 2, 3], [4, 5, 6, 7]], [(0, 1), (2,)]) == {0: 0, 1: 0, 2: 1, 3: 1,
+                                                                          4: 2, 5: 2, 6: 2, 7: 2}
+    # one simulated GPU per node: a GPU per node
+    assert A.node_gpu_of([[0, 1], [2, 3], []], [(0,), (0,), (0,)]) == {0: 0, 1: 0, 2: 1, 3: 1}
+    with pytest.raises(ValueError, match="node 1 has ranks 2-3 but no GPU"):
+        A.node_gpu_of([[0, 1], [2, 3]], [(0,), ()])
+
+
 def test_another_version_or_a_bad_message_is_named():
     d = A.encode(A.AgentBeat(1))
-    with pytest.raises(A.AgentProtocolError, match="version 99, this side speaks 2: run the same Prism"):
+    with pytest.raises(A.AgentProtocolError, match="version 99, this side speaks 3: run the same Prism"):
         A.decode({**d, "v": 99})
     with pytest.raises(A.AgentProtocolError, match="unknown agent message type 'Nope'"):
         A.decode({**d, "t": "Nope"})
@@ -139,10 +166,27 @@ def test_capture_options_for_agents_are_checked(tmp_path):
         (dict(agents=3, listen="tcp://127.0.0.1:1", insecure=True), "3 agents for 2 gang"),
         (dict(keys="k"), "add --agents N"),
         (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, gpus="0"), "each node's agent offers its own"),
-        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, resident=1), "does not yet swap ranks on GPUs"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, resident=2), "the command runs on CPU: give the "
+                                                                                "script its cuda device"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, gang="tp"), "add it, or drop --gang"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, resident=2, simulate_swaps=0.0,
+              memory_limit_gib=4), "emulates a smaller GPU"),
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, resident=1, simulate_swaps=0.0),
+         "--resident 1 is less than the gang size 2"),
+        # world 4 = tp2 x pp2: the pipeline (ranks 0-3) would span the two nodes
+        (dict(agents=2, listen="tcp://127.0.0.1:1", insecure=True, resident=4, gang="tpxpp", simulate_swaps=0.0),
+         r"--gang tpxpp with --agents 2: gang 0 \(ranks 0-3\) would span nodes \[0, 1\].*use --gang tp"),
     ]:
         with pytest.raises(UsageError, match=match):
             plan_capture(CaptureConfig(4, cmd, out=tmp_path / "run", **kw))
+    # --resident through agents: the swap plan's driver goes to each agent; its GPUs come when they join
+    plan = plan_capture(CaptureConfig(4, cmd, out=tmp_path / "run", agents=2, listen="tcp://127.0.0.1:1",
+                                      insecure=True, resident=2, simulate_swaps=0.25))
+    assert not plan.agent_gpus and plan.gpu.simulated and plan.gpu.gang == "tp"
+    assert plan.gpu.agent_swap == {"driver": "simulated", "delay_s": 0.25} and plan.gpu.rank_gpu is None
+    plan = plan_capture(CaptureConfig(4, [*cmd, "--device", "cuda"], out=tmp_path / "run", agents=2,
+                                      listen="tcp://127.0.0.1:1", insecure=True, resident=2))
+    assert plan.agent_gpus and plan.gpu.agent_swap == {"driver": "checkpoint"} and not plan.gpu.simulated
     # a CUDA command through agents: planned on the agents' GPUs once they join, not this machine's
     plan = plan_capture(CaptureConfig(4, [*cmd, "--device", "cuda"], out=tmp_path / "run", agents=2,
                                       listen="tcp://127.0.0.1:1", insecure=True))
@@ -216,3 +260,74 @@ def test_each_node_computes_on_its_own_slots():
         S.Scheduler(2, range(2), nodes={0: 0, 1: 0})
     with pytest.raises(ValueError, match="at least 1 slot"):
         S.Scheduler(2, range(2), nodes={0: 0, 1: 1}, node_slots=[1, 0])
+
+
+def test_a_swap_policy_picks_among_the_ranks_a_nodes_slot_can_take():
+    """With ranks on nodes, the scheduler asks the swap policy which rank to
+    grant among those whose node has a free slot (as on one machine): a
+    resident rank goes before one that would swap a gang out, and nothing is
+    granted while the policy holds the slots back."""
+    from prism.core import scheduler as S
+    from prism.core.residency import GangResidency
+
+    # Node 0: ranks 0-3 on its one GPU (gangs {0,1}, {2,3}), --resident 2; node 1: ranks 4-7 likewise.
+    gangs = {r: r // 2 for r in range(8)}
+    policy = GangResidency(2, gangs, {r: r // 4 for r in range(8)})
+    sched = S.Scheduler(2, range(8), policy, nodes={r: r // 4 for r in range(8)}, node_slots=[1, 1])
+    def acts(actions):
+        return [(type(a).__name__, a.rank) for a in actions]
+
+    assert acts(sched.request(0)) == [("Grant", 0)]  # gang {0,1} comes in
+    assert sched.request(1) == []  # node 0's slot is taken
+    assert acts(sched.release(0)) == [("Grant", 1)]
+    assert sched.request(2) == [] and sched.request(0) == []  # line: 2, then 0
+    # rank 1 blocks: rank 0 (resident, behind rank 2 in line) goes first; no swap
+    assert acts(sched.release(1)) == [("Grant", 0)]
+    # rank 0 blocks: rank 2's gang comes in, swapping gang {0,1} out
+    got = acts(sched.release(0))
+    assert got[-1] == ("Grant", 2) and ("SwapOut", 0) in got and ("SwapOut", 1) in got, got
+    # a grant for node 1 is not held up by node 0
+    assert acts(sched.request(4)) == [("Grant", 4)]
+
+
+def test_a_cuda_swap_plan_through_agents_takes_each_nodes_gpus(tmp_path):
+    """Once the agents joined: each rank's GPU is its node's (a GPU index per
+    (node, GPU)), the policy and the coordinator's ``AgentSwapper`` exist
+    only where a GPU holds more ranks than --resident, and a gang split over
+    two GPUs of a node refuses the agents with the reason."""
+    from prism.app.capture import CaptureConfig, plan_capture, setup_agent_swaps
+    from prism.app.errors import UsageError
+    from prism.shell.agent import AgentSwapper
+
+    class Procs:
+        def __init__(self, gpus):
+            self.hellos = [A.AgentHello(f"n{i}", f"h{i}", 8, g, 10 + i, node_rank=i) for i, g in enumerate(gpus)]
+            self.closed = None
+
+        def placement(self):
+            return [(h, list(range(4 * i, 4 * i + 4))) for i, h in enumerate(self.hellos)]
+
+        def close(self, reason):
+            self.closed = reason
+
+    def plan(resident, gang=None, layout=("--tp", "2", "--pp", "1", "--dp", "4")):
+        return plan_capture(CaptureConfig(8, ["-m", "prism.workloads.gpt", *layout, "--device", "cuda"],
+                                          out=tmp_path / "run", agents=2, listen="tcp://127.0.0.1:1", insecure=True,
+                                          resident=resident, gang=gang)).gpu
+
+    gpu = plan(2)
+    setup_agent_swaps(gpu, Procs([(0,), (3, 5)]), tmp_path)
+    assert gpu.rank_gpu == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 2, 7: 2}
+    assert gpu.swapping and isinstance(gpu.executor, AgentSwapper) and gpu.policy.max_resident == 2
+    assert gpu.settings["ranks_per_gpu"] == 4 and gpu.settings["agents"][1] == {
+        "node": "n1", "host": "h1", "ranks": "4-7", "gpus": [3, 5]}
+    gpu.executor.close()
+    gpu = plan(2)
+    setup_agent_swaps(gpu, Procs([(0, 1), (0, 1)]), tmp_path)  # two ranks per GPU: all resident
+    assert not gpu.swapping and gpu.policy is None and gpu.executor is None
+    # node 0's 4 ranks over its 3 GPUs: 0, 0, 1, 2, so TP group {2, 3} would span GPUs 1 and 2
+    gpu = plan(2)
+    procs = Procs([(0, 1, 2), (0,)])
+    with pytest.raises(UsageError, match=r"--resident 2 through agents: gang 1 \(ranks \[2, 3\]\) spans GPUs \[1, 2\]"):
+        setup_agent_swaps(gpu, procs, tmp_path)
+    assert procs.closed and "spans GPUs" in procs.closed
