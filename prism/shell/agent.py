@@ -44,6 +44,7 @@ import zmq
 
 from prism.core import agents as A
 from prism.rank.envnames import GPU_SANDBOX_ENV
+from prism.shell.swap import SwapError, SwapLog, SwapRecord
 
 __all__ = ["AgentError", "AgentInterrupted", "AgentProcesses", "AgentSwapper", "AgentConfig", "AgentOutcome",
            "run_agent"]
@@ -342,8 +343,6 @@ class AgentProcesses:
         naming the agent, the rank and the direction when the agent is lost
         meanwhile, ends its run without answering, or does not answer within
         ``timeout_s``; blocks (call it from a worker thread)."""
-        from prism.shell.swap import SwapError
-
         with self._cond:
             peer = next((p for p in self._peers.values() if rank in p.ranks), None)
             if peer is None:
@@ -443,7 +442,7 @@ class AgentProcesses:
             self._auth = None
 
 
-class AgentSwapper:
+class AgentSwapper(SwapLog):
     """The coordinator's ``Swapper`` for ranks served by agents: each swap
     goes to the agent that runs the rank (``AgentProcesses.swap``), which
     carries it out with its node's ``prism.shell.swap.SwapExecutor`` and
@@ -459,14 +458,10 @@ class AgentSwapper:
 
     def __init__(self, agents: AgentProcesses, *, log: str | os.PathLike[str] | None = None,
                  timeout_s: float = 600.0) -> None:
+        super().__init__(log)
         self.agents = agents
         self.timeout_s = timeout_s
         self.offset_of: Callable[[int], int] = lambda rank: 0
-        self.records: list = []
-        self._log = None
-        if log is not None:
-            Path(log).parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(log, "a", buffering=1)
 
     def swap_out(self, rank: int, pid: int, step: int = -1):
         return self._swap(rank, pid, "out", step)
@@ -475,26 +470,13 @@ class AgentSwapper:
         return self._swap(rank, pid, "in", step)
 
     def _swap(self, rank: int, pid: int, direction: str, step: int):
-        import json
-        from dataclasses import asdict
-
-        from prism.shell.swap import SwapError, SwapRecord
-
         hello, answer = self.agents.swap(rank, pid, direction, step, self.timeout_s)
         if answer.error:
             raise SwapError(f"agent {hello.node} (host {hello.host}, pid {hello.pid}) could not swap rank {rank} "
                             f"{direction}: {answer.error}")
         rec = SwapRecord(rank, pid, direction, answer.status, answer.t_start + self.offset_of(rank) / 1e9,
                          answer.seconds, answer.bytes, step)
-        self.records.append(rec)
-        if self._log is not None:
-            self._log.write(json.dumps(asdict(rec)) + "\n")
-        return rec
-
-    def close(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        return self._record(rec)
 
 
 # --- the node's side -------------------------------------------------------------------

@@ -166,7 +166,33 @@ class SwapRecord:
     step: int
 
 
-class SwapExecutor:
+class SwapLog:
+    """The swaps carried out so far (``records``), each also appended as it
+    happens to ``log`` (``RUN/telemetry/swaps.jsonl``), so a capture that is
+    killed keeps what it did. Any thread may ``record``."""
+
+    def __init__(self, log: str | os.PathLike[str] | None = None) -> None:
+        self.records: list[SwapRecord] = []
+        self._lock = threading.Lock()
+        self._log = None
+        if log is not None:
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(log, "a", buffering=1)
+
+    def _record(self, rec: SwapRecord) -> SwapRecord:
+        with self._lock:
+            self.records.append(rec)
+            if self._log is not None:
+                self._log.write(json.dumps(asdict(rec)) + "\n")
+        return rec
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class SwapExecutor(SwapLog):
     """Carries out swaps of a rank's process, by the pid the coordinator
     gives with each call (it learns them as ranks say Hello, after the
     executor exists); ``memory_of(pid)`` is the process's GPU memory in bytes
@@ -175,18 +201,11 @@ class SwapExecutor:
     def __init__(self, driver: CheckpointDriver, memory_of: Callable[[int], int] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  log: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(log)
         self.driver = driver
         self.memory_of = memory_of or (lambda pid: 0)
         self.clock = clock
-        self.records: list[SwapRecord] = []
         self._out_bytes: dict[int, int] = {}
-        self._lock = threading.Lock()
-        #: Each swap is appended here as it happens (``RUN/telemetry/swaps.jsonl``),
-        #: so a capture that is killed keeps what it did.
-        self._log = None
-        if log is not None:
-            Path(log).parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(log, "a", buffering=1)
 
     def _fail(self, rank: int, pid: int, what: str, step: int, err: Exception) -> SwapError:
         return SwapError(f"swapping rank {rank} (pid {pid}) {what} at step {step} failed: {err}. The capture "
@@ -220,17 +239,6 @@ class SwapExecutor:
         return self._record(SwapRecord(rank, pid, "in", "ok", t0, self.clock() - t0,
                                        self._out_bytes.get(rank, 0), step))
 
-    def _record(self, rec: SwapRecord) -> SwapRecord:
-        with self._lock:
-            self.records.append(rec)
-            if self._log is not None:
-                self._log.write(json.dumps(asdict(rec)) + "\n")
-        return rec
-
-    def close(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
 
 def summarize(records: Sequence[SwapRecord], steps: int) -> dict:
