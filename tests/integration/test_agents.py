@@ -57,6 +57,19 @@ def served(tmp_path: Path, world: int, command: list[str], agents: int, *extra: 
     return cap, ags
 
 
+def capture_served(tmp_path: Path, world: int, command: list[str], agents: int, *extra: str, agent_args: tuple = (),
+                   timeout: float = 120) -> str:
+    """``served``, waited for: the capture and every agent must exit 0 within
+    ``timeout`` (the agents 30 s after); no process is left. The capture's stderr."""
+    cap, ags = served(tmp_path, world, command, agents, *extra, agent_args=agent_args)
+    try:
+        assert cap.wait(timeout=timeout) == 0, (tmp_path / "cap.err").read_text()
+        assert [a.wait(timeout=30) for a in ags] == [0] * agents
+    finally:
+        reap(cap, *ags)
+    return (tmp_path / "cap.err").read_text()
+
+
 def timeless(events: list[T.Event]) -> list[str]:
     """A rank's trace without what a run's timing and processes change: no
     times, pids or hosts, and in no order (async calls are written as they
@@ -74,13 +87,7 @@ def timeless(events: list[T.Event]) -> list[str]:
 @pytest.mark.slow
 def test_two_agents_capture_equals_one_machine(tmp_path, shared_captures):
     cmd = gpt_tiny(1)
-    cap, ags = served(tmp_path, 4, cmd, 2, "--slots", "2")
-    try:
-        assert cap.wait(timeout=120) == 0, (tmp_path / "cap.err").read_text()
-        assert [a.wait(timeout=30) for a in ags] == [0, 0]
-    finally:
-        reap(cap, *ags)
-    text = (tmp_path / "cap.err").read_text()
+    text = capture_served(tmp_path, 4, cmd, 2, "--slots", "2")
     assert "ran ranks 0-1" in text and "ran ranks 2-3" in text, text
     proc, plain = shared_captures.get(4, cmd, "--slots", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -546,12 +553,7 @@ def test_two_agents_on_one_gpu_capture_and_emulate_like_one_machine(tmp_path, sh
     emulation of it through the agents (sandboxes 0 and 2, one per node)
     gives the capture's losses bit for bit."""
     cmd = [*GPT_W4, "--device", "cuda"]
-    cap, ags = served(tmp_path, 4, cmd, 2, "--record", "0,2", agent_args=("--gpus", "0"))
-    try:
-        assert cap.wait(timeout=240) == 0, (tmp_path / "cap.err").read_text()
-        assert [a.wait(timeout=30) for a in ags] == [0, 0]
-    finally:
-        reap(cap, *ags)
+    capture_served(tmp_path, 4, cmd, 2, "--record", "0,2", agent_args=("--gpus", "0"), timeout=240)
     proc, plain = shared_captures.get(4, cmd, "--gpus", "0", "--record", "0,2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     from prism.app.predict import load_run_manifest
@@ -649,13 +651,7 @@ def test_two_agents_swap_their_ranks_as_one_machine_does(tmp_path, shared_captur
     ranks on it, 2 resident); the trace and losses equal a one-machine
     capture's with the same options, and the swaps are reported the same way."""
     swaps = ("--resident", "2", "--simulate-swaps", "0")
-    cap, ags = served(tmp_path, 8, GPT_W8_DP4, 2, *swaps)
-    try:
-        assert cap.wait(timeout=120) == 0, (tmp_path / "cap.err").read_text()
-        assert [a.wait(timeout=30) for a in ags] == [0, 0]
-    finally:
-        reap(cap, *ags)
-    text = (tmp_path / "cap.err").read_text()
+    text = capture_served(tmp_path, 8, GPT_W8_DP4, 2, *swaps)
     assert "ran ranks 0-3" in text and "ran ranks 4-7" in text, text
     assert "simulated on CPU, one per agent's node, 2 agents, gang tp]" in text, text
     for i in range(2):
@@ -872,13 +868,7 @@ def test_two_agents_checkpoint_their_ranks_on_gpus_as_one_machine_does(tmp_path,
     if not CheckpointDriver.available():
         pytest.skip("needs a CUDA driver with the checkpoint API (570 or newer)")
     cmd = [*GPT_W8_DP4, "--device", "cuda"]
-    cap, ags = served(tmp_path, 8, cmd, 2, "--resident", "2", agent_args=("--gpus", "0"))
-    try:
-        assert cap.wait(timeout=300) == 0, (tmp_path / "cap.err").read_text()
-        assert [a.wait(timeout=30) for a in ags] == [0, 0]
-    finally:
-        reap(cap, *ags)
-    text = (tmp_path / "cap.err").read_text()
+    text = capture_served(tmp_path, 8, cmd, 2, "--resident", "2", agent_args=("--gpus", "0"), timeout=300)
     assert "on the agents' GPUs, 2 agents, gang tp]" in text, text
     assert "swapping this node's ranks with the checkpoint driver" in (tmp_path / "agent0.err").read_text()
     proc, plain = shared_captures.get(8, cmd, "--gpus", "0", "--resident", "2")
