@@ -162,6 +162,7 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
   # and a device-path emulation of the first workload under --memory-limit GIB; POOL=MIB sets the device-path
   # runs' --prefetch-pool; SWITCH=US the sandboxes' PRISM_SWITCH_INTERVAL_US (the GIL's switch interval);
   # CALLLOG=1 writes each device-path emulation's call log (PRISM_DEVICE_CALL_LOG) to $R/calls-WL-NAME-rRANK.jsonl.
+  # HCAB="moe ...": for those workloads, the compensated run again with PRISM_DEVICE_HOST_CHARGE=0 (device-comp-hc0).
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
   if [ "${KERNELS:-1}" != 0 ]; then
@@ -187,6 +188,11 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
     [ "${COMP:-0}" = 1 ] && x "$R/emulate-$w-device-comp.txt" 120 env "${sw[@]}" "${clc[@]}" python3 -m prism emulate \
       "$R/cap-$w" --sandbox 0 --device-path --no-recording --net "$NET" --warmup 3 --name device-comp --quiet 25 \
       --progress off
+    case " ${HCAB:-} " in  # the host charge's paired baseline: the compensated run again with the charge off
+      *" $w "*) x "$R/emulate-$w-device-comp-hc0.txt" 120 env "${sw[@]}" PRISM_DEVICE_HOST_CHARGE=0 python3 -m prism \
+        emulate "$R/cap-$w" --sandbox 0 --device-path --no-recording --net "$NET" --warmup 3 --name device-comp-hc0 \
+        --quiet 25 --progress off ;;
+    esac
     [ "${HOST:-1}" = 0 ] || x "$R/emulate-$w-host.txt" 200 python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
       --net "$NET" --warmup 3 --name host --progress off
   done
