@@ -584,6 +584,8 @@ class PrismProcessGroup(dist.ProcessGroup):
 
         pending.finish_events = finish
         fut = rt.client.future(("coll", self.gid, seq))
+        if rec is not None:
+            rec["t_msg"] = time.monotonic_ns()
         # The call goes out before anything is queued on the GPU: whatever
         # blocks this thread next (a kernel's first launch, a copy), the
         # release can come (the flags only grow: a release before the wait
@@ -601,6 +603,8 @@ class PrismProcessGroup(dist.ProcessGroup):
                 gid = self.gid
                 rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, seq, rt.emu_ns(at))),
                           rt.add_dilation, rec, drained)
+            if rec is not None:
+                rec["t_wait"] = time.monotonic_ns()
             if recorded:
                 with torch.no_grad():
                     for r, o in zip(refs, outputs):
@@ -608,6 +612,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             else:
                 devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs,
                                         in_splits, out_splits)
+            if rec is not None:
+                rec["t_out"] = time.monotonic_ns()
         work = self._issued(PrismWork(pending))
         t1 = time.monotonic_ns()
         devicepath.count_issue(t1 - t0)

@@ -95,8 +95,10 @@ def count_issue(ns: int) -> None:
 CALL_LOG_ENV = "PRISM_DEVICE_CALL_LOG"
 #: ``PRISM_DEVICE_CALL_LOG=PATH`` (a diagnostic): every device-path call's
 #: host and GPU moments, one JSON line each, written to PATH (``{rank}`` is
-#: filled in) when the rank ends: ``t0`` the backend's entry, ``t_sent`` the
-#: call's message out, ``t1`` its return (monotonic ns); ``busy0``/``busy1``
+#: filled in) when the rank ends: ``t0`` the backend's entry, ``t_msg`` the
+#: message built (before it is sent), ``t_sent`` the call's message out,
+#: ``t_wait`` the release wait queued, ``t_out`` the outputs' delivery or
+#: compensation queued, ``t1`` its return (monotonic ns); ``busy0``/``busy1``
 #: whether the caller's stream still had work queued at entry and return
 #: (``query()``: False means the GPU had drained and waited for this host);
 #: ``reach`` the GPU's reach (monotonic ns), ``due`` the release the emulated
