@@ -22,7 +22,7 @@ import orjson
 from prism.core import codec
 
 #: 2: results carry ``release_ns`` (emulation: when the call completes).
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 #: Largest message (all frames together) a peer may send. Tensors staged
 #: through the coordinator in phase 1 are gradient buckets and activations:
 #: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
@@ -132,7 +132,10 @@ class Reached:
 class Send:
     """A send (eager: the payload travels with it). ``on_device``: a GPU
     sandbox's send to a virtual rank; the data stays on its GPU (no payload,
-    no copy to the host, nothing queued on its stream)."""
+    no copy to the host). ``reach_follows``: a ``Reached`` with ``gid``
+    ``send_reach_gid(dst, tag)`` and ``seq`` its ``pseq`` gives the moment
+    the sandbox's stream got to the send (a wait released in advance, which
+    only stamps the GPU's clock): the send's arrival, as a collective's."""
 
     TYPE: ClassVar[str] = "send"
     rank: int
@@ -145,6 +148,7 @@ class Send:
     issue_ns: int = 0
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
     on_device: bool = False
+    reach_follows: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +177,11 @@ def recv_reach_gid(src: int, tag: int) -> str:
     """The ``Reached.gid`` of a device-path receive from ``src`` with ``tag``
     (no group id looks like it: they never hold a colon)."""
     return f"recv:{src}:{tag}"
+
+
+def send_reach_gid(dst: int, tag: int) -> str:
+    """The ``Reached.gid`` of a device-path send to ``dst`` with ``tag``."""
+    return f"send:{dst}:{tag}"
 
 
 @dataclass(frozen=True, slots=True)

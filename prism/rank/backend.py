@@ -894,10 +894,26 @@ class PrismProcessGroup(dist.ProcessGroup):
     def _send_on_device(self, rt: Any, t: torch.Tensor, peer: int, tag: int, pseq: int, blocking: bool,
                         t0: int) -> PrismWork:
         """A GPU sandbox's send to a virtual rank (``prism.rank.devicepath``):
-        shapes only; nothing is copied off the GPU or queued on its stream."""
+        shapes only; nothing is copied off the GPU. Where the GPU stamps its
+        reach, a wait released in advance goes on the stream, so that the
+        send arrives in the emulated job when the stream gets to it (as
+        NCCL's send kernel starts), not when the CPU, often milliseconds
+        ahead of its stream, issued it; the stream does not wait (the send
+        is eager, as the engine models it)."""
         dtype, shape = _dtype_name(t.dtype), _shape(t)
+        rel = devicepath.releaser()
+        reach = rel is not None and rel.reports_reach and devicepath.reach_from_gpu()
         rt.send_call(protocol.Send(rank=rt.rank, gid=self.gid, dst=peer, tag=tag, pseq=pseq, dtype=dtype,
-                                   shape=shape, issue_ns=rt.emu_ns(t0), on_device=True))
+                                   shape=shape, issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach))
+        if reach:
+            slot, value = rel.reserve()
+            rel.prepare(slot)
+            rel.release(slot, value)  # nothing to wait for: the wait only stamps the reach
+            rel.enqueue_wait(slot, value)
+            gid = protocol.send_reach_gid(peer, tag)
+            rec = devicepath.call_record(op="send", peer=peer, tag=tag, pseq=pseq, t0=t0)
+            rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, pseq, rt.emu_ns(at))),
+                      rt.add_dilation, rec)
         end = time.monotonic_ns()
         pending = _Op(f"send to rank {peer} tag {tag}", [], [t], t0, True, rt.recorder.step)
         pending.end_ns = end

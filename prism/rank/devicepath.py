@@ -34,9 +34,11 @@ all_to_all_single        the chunk from a virtual member j is its own chunk
                          for j, cut or tiled to the rows j sends (uneven
                          splits too); its own chunk comes back as it is
 broadcast / barrier      nothing changes
-send to a virtual rank   nothing is queued: the data never leaves the GPU
-                         (no copy to the host, which would wait for the
-                         stream: NCCL's send does not hold the CPU either)
+send to a virtual rank   the data never leaves the GPU (no copy to the
+                         host, which would wait for the stream: NCCL's send
+                         does not hold the CPU either); a wait released in
+                         advance stamps the stream's reach, the send's
+                         arrival (protocol 8)
 recv from a virtual rank zeros, behind the release (the host path's
                          compensation of a receive)
 =======================  ==============================================

@@ -403,6 +403,8 @@ class Emulator(Coordinator):
         """The ``Reached`` that gives a device-path call's arrival."""
         if isinstance(msg, P.RecvPost):
             return (rank, P.recv_reach_gid(msg.src, msg.tag), msg.pseq)
+        if isinstance(msg, P.Send):
+            return (rank, P.send_reach_gid(msg.dst, msg.tag), msg.pseq)
         return (rank, msg.gid, msg.seq)
 
     async def _on_send(self, session: RankSession, msg: P.Send, now: int) -> None:
@@ -414,7 +416,8 @@ class Emulator(Coordinator):
                              lambda i, n: PL.p2p_ref(msg.rank, msg.dst, msg.tag, msg.pseq))
         if msg.dst in self.sandbox:
             self._sent[(msg.rank, msg.dst, msg.tag, msg.pseq)] = msg
-        self._queue[rank].append(("send", msg, Call("send", peer=msg.dst, tag=msg.tag), msg.issue_ns or now))
+        t = None if msg.reach_follows else (msg.issue_ns or now)  # as a device-path collective's
+        self._queue[rank].append(("send", msg, Call("send", peer=msg.dst, tag=msg.tag), t))
         await self._pump()
 
     async def _on_recv(self, session: RankSession, msg: P.RecvPost, now: int) -> None:

@@ -118,8 +118,9 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     assert c["on_device"] > 0 and c["compensated"] == 0 and c["recorded"] >= c["on_device"]
     # the pipeline's sends and receives with virtual stages too (protocol 6)
     assert c["sends_on_device"] > 0
-    # every device-path call's arrival came as a reach (protocol 5's Reached), none left waiting
-    assert c["reached_on_gpu"] == c["on_device"]
+    # every device-path call's arrival came as a reach (protocol 5's Reached), sends' too (protocol 8),
+    # none left waiting
+    assert c["reached_on_gpu"] == c["on_device"] + c["sends_on_device"]
     assert d["pacing"]["reach_lag_p50_ns"] is not None
     r4 = d["ranks"]["4"]
     assert r4["losses"] and r4["losses_equal"] is True, (r4["losses"], r4["capture_losses"])
@@ -127,11 +128,12 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     assert "prism: prefetch pool: 1 MiB" in log and "recorded outputs delivered" in log, log[-2000:]
     # the diagnostic call log (PRISM_DEVICE_CALL_LOG): one line per device-path call, host and "GPU" moments
     recs = [json.loads(line) for line in (gpt_run.parent / "devrec-calls-4.jsonl").read_text().splitlines()]
-    colls = [r for r in recs if r["op"] != "recv"]
+    colls = [r for r in recs if r["op"] not in ("recv", "send")]
     assert colls and all(r["t0"] <= r["t_sent"] <= r["t1"] and r["reach"] for r in colls), colls[:3]
     # on CPU nothing waits for the release, so the rank may end before any comes (a loaded machine)
     assert all(isinstance(r["due"], int) and r["due"] > 0 for r in colls if "due" in r), colls[:3]
     assert all(r["busy0"] is None and r["recorded"] for r in colls)  # CPU tensors: no stream to ask
+    assert any(r["op"] == "send" and r["reach"] for r in recs)  # a device-path send's reach (protocol 8)
 
 
 # A variant of test_the_device_path_delivers_the_recording_from_the_prefetch_pool
@@ -150,8 +152,8 @@ def test_the_device_path_protocol_compensates_as_the_coordinator_does(gpt_run):
     assert d["calls"]["on_device"] > 0 and host["calls"]["on_device"] == 0
     # the pipeline's sends and receives with virtual stages too (protocol 6)
     assert d["calls"]["sends_on_device"] > 0 and host["calls"]["sends_on_device"] == 0
-    # every device-path call's arrival came as a reach (protocol 5's Reached), none left waiting
-    assert d["calls"]["reached_on_gpu"] == d["calls"]["on_device"]
+    # every device-path call's arrival came as a reach (protocol 5's Reached), sends' too (protocol 8)
+    assert d["calls"]["reached_on_gpu"] == d["calls"]["on_device"] + d["calls"]["sends_on_device"]
     assert d["pacing"]["reach_lag_p50_ns"] is not None and host["pacing"]["reach_lag_p50_ns"] is None
     assert d["ranks"]["4"]["losses"] == host["ranks"]["4"]["losses"]
 
