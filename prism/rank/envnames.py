@@ -23,3 +23,7 @@ SWITCH_INTERVAL_ENV = "PRISM_SWITCH_INTERVAL_US"
 #: The ranks one node's agent runs, as "8-15" (``prism agent``): a rank's GPU
 #: among ``PRISM_GPUS`` (that node's) is chosen by its place among them.
 NODE_RANKS_ENV = "PRISM_NODE_RANKS"
+#: A diagnostic: a directory where each rank started by the fork server
+#: writes ``rank-N.prof``, a ``cProfile`` of its main thread, as it ends
+#: (``python -m pstats`` reads it).
+PROFILE_RANK_ENV = "PRISM_PROFILE_RANK"

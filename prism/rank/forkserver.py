@@ -96,6 +96,7 @@ def _pin(rank: int) -> None:
 def _child(spec: dict[str, Any], rank: int, out_w: int) -> None:
     """Runs in the forked child; never returns."""
     code = 1
+    profile = None
     try:
         os.setpgid(0, 0)
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -121,6 +122,7 @@ def _child(spec: dict[str, Any], rank: int, out_w: int) -> None:
             os.chdir(spec["cwd"])
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
         prism.rank.devices.install_if_requested(rank, spec["world_size"], spec["nproc_per_node"])
+        profile = _start_profile(rank)
         code = prism.rank.bootstrap.child_main(
             spec["command"],
             rank=rank,
@@ -134,10 +136,36 @@ def _child(spec: dict[str, Any], rank: int, out_w: int) -> None:
         traceback.print_exc()
     finally:
         try:
+            if profile is not None:
+                profile()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _start_profile(rank: int) -> Any:
+    """``PRISM_PROFILE_RANK=DIR``: profile this rank's main thread; returns
+    what writes ``DIR/rank-N.prof`` (None when unset)."""
+    from prism.rank.envnames import PROFILE_RANK_ENV
+
+    out = os.environ.get(PROFILE_RANK_ENV)
+    if not out:
+        return None
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+
+    def dump() -> None:
+        prof.disable()
+        try:
+            os.makedirs(out, exist_ok=True)
+            prof.dump_stats(os.path.join(out, f"rank-{rank}.prof"))
+        except OSError as e:
+            print(f"prism: {PROFILE_RANK_ENV}: could not write the profile into {out}: {e}", file=sys.stderr)
+
+    return dump
 
 
 def _report(obj: dict[str, Any]) -> None:

@@ -177,3 +177,17 @@ def test_a_launcher_gone_at_once_takes_its_ranks_along(tmp_path, monkeypatch):
         assert procs.wait(timeout=20) == [-9]
     finally:
         procs.close()
+
+
+def test_a_rank_profile_is_written_where_prism_profile_rank_says(tmp_path):
+    # A diagnostic (PRISM_PROFILE_RANK): each rank's main thread under
+    # cProfile, written as it leaves through the fork server's os._exit.
+    import pstats
+
+    prof = tmp_path / "prof"
+    codes, _ = run_world(tmp_path, 2, [str(SCRIPTS / "env_worker.py"), str(tmp_path)],
+                         env={"PRISM_PROFILE_RANK": str(prof)})
+    assert codes == [0, 0]
+    for r in range(2):
+        stats = pstats.Stats(str(prof / f"rank-{r}.prof"))
+        assert any(fn[2] == "child_main" for fn in stats.stats), sorted(stats.stats)[:5]
