@@ -162,7 +162,8 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
   # and a device-path emulation of the first workload under --memory-limit GIB; POOL=MIB sets the device-path
   # runs' --prefetch-pool; SWITCH=US the sandboxes' PRISM_SWITCH_INTERVAL_US (the GIL's switch interval);
   # CALLLOG=1 writes each device-path emulation's call log (PRISM_DEVICE_CALL_LOG) to $R/calls-WL-NAME-rRANK.jsonl.
-  # PROFILE=1 profiles those emulations' sandboxes (PRISM_PROFILE_RANK) into $R/prof-WL-NAME/rank-N.prof.
+  # PROFILE="moe ...": for those workloads, the recorded run again with its sandbox profiled
+  # (PRISM_PROFILE_RANK: $R/prof-WL/rank-0.prof; a diagnostic run apart, cProfile slows it).
   # HCAB="moe ...": for those workloads, the compensated run again with PRISM_DEVICE_HOST_CHARGE=0 (device-comp-hc0).
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
@@ -184,13 +185,16 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
     local cl=() clc=()
     [ "${CALLLOG:-0}" = 1 ] && cl=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-device-r{rank}.jsonl") \
       && clc=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-device-comp-r{rank}.jsonl")
-    [ "${PROFILE:-0}" = 1 ] && cl+=(PRISM_PROFILE_RANK="$R/prof-$w-device") \
-      && clc+=(PRISM_PROFILE_RANK="$R/prof-$w-device-comp")
     x "$R/emulate-$w-device.txt" 120 env "${sw[@]}" "${cl[@]}" python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
       --device-path "${pool[@]}" --net "$NET" --warmup 3 --name device --quiet 25 --progress off
     [ "${COMP:-0}" = 1 ] && x "$R/emulate-$w-device-comp.txt" 120 env "${sw[@]}" "${clc[@]}" python3 -m prism emulate \
       "$R/cap-$w" --sandbox 0 --device-path --no-recording --net "$NET" --warmup 3 --name device-comp --quiet 25 \
       --progress off
+    case " ${PROFILE:-} " in  # a diagnostic run apart (cProfile slows the sandbox): the recorded run profiled
+      *" $w "*) x "$R/emulate-$w-device-prof.txt" 120 env "${sw[@]}" PRISM_PROFILE_RANK="$R/prof-$w" python3 -m prism \
+        emulate "$R/cap-$w" --sandbox 0 --device-path --net "$NET" --warmup 3 --name device-prof --quiet 25 \
+        --progress off ;;
+    esac
     case " ${HCAB:-} " in  # the host charge's paired baseline: the compensated run again with the charge off
       *" $w "*) x "$R/emulate-$w-device-comp-hc0.txt" 120 env "${sw[@]}" PRISM_DEVICE_HOST_CHARGE=0 python3 -m prism \
         emulate "$R/cap-$w" --sandbox 0 --device-path --no-recording --net "$NET" --warmup 3 --name device-comp-hc0 \
