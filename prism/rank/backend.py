@@ -965,18 +965,32 @@ class PrismProcessGroup(dist.ProcessGroup):
                                        shape=shape, issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach,
                                        recorded=recorded))
         rt.on_done(fut, lambda f: _complete_from_future(pending, f))
-        if reach:
-            rel.prepare(slot)
-        rel.enqueue_wait(slot, value)
-        if reach:
-            gid = protocol.recv_reach_gid(peer, tag)
-            rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, pseq, rt.emu_ns(at))),
-                      rt.add_dilation, rec, drained)
-        with torch.no_grad():
-            if recorded:
-                feed.deliver(ref, t)  # type: ignore[union-attr]
-            else:
-                t.zero_()
+
+        def queue() -> None:
+            if reach:
+                rel.prepare(slot)
+            rel.enqueue_wait(slot, value)
+            if reach:
+                gid = protocol.recv_reach_gid(peer, tag)
+                rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, pseq, rt.emu_ns(at))),
+                          rt.add_dilation, rec, drained)
+            with torch.no_grad():
+                if recorded:
+                    feed.deliver(ref, t)  # type: ignore[union-attr]
+                else:
+                    t.zero_()
+
+        side = devicepath.side_stream(t.device) if not blocking else None
+        if side is not None:
+            # An irecv waits on the side stream, as NCCL's runs on its own: a
+            # wait on the caller's stream would hold the sends issued after it
+            # (their reach is their arrival, protocol 8) behind this receive,
+            # and a virtual peer that sends only once it received (a batch,
+            # ``batch_isend_irecv``, which NCCL runs as one) would never get it.
+            with side.run(pending, [t]):
+                queue()
+        else:
+            queue()
         work = self._issued(PrismWork(pending))
         t1 = time.monotonic_ns()
         devicepath.count_issue(t1 - t0)

@@ -252,3 +252,25 @@ def test_the_device_path_forms_moe_token_exchanges_as_the_coordinator_does(tmp_p
     dev, host = got["dev"], got["host"]
     assert dev["calls"]["on_device"] == dev["calls"]["compensated"] > 0 and host["calls"]["on_device"] == 0
     assert dev["ranks"]["0"]["losses"] == host["ranks"]["0"]["losses"] and len(host["ranks"]["0"]["losses"]) == 3
+
+
+def test_a_device_path_batch_with_its_receive_first_reports_every_sends_reach(tmp_path):
+    # batch_isend_irecv([irecv, isend]) on the device path (cpu-test): each
+    # send's arrival is its stream's reach (protocol 8), none left waiting.
+    # On a GPU the irecv waits on the side stream (NCCL's own, where a batch
+    # runs as one), so the send's reach does not queue behind the receive.
+    run = tmp_path / "r"
+    cap = prism("capture", "-n", "2", "--out", str(run), "--progress", "off", "--",
+                str(SCRIPTS / "batch_p2p.py"), "3", cwd=tmp_path, timeout=120)
+    assert cap.returncode == 0, cap.stderr[-3000:]
+    calls = tmp_path / "calls-{rank}.jsonl"
+    env = dict(ENV, PRISM_GPU_SANDBOX="cpu-test", PRISM_DEVICE_CALL_LOG=str(calls))
+    dev = prism("emulate", str(run), "--sandbox", "0", "--name", "batch", "--progress", "off", "--json",
+                cwd=tmp_path, env=env, timeout=120)
+    assert dev.returncode == 0, dev.stderr[-3000:]
+    d = summary(dev.stdout)
+    c = d["calls"]
+    assert c["sends_on_device"] == 3 and c["reached_on_gpu"] == c["on_device"] + c["sends_on_device"], c
+    assert len(d["ranks"]["0"]["losses"]) == 3  # compensated (no recording): the run completes
+    recs = [json.loads(line) for line in (tmp_path / "calls-0.jsonl").read_text().splitlines()]
+    assert sum(r["op"] == "send" and r["reach"] > 0 for r in recs) == 3, recs
