@@ -488,6 +488,65 @@ def test_an_agent_between_runs_waits_on_and_serves_empty_launches(tmp_path):
     assert sum("has no rank for this node" in n for n in notes) == 2, notes
 
 
+def _swallow_the_hello(ep: str) -> None:
+    """A coordinator past its last read (its thread stopped, its socket not
+    yet closed): the agent's hello arrives and goes down with the socket."""
+    import zmq
+
+    old = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        old.bind(ep)
+        assert old.poll(5000)  # the hello came; nobody answers it
+    finally:
+        old.close(linger=0)
+
+
+def _cut_the_handshake(ep: str) -> None:
+    """A coordinator closing while the agent's connection is being set up:
+    the connection ends mid-handshake (what a wrong server key also gives)."""
+    import socket
+
+    host, _, port = ep.removeprefix("tcp://").rpartition(":")
+    with socket.create_server((host, int(port))) as srv:
+        srv.settimeout(5)
+        conn, _ = srv.accept()
+        conn.close()
+
+
+@pytest.mark.parametrize("old_coordinator", [_swallow_the_hello, _cut_the_handshake])
+def test_an_agent_says_hello_again_to_the_next_coordinator_when_the_last_one_closes(tmp_path, old_coordinator):
+    """The last run's coordinator (a calibration's last slice) closing as an
+    agent joins it: the agent's hello is lost with that coordinator's socket,
+    or its handshake is cut. ZeroMQ reconnects the agent to the next
+    coordinator bound at the address, but nothing says hello there: the
+    agent starts over on a new connection, and joins."""
+    import threading
+
+    ep = free_tcp_endpoint()
+    notes: list[str] = []
+    got: list[object] = []
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            got.append(run_agent(AgentConfig(ep, None, insecure=True, wait_s=20), notes.append))
+        except BaseException as e:
+            errors.append(e)
+
+    agent = threading.Thread(target=serve, daemon=True)
+    agent.start()
+    old_coordinator(ep)
+    procs = AgentProcesses(ep, 1, 2, keys=None, insecure=True)
+    try:
+        procs.wait_agents(10)
+        procs.launch("tcp://127.0.0.1:1", tmp_path, ["-m", "x"])  # nothing placed: an empty Launch
+        agent.join(timeout=10)
+    finally:
+        procs.close()
+    assert not agent.is_alive() and not errors and got and got[0].ok, (errors, notes)
+    assert any("saying hello again" in n for n in notes), notes
+
+
 @pytest.mark.slow
 def test_a_cuda_capture_through_an_agent_without_gpus_is_refused_naming_it(tmp_path):
     make_keys(tmp_path / "keys")
