@@ -413,10 +413,6 @@ def test_agents_get_only_the_ranks_placed_on_them(tmp_path):
             sock.close()
 
 
-# A full-suite variant since 2026-12-05: now and then (1 of 7 runs alone at ebfd82c, 1 of 6 at 4e37916, 2-core VM)
-# one agent does not rejoin for the next slice within 60 s; not yet explained. Sibling in the default
-# suite: test_an_agent_between_runs_waits_on_and_serves_empty_launches (agents serving run after run).
-@FULL
 @pytest.mark.slow
 def test_a_calibration_runs_its_slices_through_agents_that_serve_many_runs(tmp_path, gpt_w4):
     """``prism calibrate --agents 2`` over ``prism agent --runs 0``: each TP
