@@ -21,7 +21,13 @@ they have all ended; a ``KillAll``, or a coordinator silent for
 stopped): after each it connects again to the same address, where the next
 run's coordinator (a new process, or the next slice of a calibration)
 binds once the last one has closed; a coordinator still busy with its run
-refuses it with ``retry`` and it tries again. A run may have nothing for
+refuses it with ``retry`` and it tries again. A coordinator that closes
+as an agent joins it takes the agent's hello with it, or cuts its
+handshake; ZeroMQ would reconnect the socket to the next coordinator
+without saying hello there, so before its ``Launch`` an agent whose
+connection drops (or whose handshake fails without detail, fewer than
+``_HANDSHAKE_TRIES`` times in a row) starts over on a new socket with a new
+hello. A run may have nothing for
 an agent (an empty ``Launch``: fewer sandbox TP groups than agents). A
 ``Launch`` with ``swap`` makes the agent load that swap driver first
 (``Prepared`` "swaps") and carry out each ``Swap`` of its ranks in a worker
@@ -50,6 +56,10 @@ __all__ = ["AgentError", "AgentInterrupted", "AgentProcesses", "AgentSwapper", "
            "run_agent"]
 
 _POLL_MS = 50
+#: Handshakes with the coordinator failing without detail in a row (no
+#: handshake succeeding in between) before a joining agent gives up: a
+#: coordinator closing mid-handshake gives one, a wrong server key every one.
+_HANDSHAKE_TRIES = 3
 
 
 class AgentError(Exception):
@@ -576,32 +586,21 @@ def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) 
                          "private network")
     keys = Path(config.keys).resolve() if config.keys is not None else None
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 2000
-    if keys is not None:
-        try:
-            C.connect_curve(sock, keys)
-        except C.CurveKeyError as e:
-            sock.close(linger=0)
-            raise AgentError(str(e)) from None
-    mon = sock.get_monitor_socket(C.HANDSHAKE_FAILED_EVENTS)
     host = socket.gethostname()
     hello = A.AgentHello(config.node or f"{host}:{os.getpid()}", host, config.slots or os.cpu_count() or 1,
                          tuple(config.gpus), os.getpid(), node_rank=config.node_rank)
+    sock, mon = _join(ctx, config, keys, hello)
     procs = None
     swaps: _NodeSwaps | None = None
     try:
-        try:
-            sock.connect(config.coordinator)
-        except zmq.ZMQError as e:
-            raise AgentError(f"cannot connect to {config.coordinator}: {e}") from None
         send = lambda m: sock.send(orjson.dumps(A.encode(m)))  # noqa: E731
-        send(hello)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(mon, zmq.POLLIN)
         launch = None
         deadline = time.monotonic() + config.wait_s
+        failed = 0  # handshakes failed without detail in a row
+        noted = False
         while launch is None:
             left = deadline - time.monotonic()
             if left <= 0 and not last:
@@ -614,9 +613,44 @@ def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) 
                                  f"{config.wait_s:g} s: is a `prism capture` or `prism emulate` with `--agents N "
                                  f"--listen {config.coordinator}` running?")
             ready = dict(poller.poll(min(int(left * 1000) + 1, 500)))
-            if mon in ready:
+            again = False
+            while mon in ready and mon.poll(0):
                 event = recv_monitor_message(mon)["event"]
-                raise AgentError(C.handshake_text("the coordinator", config.coordinator, event, keys))
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    failed = 0
+                    continue
+                if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                    # A coordinator closing its socket (the last run's, or a
+                    # calibration's last slice) mid-handshake gives this once;
+                    # a wrong server key gives it every time.
+                    failed += 1
+                    if failed >= _HANDSHAKE_TRIES:
+                        raise AgentError(C.handshake_text("the coordinator", config.coordinator, event, keys))
+                    again = True
+                elif event == zmq.EVENT_DISCONNECTED:
+                    # The coordinator closed the connection before its Launch:
+                    # our hello, if it went out on it, went with it; ZeroMQ
+                    # would reconnect (to the next run's coordinator) but not
+                    # say it again.
+                    again = True
+                elif event & C.HANDSHAKE_FAILED_EVENTS:
+                    raise AgentError(C.handshake_text("the coordinator", config.coordinator, event, keys))
+                if again:
+                    break
+            if again:
+                if not noted:
+                    on_note(f"the coordinator at {config.coordinator} closed the connection before its Launch: "
+                            "saying hello again on a new one")
+                    noted = True
+                poller.unregister(sock)
+                poller.unregister(mon)
+                _close_join(sock, mon, linger=0)
+                sock = mon = None
+                time.sleep(0.1)
+                sock, mon = _join(ctx, config, keys, hello)
+                poller.register(sock, zmq.POLLIN)
+                poller.register(mon, zmq.POLLIN)
+                continue
             if sock in ready:
                 msg = _recv(sock)
                 if isinstance(msg, A.Refused) and msg.retry and config.runs != 1:
@@ -625,6 +659,8 @@ def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) 
                     raise AgentError(f"the coordinator at {config.coordinator} refused this agent: {msg.reason}")
                 if isinstance(msg, A.Launch):
                     launch = msg
+        # The run's connection stays; its monitor is only for joining.
+        poller.unregister(mon)
         if not launch.ranks:
             on_note(f"this run (world {launch.world_size}) has no rank for this node")
             return AgentOutcome([], {})
@@ -657,9 +693,38 @@ def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) 
             procs.close()
         if swaps is not None:
             swaps.close()
-        sock.disable_monitor()
-        mon.close(linger=0)
-        sock.close()
+        if sock is not None:
+            _close_join(sock, mon)
+
+
+def _join(ctx: zmq.Context, config: AgentConfig, keys: Path | None,
+          hello: A.AgentHello) -> tuple[zmq.Socket, zmq.Socket]:
+    """A new socket to the coordinator, with ``hello`` queued on it, and its
+    monitor (handshakes, disconnections)."""
+    from transport import curve as C
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 2000
+    if keys is not None:
+        try:
+            C.connect_curve(sock, keys)
+        except C.CurveKeyError as e:
+            sock.close(linger=0)
+            raise AgentError(str(e)) from None
+    mon = sock.get_monitor_socket(C.HANDSHAKE_FAILED_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    try:
+        sock.connect(config.coordinator)
+    except zmq.ZMQError as e:
+        _close_join(sock, mon, linger=0)
+        raise AgentError(f"cannot connect to {config.coordinator}: {e}") from None
+    sock.send(orjson.dumps(A.encode(hello)))
+    return sock, mon
+
+
+def _close_join(sock: zmq.Socket, mon: zmq.Socket, linger: int | None = None) -> None:
+    sock.disable_monitor()
+    mon.close(linger=0)
+    sock.close(linger=linger)
 
 
 def _prepare_kernels(env: dict[str, str], send: Callable[[object], None], ranks: int,
