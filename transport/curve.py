@@ -102,15 +102,11 @@ class _SharedAuth:
     _running: dict[int, list] = {}
 
     def __init__(self, ctx: zmq.Context, allowed: Path, log_name: str) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
-
         self._key = id(ctx)
         with self._lock:
             entry = self._running.get(self._key)
             if entry is None:
-                auth = ThreadAuthenticator(ctx, log=logging.getLogger(log_name))
-                auth.start()
-                entry = self._running[self._key] = [auth, 0, str(allowed)]
+                entry = self._running[self._key] = [_start_auth(ctx, log_name), 0, str(allowed)]
             elif entry[2] != str(allowed):
                 raise CurveKeyError(f"this process already serves CURVE with the keys of {entry[2]}; one process "
                                     f"serves one key directory (not {allowed})")
@@ -128,6 +124,32 @@ class _SharedAuth:
             if entry[1] == 0:
                 entry[0].stop()
                 del self._running[self._key]
+
+
+#: How long a new ZAP handler waits for the last one's address to be freed.
+ZAP_REBIND_S = 5.0
+
+
+def _start_auth(ctx: zmq.Context, log_name: str) -> Any:
+    """A started ZAP handler on ``ctx``. ZeroMQ frees ``inproc://zeromq.zap.01``
+    a little after the last handler's socket closed: a server started at once
+    again (a daemon's next run) retries the bind until then."""
+    import errno
+    import time
+
+    from zmq.auth.thread import ThreadAuthenticator
+
+    deadline = time.monotonic() + ZAP_REBIND_S
+    while True:
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger(log_name))
+        try:
+            auth.start()
+            return auth
+        except zmq.ZMQError as e:
+            auth.stop()
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def serve_curve(sock: zmq.Socket, keys: Path, ctx: zmq.Context | None = None,

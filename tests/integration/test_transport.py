@@ -647,3 +647,24 @@ async def test_memory_router_drops_and_vanished_peers(autojump_clock):
         await b.recv_message()
     with pytest.raises(trio.ClosedResourceError):
         await router.recv_message()
+
+
+def test_a_curve_server_started_again_at_once_gets_the_zap_address_back(tmp_path):
+    # ZeroMQ frees the ZAP handler's inproc address a little after its socket
+    # closes: a CURVE server started again at once in the same process (a
+    # daemon's next run) used to fail with "Address already in use".
+    import zmq
+
+    from transport.curve import make_keys, serve_curve
+
+    make_keys(tmp_path / "keys")
+    ctx = zmq.Context()
+    try:
+        for _ in range(20):
+            sock = ctx.socket(zmq.ROUTER)
+            auth = serve_curve(sock, tmp_path / "keys", ctx)
+            sock.bind("tcp://127.0.0.1:*")
+            sock.close(linger=0)
+            auth.stop()
+    finally:
+        ctx.destroy(linger=0)
