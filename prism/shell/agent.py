@@ -129,6 +129,8 @@ class AgentProcesses:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._lost_text = ""
+        #: How the run ends for that report: "swap_failed" (an agent could not load its swap driver) or "node_lost".
+        self._lost_status = "node_lost"
         self._stop = threading.Event()
         self._refused: list[str] = []
         ctx = zmq.Context.instance()
@@ -253,6 +255,8 @@ class AgentProcesses:
                         what = "its ranks (it cannot swap them)" if msg.stage == "swaps" else \
                             "its device-path sandboxes"
                         self._lost_text = f"{peer.describe()} could not start {what}: {msg.error} (on that node)"
+                        if msg.stage == "swaps":
+                            self._lost_status = "swap_failed"
                     for r in peer.ranks:
                         if self.returncodes[r] is None:
                             self.returncodes[r] = 1
@@ -404,6 +408,12 @@ class AgentProcesses:
         """The report of the first agent lost ("" while none is)."""
         with self._cond:
             return self._lost_text
+
+    def lost_status(self) -> str:
+        """The run's status for ``lost()``'s report: "swap_failed" where an
+        agent could not load its swap driver, else "node_lost"."""
+        with self._cond:
+            return self._lost_status
 
     def kill_all(self) -> None:
         for peer in self._ordered():

@@ -128,9 +128,12 @@ class Interrupted:
 
 @dataclass(frozen=True, slots=True)
 class NodeLost:
-    """The process handle lost a node (an agent): ``message`` names it and its ranks."""
+    """The process handle lost a node (an agent): ``message`` names it and its
+    ranks; ``status`` is how the run ends ("swap_failed": its swap driver would
+    not load)."""
 
     message: str
+    status: str = "node_lost"
 
 
 Event = Received | Malformed | RankExited | Tick | Interrupted | NodeLost
@@ -567,7 +570,8 @@ class Coordinator:
                 await trio.sleep(0.1)
                 if lost is not None and not reported and (why := lost()):
                     reported = True
-                    await out.send(NodeLost(why))
+                    status = getattr(self._processes, "lost_status", lambda: "node_lost")()
+                    await out.send(NodeLost(why, status))
                 for rank, code in enumerate(self._processes.poll()):
                     if code is not None and rank not in seen:
                         seen.add(rank)
@@ -902,7 +906,7 @@ class Coordinator:
         self._fail("interrupted", f"{self.what} stopped by {name} (the trace so far is kept)", EXIT_INTERRUPTED)
 
     async def _on_node_lost(self, ev: NodeLost, now: int) -> None:
-        self._fail("node_lost", ev.message, 1)
+        self._fail(ev.status, ev.message, 1)
 
     def _fail(self, status: str, message: str, code: int) -> None:
         if self._result is None:

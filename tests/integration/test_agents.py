@@ -751,13 +751,14 @@ class _FakeAgent:
     Launch, beats (until ``silent``) and answers each Swap with ``reply(msg)``
     (None: no answer)."""
 
-    def __init__(self, endpoint: str, node: str, node_rank: int, reply) -> None:
+    def __init__(self, endpoint: str, node: str, node_rank: int, reply, driver_error: str = "") -> None:
         import threading
 
         import zmq
 
         self.node, self.node_rank, self.reply = node, node_rank, reply
         self.launch = None
+        self.driver_error = driver_error
         self.swaps: list = []
         self.silent = threading.Event()
         self.stop = threading.Event()
@@ -786,7 +787,8 @@ class _FakeAgent:
                 msg = A.decode(orjson.loads(self.sock.recv()))
                 if isinstance(msg, A.Launch):
                     self.launch = msg
-                    self._send(A.Prepared({"driver": msg.swap.get("driver")}, stage="swaps"))
+                    self._send(A.Prepared({} if self.driver_error else {"driver": msg.swap.get("driver")},
+                                          self.driver_error, stage="swaps"))
                 elif isinstance(msg, A.Swap):
                     self.swaps.append(msg)
                     if not self.silent.is_set() and (answer := self.reply(msg)) is not None:
@@ -844,6 +846,31 @@ def test_swaps_go_to_the_agent_that_runs_the_rank_and_failures_name_it(tmp_path)
             swapper.swap_in(2, 9, 1)  # and at once afterwards
         swapper.close()
         assert [json.loads(x)["t_start"] for x in (tmp_path / "swaps.jsonl").read_text().splitlines()] == [12.0]
+    finally:
+        for a in agents:
+            a.close()
+        procs.close()
+
+
+def test_an_agent_whose_swap_driver_will_not_load_ends_the_run_swap_failed(tmp_path):
+    """An agent that cannot load its swap driver (``Prepared`` "swaps" with an
+    error) fails its ranks; the report names the node and the reason, and the
+    run's status is "swap_failed", not "node_lost" (the node is alive)."""
+    procs = AgentProcesses(free_tcp_endpoint(), 2, 4, keys=None, insecure=True, lost_after_s=5.0)
+    ok = lambda m: None  # noqa: E731
+    agents = [_FakeAgent(procs.endpoint, "n0", 0, ok),
+              _FakeAgent(procs.endpoint, "n1", 1, ok, driver_error="no checkpoint API in driver 535")]
+    try:
+        procs.wait_agents(10)
+        procs.place(2)
+        procs.launch("tcp://h:1", tmp_path, ["-m", "x"], swap={"driver": "checkpoint"})
+        deadline = time.monotonic() + 10
+        while not procs.lost():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert "agent n1" in procs.lost() and "cannot swap them" in procs.lost() and "driver 535" in procs.lost()
+        assert procs.lost_status() == "swap_failed"
+        assert procs.poll()[2:] == [1, 1]
     finally:
         for a in agents:
             a.close()
