@@ -12,10 +12,12 @@ the shared filesystem, readable by the job's user only (0700).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,9 +136,6 @@ def _start_auth(ctx: zmq.Context, log_name: str) -> Any:
     """A started ZAP handler on ``ctx``. ZeroMQ frees ``inproc://zeromq.zap.01``
     a little after the last handler's socket closed: a server started at once
     again (a daemon's next run) retries the bind until then."""
-    import errno
-    import time
-
     from zmq.auth.thread import ThreadAuthenticator
 
     deadline = time.monotonic() + ZAP_REBIND_S

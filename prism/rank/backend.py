@@ -600,9 +600,7 @@ class PrismProcessGroup(dist.ProcessGroup):
                 rel.prepare(slot)
             rel.enqueue_wait(slot, value)
             if reach:
-                gid = self.gid
-                rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, seq, rt.emu_ns(at))),
-                          rt.add_dilation, rec, drained)
+                rel.watch(slot, t0, _reach_reporter(rt, self.gid, seq), rt.add_dilation, rec, drained)
             if rec is not None:
                 rec["t_wait"] = time.monotonic_ns()
             if recorded:
@@ -910,10 +908,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             rel.prepare(slot)
             rel.release(slot, value)  # nothing to wait for: the wait only stamps the reach
             rel.enqueue_wait(slot, value)
-            gid = protocol.send_reach_gid(peer, tag)
             rec = devicepath.call_record(op="send", peer=peer, tag=tag, pseq=pseq, t0=t0)
-            rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, pseq, rt.emu_ns(at))),
-                      rt.add_dilation, rec)
+            rel.watch(slot, t0, _reach_reporter(rt, protocol.send_reach_gid(peer, tag), pseq), rt.add_dilation, rec)
         end = time.monotonic_ns()
         pending = _Op(f"send to rank {peer} tag {tag}", [], [t], t0, True, rt.recorder.step)
         pending.end_ns = end
@@ -971,9 +967,8 @@ class PrismProcessGroup(dist.ProcessGroup):
                 rel.prepare(slot)
             rel.enqueue_wait(slot, value)
             if reach:
-                gid = protocol.recv_reach_gid(peer, tag)
-                rel.watch(slot, t0, lambda at: rt.client.send(protocol.Reached(rt.rank, gid, pseq, rt.emu_ns(at))),
-                          rt.add_dilation, rec, drained)
+                rel.watch(slot, t0, _reach_reporter(rt, protocol.recv_reach_gid(peer, tag), pseq), rt.add_dilation,
+                          rec, drained)
             with torch.no_grad():
                 if recorded:
                     feed.deliver(ref, t)  # type: ignore[union-attr]
@@ -1058,6 +1053,13 @@ def _complete_from_future(pending: _Op, fut: Any) -> None:
     else:
         _hold_until(pending.release_mono_ns)
     pending.complete(tuple(reply.payloads), None)
+
+
+def _reach_reporter(rt: Any, gid: str, seq: int) -> Callable[[int], Any]:
+    """What tells the coordinator that the stream reached the device-path
+    call ``(gid, seq)`` at a moment of this host's clock (``Reached``, on the
+    rank's dilated clock)."""
+    return lambda at: rt.client.send(protocol.Reached(rt.rank, gid, seq, rt.emu_ns(at)))
 
 
 def _release_gpu(pending: _Op) -> None:
