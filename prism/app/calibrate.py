@@ -4,7 +4,8 @@
 (``prism.core.calibration.plan_slices``: by default the TP groups, else the
 pipelines, else pairs; each at most this machine's cores), runs each slice
 as sandbox ranks against the bare graph (``prism.app.emulate.emulate``, one
-slice after the other, so a slice's ranks have a core each), takes every
+slice after the other, so a slice's ranks have a core each; with agents,
+one slice per node side by side, ``node_rounds``), takes every
 sandbox rank's compute durations from its emulation trace (matched call by
 call to the capture) and stores them under ``RUN/calibration/<name>/``:
 
@@ -44,6 +45,7 @@ from prism.core.calibration import (
     apply_calibration,
     expand_classes,
     measured_durations,
+    node_rounds,
     pack_slices,
     plan_slices,
     symmetric_plan,
@@ -108,9 +110,15 @@ class CalibrationResult:
         m = self.manifest
         lines = [f"calibrated {m['run']} (world {m['world_size']}) with {len(m['slices'])} slice(s) "
                  f"({m['slice_mode']}{', symmetric' if m['symmetric'] else ''}{', packed' if m.get('packed') else ''}), {m['cores']} cores per slice at most:"]
+        nodes = m.get("slice_nodes") or [None] * len(m["slices"])
         for k, s in enumerate(m["slices"]):
-            lines.append(f"  slice {k}: ranks {','.join(map(str, s))}  ({m['emulations'][k]}, "
+            on = f" on node {nodes[k]['node']}" if nodes[k] else ""
+            lines.append(f"  slice {k}: ranks {','.join(map(str, s))}{on}  ({m['emulations'][k]}, "
                          f"{m['slice_wall_s'][k]:.1f} s)")
+        if m.get("cramped_slices"):
+            lines.append("warning: a slice had more ranks than its node's slots, so its ranks took turns and their "
+                         "durations include the waits: " + "; ".join(m["cramped_slices"])
+                         + ". Pass --cores with the nodes' slots (or start the agents with more --slots)")
         if m["symmetric"]:
             lines.append("classes (representative: members):")
             for rep, members in m["classes"].items():
@@ -205,27 +213,54 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
     out = runfolder.calibration_path(run, name)
     if (out / _MANIFEST).exists():
         raise UsageError(f"{out} already holds a calibration; choose another --name")
-    emu_names = [f"calibrate-{name}-slice{k}" for k in range(len(slices))]
-    for e in emu_names:
+    # With agents, one slice per node at a time (each alone on its node's
+    # cores, as it would be alone on this machine), the nodes side by side:
+    # a round of ``agents`` slices is one emulation.
+    rounds = node_rounds(len(slices), config.agents)
+    emu_names = [""] * len(slices)
+    for ks in rounds:
+        for j in ks:
+            emu_names[j] = (f"calibrate-{name}-slice{ks[0]}" if len(ks) == 1
+                            else f"calibrate-{name}-slices{ks[0]}-{ks[-1]}")
+    for e in dict.fromkeys(emu_names):
         if (run / runfolder.EMULATION_DIR / e).exists():
             raise UsageError(f"{run / runfolder.EMULATION_DIR / e} exists already; choose another --name")
 
     table: dict[int, np.ndarray] = {}
     per_rank: dict[str, dict] = {}
-    walls = []
-    for k, s in enumerate(slices):
+    walls: list[float] = [0.0] * len(slices)
+    nodes: list[dict | None] = [None] * len(slices)
+    cramped: list[str] = []
+    for ks in rounds:
+        k = ks[0]
+        ranks_of = [slices[j] for j in ks]
+        sandbox = sorted(r for s in ranks_of for r in s)
         t0 = time.perf_counter()
-        outcome = emulate(EmulateConfig(run=run, sandbox=",".join(map(str, s)), net=config.net, name=emu_names[k],
-                                        warmup=config.warmup, quiet_s=config.quiet_s, show_ranks="none",
-                                        progress="off", agents=config.agents, listen=config.listen,
-                                        keys=config.keys, insecure=config.insecure,
-                                        agent_wait_s=config.agent_wait_s))
-        walls.append(time.perf_counter() - t0)
+        outcome = emulate(EmulateConfig(run=run, sandbox=",".join(map(str, sandbox)), net=config.net,
+                                        name=emu_names[k], warmup=config.warmup, quiet_s=config.quiet_s,
+                                        show_ranks="none", progress="off", agents=config.agents,
+                                        listen=config.listen, keys=config.keys, insecure=config.insecure,
+                                        agent_wait_s=config.agent_wait_s,
+                                        placement=tuple(tuple(s) for s in ranks_of) if config.agents else None))
+        wall = time.perf_counter() - t0
+        what = (f"slice {k} (ranks {','.join(map(str, slices[k]))})" if len(ks) == 1 else
+                "slices " + ", ".join(f"{j} (ranks {','.join(map(str, slices[j]))})" for j in ks))
         if not outcome.ok:
-            raise CalibrationFailed(f"slice {k} (ranks {','.join(map(str, s))}) failed in {outcome.out_dir} "
-                                    f"({outcome.status}): {outcome.message.strip()}")
+            raise CalibrationFailed(f"{what} failed in {outcome.out_dir} ({outcome.status}): "
+                                    f"{outcome.message.strip()}")
+        for i, j in enumerate(ks):
+            walls[j] = wall
+            agents = outcome.summary.get("agents") or []
+            if i < len(agents):
+                a = agents[i]
+                nodes[j] = {"node": a.get("node"), "host": a.get("host"), "slots": a.get("slots")}
+                if a.get("slots") is not None and a["slots"] < len(slices[j]):
+                    cramped.append(f"slice {j} ({len(slices[j])} ranks) on node {a.get('node')} "
+                                   f"({a['slots']} slot{'' if a['slots'] == 1 else 's'})")
+    for k, s in enumerate(slices):
+        outcome_dir = run / runfolder.EMULATION_DIR / emu_names[k]
         for r in s:
-            path = runfolder.rank_path(outcome.out_dir, r)
+            path = runfolder.rank_path(outcome_dir, r)
             try:
                 events = runfolder.read_rank_file(path, ignore_unknown=True).events
             except Exception as e:  # noqa: BLE001 (TraceFormatError, OSError: named below)
@@ -233,7 +268,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
             try:
                 m = measured_durations(r, ranks[r], events, keep_clean=config.keep_clean)
             except CalibrationError as e:
-                raise InconsistentTraceError(f"slice {k} ({outcome.out_dir}): {e}") from None
+                raise InconsistentTraceError(f"slice {k} ({outcome_dir}): {e}") from None
             table[r] = m.durations
             per_rank[str(r)] = {"slice": k, "source_rank": r, "segments": m.segments, "replaced": m.replaced,
                                 "kept_two_clock": m.kept_two_clock, "kept_clean": m.kept_clean, "regrouped_gaps": m.regrouped,
@@ -269,6 +304,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
                    if config.keep_clean else ""),
         "layout": None if layout is None else {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep},
         "cost_model": model_name, "warmup": config.warmup, "agents": config.agents,
+        "slice_nodes": nodes if config.agents else None, "cramped_slices": cramped,
         "keep_clean": config.keep_clean, "clean_share": CLEAN_SHARE,
         "bare_mean_ns": bare_mean, "calibrated_mean_ns": cal_mean,
     }

@@ -119,6 +119,9 @@ class EmulateConfig:
     insecure: bool = False
     #: How long to wait for the agents to join.
     agent_wait_s: float = 60.0
+    #: With agents: the sandbox ranks for each agent in node order (a
+    #: calibration runs one slice per node); None: ``place_ranks`` decides.
+    placement: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass
@@ -392,12 +395,17 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         raise UsageError(f"--sandbox: {e}{where}") from None
     gang = gang_of(cmd)
     if config.agents:
-        from prism.core.agents import place_ranks
+        from prism.core.agents import check_placement, place_ranks
 
         try:
-            place_ranks(sandbox, config.agents, gang)
+            if config.placement is None:
+                place_ranks(sandbox, config.agents, gang)
+            else:
+                check_placement(config.placement, sandbox, config.agents)
         except ValueError as e:
             raise UsageError(f"--agents {config.agents}: {e}") from None
+    elif config.placement is not None:
+        raise UsageError("a placement on agents needs agents (--agents K)")
     try:
         model, why = resolve_profile(config.net, manifest, device_kind)
     except ProfileError as e:
@@ -462,7 +470,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                                       env_of=lambda hello, _ranks: node_env.get(agent_key(hello), {}))
     try:
         if agent_procs is not None:
-            agent_procs.place(gang, sandbox)
+            agent_procs.place(gang, sandbox, config.placement)
             if manifest.device_kind == "cuda":
                 from prism.app.capture import place_on_agent_gpus
 

@@ -35,9 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "by default")
     from prism.cli.agent import add_agent_options
 
-    add_agent_options(p, "run each slice's ranks through `prism agent --runs 0` on other nodes (one emulation per "
-                         "slice, one after another; the run directory on a shared filesystem)",
-                      "wait for N agents at each slice and place its ranks on them (a TP group on one node)",
+    add_agent_options(p, "run each slice's ranks through `prism agent --runs 0` on other nodes (N slices at a "
+                         "time, one per node, in one emulation; the run directory on a shared filesystem)",
+                      "wait for N agents at each round of N slices and put each slice on a node of its own",
                       listen_help="where the agents join",
                       wait_help="how long each slice waits for the agents to join (default 60)")
     p.set_defaults(func=main)

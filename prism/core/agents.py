@@ -26,7 +26,7 @@ from typing import Any
 __all__ = ["AGENT_PROTOCOL_VERSION", "BEAT_S", "AgentProtocolError", "AgentHello", "Launch", "Exits",
            "Prepared", "Swap", "Swapped", "AgentBeat", "CoordinatorBeat", "KillAll", "Refused", "encode", "decode",
            "SWAP_DRIVERS", "swap_spec", "node_gpu_of", "assign_blocks",
-           "place_ranks",
+           "place_ranks", "check_placement",
            "Discovery", "discover", "expand_nodelist", "rank_span"]
 
 AGENT_PROTOCOL_VERSION = 3
@@ -251,6 +251,32 @@ def assign_blocks(world_size: int, agents: int, gang: int = 1) -> list[list[int]
         out.append(list(range(start, start + n)))
         start += n
     return out
+
+
+def check_placement(blocks: Sequence[Sequence[int]], ranks: Sequence[int], agents: int) -> list[list[int]]:
+    """A placement given block by block (``blocks[i]``: the ranks for the
+    ``i``-th agent in node order; a calibration's slices, one per node):
+    checked to hold each of ``ranks`` exactly once on at most ``agents``
+    agents, padded with empty blocks to ``agents``; ``ValueError`` saying
+    what is wrong otherwise."""
+    if agents < 1:
+        raise ValueError(f"--agents must be at least 1, got {agents}")
+    if len(blocks) > agents:
+        raise ValueError(f"the placement has {len(blocks)} blocks for {agents} agent(s)")
+    seen: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for r in block:
+            if int(r) in seen:
+                raise ValueError(f"rank {r} is placed on agents {seen[int(r)]} and {i}")
+            seen[int(r)] = i
+    want = sorted(set(int(r) for r in ranks))
+    if sorted(seen) != want:
+        missing = sorted(set(want) - set(seen))
+        extra = sorted(set(seen) - set(want))
+        raise ValueError("the placement does not hold the ranks it places"
+                         + (f": ranks {missing} are on no agent" if missing else "")
+                         + (f": ranks {extra} are not among them" if extra else ""))
+    return [sorted(int(r) for r in b) for b in blocks] + [[] for _ in range(agents - len(blocks))]
 
 
 def place_ranks(ranks: Sequence[int], agents: int, gang: int = 1) -> list[list[int]]:

@@ -48,7 +48,7 @@ from prism.core.graph import program_order
 from prism.core.scaleout import Layout
 from prism.core.trace import P2P, Collective, Compute, Event, Iteration
 
-__all__ = ["CLEAN_SHARE", "CalibrationError", "SLICE_MODES", "plan_slices", "pack_slices", "symmetry_classes", "symmetric_plan",
+__all__ = ["CLEAN_SHARE", "CalibrationError", "SLICE_MODES", "plan_slices", "pack_slices", "node_rounds", "symmetry_classes", "symmetric_plan",
            "Measured", "measured_durations", "expand_classes", "apply_calibration"]
 
 #: Named ways to cut a run into slices (besides explicit ``"0,1;2,3"``).
@@ -162,6 +162,16 @@ def pack_slices(slices: Sequence[Sequence[int]], cores: int) -> tuple[tuple[int,
     if cur:
         out.append(tuple(sorted(cur)))
     return tuple(out)
+
+
+def node_rounds(slices: int, agents: int) -> tuple[tuple[int, ...], ...]:
+    """The slices (by index) run together: with ``agents`` nodes, one slice
+    per node at a time, ``agents`` slices a round in order; without agents
+    (0), one slice a round."""
+    if slices < 0 or agents < 0:
+        raise CalibrationError(f"slices and agents are counts, got {slices} and {agents}")
+    per = max(agents, 1)
+    return tuple(tuple(range(i, min(i + per, slices))) for i in range(0, slices, per))
 
 
 def symmetry_classes(world: int, layout: Layout | None) -> tuple[tuple[int, ...], ...]:

@@ -303,10 +303,13 @@ class AgentProcesses:
     def _ordered(self) -> list[_Peer]:
         return sorted(self._peers.values(), key=lambda p: (p.hello.node_rank, p.hello.host, p.hello.pid))
 
-    def place(self, gang: int = 1, ranks: Sequence[int] | None = None) -> list[tuple[A.AgentHello, list[int]]]:
+    def place(self, gang: int = 1, ranks: Sequence[int] | None = None,
+              blocks: Sequence[Sequence[int]] | None = None) -> list[tuple[A.AgentHello, list[int]]]:
         """Place the world (``assign_blocks``) or only ``ranks`` of it (an
         emulation's sandbox: ``place_ranks``) on the agents, in node order,
-        whole gangs on one agent: each agent and its ranks."""
+        whole gangs on one agent: each agent and its ranks. ``blocks`` (with
+        ``ranks``) gives the placement instead: ``blocks[i]`` on the ``i``-th
+        agent (``check_placement``)."""
         peers = self._ordered()
         if ranks is None:
             blocks = A.assign_blocks(self.world_size, len(peers), gang)
@@ -314,7 +317,8 @@ class AgentProcesses:
             bad = [r for r in ranks if not 0 <= r < self.world_size]
             if bad:
                 raise ValueError(f"ranks {bad} are not in the world of {self.world_size}")
-            blocks = A.place_ranks(ranks, len(peers), gang)
+            blocks = (A.place_ranks(ranks, len(peers), gang) if blocks is None
+                      else A.check_placement(blocks, ranks, len(peers)))
         with self._cond:
             for peer, block in zip(peers, blocks):
                 peer.ranks = block

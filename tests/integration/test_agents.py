@@ -415,19 +415,21 @@ def test_agents_get_only_the_ranks_placed_on_them(tmp_path):
 
 @pytest.mark.slow
 def test_a_calibration_runs_its_slices_through_agents_that_serve_many_runs(tmp_path, gpt_w4):
-    """``prism calibrate --agents 2`` over ``prism agent --runs 0``: each TP
-    slice is one emulation whose one TP group goes to one agent while the
-    other gets an empty launch; both agents go on to the next slice and end
-    cleanly on SIGTERM; ``predict --calibration on`` uses the result."""
+    """``prism calibrate --agents 2`` over ``prism agent --runs 0``: the two
+    first slices (a rank each) run side by side, one per agent, in one
+    emulation (the third, a TP group, a run of its own, goes to agent 0 while
+    agent 1 gets an empty launch); both agents go on to the next run and end cleanly on SIGTERM;
+    ``predict --calibration on`` uses the result."""
     from prism.app.calibrate import load_calibration
     from prism.app.predict import PredictConfig, predict
 
     make_keys(tmp_path / "keys")
     ep = free_tcp_endpoint()
-    cal = start(tmp_path, "calibrate", str(gpt_w4), "--slices", "tp", "--cores", "2", "--name", "ag", "--agents", "2",
-                "--listen", ep, "--keys", "keys", out="cal.out", keep_stdout=True)
+    cal = start(tmp_path, "calibrate", str(gpt_w4), "--slices", "0;1,2;3", "--cores", "2", "--name", "ag",
+                "--agents", "2", "--listen", ep, "--keys", "keys", out="cal.out", keep_stdout=True)
+    # node 1 offers one slot: its slice of two ranks is cramped, and said so
     ags = [start(tmp_path, "agent", "--coordinator", ep, "--keys", "keys", "--node-rank", str(i), "--runs", "0",
-                 out=f"agent{i}.err") for i in range(2)]
+                 *(["--slots", "1"] if i else []), out=f"agent{i}.err") for i in range(2)]
     try:
         assert cal.wait(timeout=180) == 0, (tmp_path / "cal.out").read_text()
         assert all(a.poll() is None for a in ags)  # waiting for the next run
@@ -441,10 +443,17 @@ def test_a_calibration_runs_its_slices_through_agents_that_serve_many_runs(tmp_p
     for text in texts:
         assert "run 2 ended" in text and "stopped by SIGTERM: no rank of it was running" in text and "Traceback" not in text, text
     m = json.loads((gpt_w4 / "calibration" / "ag" / "manifest.json").read_text())
-    assert m["slices"] == [[0, 1], [2, 3]] and m["agents"] == 2 and m["uncalibrated_ranks"] == []
-    for name in m["emulations"]:
-        s = json.loads((gpt_w4 / "emulation" / name / "summary.json").read_text())
-        assert s["status"] == "ok" and sorted(len(a["ranks"]) for a in s["agents"]) == [0, 2], s["agents"]
+    assert m["slices"] == [[0], [1, 2], [3]] and m["agents"] == 2 and m["uncalibrated_ranks"] == []
+    assert m["emulations"] == ["calibrate-ag-slices0-1", "calibrate-ag-slices0-1", "calibrate-ag-slice2"]
+    n0, n1, n2 = (n["node"] for n in m["slice_nodes"])
+    assert n0 != n1 and n2 == n0
+    assert m["cramped_slices"] == [f"slice 1 (2 ranks) on node {n1} (1 slot)"]
+    s = json.loads((gpt_w4 / "emulation" / "calibrate-ag-slices0-1" / "summary.json").read_text())
+    assert s["status"] == "ok" and [a["ranks"] for a in s["agents"]] == [[0], [1, 2]], s["agents"]
+    s = json.loads((gpt_w4 / "emulation" / "calibrate-ag-slice2" / "summary.json").read_text())
+    assert s["status"] == "ok" and [a["ranks"] for a in s["agents"]] == [[3], []], s["agents"]
+    out = (tmp_path / "cal.out").read_text()
+    assert f"slice 1: ranks 1,2 on node {n1}" in out and "warning: a slice had more ranks than its node's slots" in out
     table, _ = load_calibration(gpt_w4, "on")
     assert sorted(table) == [0, 1, 2, 3]
     p = predict(PredictConfig(run=gpt_w4, warmup=1, calibration="on"))

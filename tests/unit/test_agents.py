@@ -106,6 +106,20 @@ def test_agents_beyond_the_gangs_get_empty_blocks():
         A.place_ranks([0], 0)
 
 
+def test_a_given_placement_is_checked_and_padded():
+    # a calibration's round: one slice per node, in node order
+    assert A.check_placement([[2, 3], [0, 1]], [0, 1, 2, 3], 3) == [[2, 3], [0, 1], []]
+    assert A.check_placement([[1, 0]], [0, 1], 1) == [[0, 1]]
+    with pytest.raises(ValueError, match="2 blocks for 1 agent"):
+        A.check_placement([[0], [1]], [0, 1], 1)
+    with pytest.raises(ValueError, match="rank 1 is placed on agents 0 and 1"):
+        A.check_placement([[0, 1], [1]], [0, 1], 2)
+    with pytest.raises(ValueError, match=r"ranks \[2\] are on no agent"):
+        A.check_placement([[0, 1]], [0, 1, 2], 2)
+    with pytest.raises(ValueError, match=r"ranks \[5\] are not among them"):
+        A.check_placement([[0, 1], [5]], [0, 1], 2)
+
+
 def test_impossible_placements_say_why():
     with pytest.raises(ValueError, match="2 agents for 1 gang"):
         A.assign_blocks(4, 2, 4)

@@ -266,3 +266,15 @@ def test_pack_slices_merges_whole_slices_up_to_the_cores():
     assert pack_slices(((0, 4), (1, 5, 2)), 3) == ((0, 4), (1, 2, 5))
     with pytest.raises(CalibrationError, match="slice 1,5,2 has 3 ranks but only 2 fit"):
         pack_slices(((0, 4), (1, 5, 2)), 2)
+
+
+def test_node_rounds_put_one_slice_on_each_node_at_a_time():
+    from prism.core.calibration import node_rounds
+
+    assert node_rounds(3, 0) == ((0,), (1,), (2,))  # one machine: one slice after the other
+    assert node_rounds(3, 1) == ((0,), (1,), (2,))
+    assert node_rounds(5, 2) == ((0, 1), (2, 3), (4,))
+    assert node_rounds(2, 4) == ((0, 1),)
+    assert node_rounds(0, 2) == ()
+    with pytest.raises(CalibrationError, match="counts"):
+        node_rounds(2, -1)
