@@ -66,6 +66,9 @@ class CaptureConfig:
     rank_memory_gib: float = 2.0
     #: CPU dry run of the GPU swap policy; seconds per swap (None: off).
     simulate_swaps: float | None = None
+    #: Through agents: how long one swap may take on its node before the
+    #: capture stops, naming the node (a hung checkpoint driver).
+    swap_timeout_s: float = 600.0
     #: Emulate a GPU of this many GiB for every rank (None: the real device's memory).
     memory_limit_gib: float | None = None
     #: Of ``memory_limit_gib``, what the real job holds outside torch's allocator
@@ -277,6 +280,9 @@ def _check_agents(config: CaptureConfig) -> None:
     if config.resident is None and config.gang is not None:
         raise UsageError("--gang chooses the ranks --resident swaps together; through agents every rank stays "
                          "resident unless --resident K is given: add it, or drop --gang")
+    if not config.swap_timeout_s > 0:
+        raise UsageError(f"--swap-timeout {config.swap_timeout_s:g}: give the seconds one swap may take on its "
+                         "node, more than 0")
     check_agent_address(config.listen, config.keys, config.insecure)
     from prism.core.agents import assign_blocks
 
@@ -397,7 +403,7 @@ def _agent_swap_plan(config: CaptureConfig, cmd: list[str], simulate: float | No
     return gpu
 
 
-def setup_agent_swaps(gpu: Any, agent_procs: Any, run_dir: Path) -> None:
+def setup_agent_swaps(gpu: Any, agent_procs: Any, run_dir: Path, timeout_s: float = 600.0) -> None:
     """Once the agents joined and the ranks are placed: each rank's GPU
     (its node's GPUs, or the node's one simulated GPU), the swap policy and
     the coordinator's ``AgentSwapper`` (when some GPU holds more ranks than
@@ -425,7 +431,8 @@ def setup_agent_swaps(gpu: Any, agent_procs: Any, run_dir: Path) -> None:
     gpu.settings["agents"] = [{"node": h.node, "host": h.host, "ranks": compact_ranks(ranks),
                                "gpus": list(g)} for (h, ranks), g in zip(placed, gpus)]
     if gpu.swapping:
-        gpu.executor = AgentSwapper(agent_procs, log=Path(run_dir) / "telemetry" / "swaps.jsonl")
+        gpu.executor = AgentSwapper(agent_procs, log=Path(run_dir) / "telemetry" / "swaps.jsonl",
+                                    timeout_s=timeout_s)
 
 
 def _allocator_budget(config: CaptureConfig, notes: list[str]) -> int:
@@ -455,7 +462,7 @@ def capture(config: CaptureConfig | CapturePlan) -> CaptureOutcome:
                        progress=c.progress, gpu=plan.gpu, record=plan.record,
                        small_tensor_limit=c.small_tensor_limit, agents=c.agents, listen=c.listen, keys=c.keys,
                        insecure=c.insecure, agent_wait_s=c.agent_wait_s, agent_gpus=plan.agent_gpus,
-                       agent_memory_limit_bytes=plan.agent_memory_limit_bytes)
+                       agent_memory_limit_bytes=plan.agent_memory_limit_bytes, swap_timeout_s=c.swap_timeout_s)
 
 
 def agent_key(hello: Any) -> tuple[str, str, int]:
@@ -500,14 +507,15 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
                 small_tensor_limit: int = T.DEFAULT_SMALL_TENSOR_LIMIT, agents: int = 0,
                 listen: str | None = None, keys: str | os.PathLike[str] | None = None, insecure: bool = False,
                 agent_wait_s: float = 60.0, agent_gpus: bool = False,
-                agent_memory_limit_bytes: int | None = None) -> CaptureOutcome:
+                agent_memory_limit_bytes: int | None = None, swap_timeout_s: float = 600.0) -> CaptureOutcome:
     """Capture ``cmd`` as ``world_size`` ranks into ``run_dir``. ``gpu`` is a
     ``prism.shell.gpu_plan.GpuPlan`` (None: CPU); ``record`` what to keep of
     the chosen ranks' payloads. ``agents``: serve the ranks through that many
     ``prism agent`` processes joining ``listen`` (CURVE with ``keys`` unless
     ``insecure``); ``agent_gpus``: a CUDA command on the agents' GPUs
     (``agent_gpu_env``), each rank's allocator held to
-    ``agent_memory_limit_bytes`` if given (``--memory-limit``). Raises ``UsageError`` when a GPU swap cannot be set up,
+    ``agent_memory_limit_bytes`` if given (``--memory-limit``), a swap on a
+    node allowed ``swap_timeout_s``. Raises ``UsageError`` when a GPU swap cannot be set up,
     ``AgentsError`` when the agents do not join."""
     run_dir = Path(run_dir)
     cmd = list(cmd)
@@ -537,7 +545,7 @@ def capture_run(run_dir: str | os.PathLike[str], world_size: int, cmd: Sequence[
             agent_slots = sum(agent_procs.node_slots(gpus=True)[1])
         node_slots = agent_procs.node_slots(gpus=agent_gpus)
         if gpu is not None and gpu.agent_swap is not None:
-            setup_agent_swaps(gpu, agent_procs, run_dir)
+            setup_agent_swaps(gpu, agent_procs, run_dir, swap_timeout_s)
             if gpu.simulated:
                 # one simulated GPU per node: one rank computes on it at a time, as on one machine
                 node_slots = (node_slots[0], [1] * len(node_slots[1]))

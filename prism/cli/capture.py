@@ -82,6 +82,9 @@ def add_capture_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU dry run of --resident/--gang: ranks run on CPU as if they shared GPU 0 (or --gpus); "
                         "a swapped-out rank is stopped (SIGSTOP) until swapped in, optionally SECONDS per swap; "
                         "reports the swaps per iteration the GPU capture would make")
+    g.add_argument("--swap-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="through --agents with --resident: how long one swap may take on its node before the "
+                        "capture stops, naming the node and the rank (default 600)")
     g.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
                    help="emulate a GPU of GIB GiB for every rank (e.g. 80 on a 141 GB H200): torch's allocator gets "
                         "GIB less --memory-overhead, and a request past it raises OutOfMemoryError in the rank")
@@ -136,7 +139,7 @@ def run_capture(args: argparse.Namespace) -> int:
         world_size=args.world_size, command=args.command, out=args.out, slots=args.slots,
         coordinator=args.coordinator, nproc_per_node=args.nproc_per_node, show_ranks=args.show_ranks,
         quiet_s=args.quiet_period, progress=args.progress, gpus=args.gpus, resident=args.resident, gang=args.gang,
-        rank_memory_gib=args.rank_memory, simulate_swaps=args.simulate_swaps, memory_limit_gib=args.memory_limit,
+        rank_memory_gib=args.rank_memory, simulate_swaps=args.simulate_swaps, swap_timeout_s=args.swap_timeout, memory_limit_gib=args.memory_limit,
         memory_overhead_gib=args.memory_overhead, record=args.record, record_steps=args.record_steps,
         record_limit_gib=args.record_limit, small_tensor_limit=args.value_limit, agents=args.agents,
         listen=args.listen, keys=args.keys, insecure=args.insecure, agent_wait_s=args.agent_wait)

@@ -861,6 +861,39 @@ def test_swaps_go_to_the_agent_that_runs_the_rank_and_failures_name_it(tmp_path)
         procs.close()
 
 
+def test_a_swap_that_hangs_on_a_beating_node_stops_after_the_swap_timeout(tmp_path):
+    """``prism capture --swap-timeout S``: a node that still beats but never
+    answers a swap (its driver's call hangs) is a ``SwapError`` naming the
+    node, the rank and the timeout after ``S`` seconds, not a wait of 600."""
+    from prism.app.capture import CaptureConfig, plan_capture, setup_agent_swaps
+    from prism.app.errors import UsageError
+    from prism.shell.swap import SwapError
+
+    cmd = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--dp", "2"]
+    with pytest.raises(UsageError, match="--swap-timeout 0: give the seconds one swap may take"):
+        plan_capture(CaptureConfig(8, cmd, out=tmp_path / "run", agents=2, listen="tcp://127.0.0.1:1",
+                                   insecure=True, resident=2, simulate_swaps=0.0, swap_timeout_s=0))
+    plan = plan_capture(CaptureConfig(8, cmd, out=tmp_path / "run", agents=2, listen="tcp://127.0.0.1:1",
+                                      insecure=True, resident=2, simulate_swaps=0.0, swap_timeout_s=1.0))
+    procs = AgentProcesses(free_tcp_endpoint(), 2, 8, keys=None, insecure=True, lost_after_s=30.0)
+    agents = [_FakeAgent(procs.endpoint, f"n{i}", i, lambda m: None) for i in range(2)]  # never answer
+    try:
+        procs.wait_agents(10)
+        procs.place(2)
+        setup_agent_swaps(plan.gpu, procs, tmp_path, timeout_s=1.0)
+        procs.launch("tcp://h:1", tmp_path, ["-m", "x"], swap=plan.gpu.agent_swap)
+        t0 = time.monotonic()
+        with pytest.raises(SwapError, match=r"swapping rank 5 \(pid 5\) out at step 2 on agent n1 .* failed: no "
+                                            r"answer within 1 s although the agent still beats"):
+            plan.gpu.executor.swap_out(5, 5, 2)
+        assert 0.9 < time.monotonic() - t0 < 5
+        plan.gpu.executor.close()
+    finally:
+        for a in agents:
+            a.close()
+        procs.close()
+
+
 def test_an_agent_whose_swap_driver_will_not_load_ends_the_run_swap_failed(tmp_path):
     """An agent that cannot load its swap driver (``Prepared`` "swaps" with an
     error) fails its ranks; the report names the node and the reason, and the
