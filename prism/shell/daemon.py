@@ -569,6 +569,11 @@ def resolve_endpoint(daemon: str | None) -> str:
     return str(info["endpoint"])
 
 
+#: Handshakes cut without detail in a row before a request gives up on the
+#: keys (as ``prism.shell.agent``'s).
+_HANDSHAKE_TRIES = 3
+
+
 def request(endpoint: str, msg: Any, *, keys: Path | None = None, timeout_s: float = 10.0) -> Any:
     """Send one request to the daemon at ``endpoint`` and return its reply;
     ``DaemonError`` with a clear text when nobody answers within
@@ -586,7 +591,7 @@ def request(endpoint: str, msg: Any, *, keys: Path | None = None, timeout_s: flo
                 C.connect_curve(sock, keys)
             except C.CurveKeyError as e:
                 raise DaemonError(str(e)) from None
-        mon = sock.get_monitor_socket(C.HANDSHAKE_FAILED_EVENTS)
+        mon = sock.get_monitor_socket(C.HANDSHAKE_FAILED_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as e:
@@ -596,6 +601,7 @@ def request(endpoint: str, msg: Any, *, keys: Path | None = None, timeout_s: flo
         poller.register(sock, zmq.POLLIN)
         poller.register(mon, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
+        cut = 0  # handshakes failed without detail, in a row
         while (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(timeout=math.ceil(left * 1000)))
             if sock in ready:
@@ -606,6 +612,17 @@ def request(endpoint: str, msg: Any, *, keys: Path | None = None, timeout_s: flo
                                       "are both the same Prism version?") from None
             if mon in ready:
                 event = recv_monitor_message(mon)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    cut = 0
+                    continue
+                if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                    # A daemon restarting (or anything closing the connection
+                    # mid-handshake) gives this once or twice; a wrong server
+                    # key every time. ZeroMQ reconnects and the request, not
+                    # delivered yet, waits on the socket.
+                    cut += 1
+                    if cut < _HANDSHAKE_TRIES:
+                        continue
                 raise DaemonError(_handshake_text(endpoint, event, keys))
         raise DaemonError(f"no daemon answered at {endpoint} within {timeout_s:g} s: start one with "
                           "`python -m prism coordinator --daemon` (or check --daemon / PRISM_DAEMON)"

@@ -126,6 +126,53 @@ def test_daemon_runs_captures_and_a_predict_in_order_and_keeps_them_across_sigte
 
 
 @pytest.mark.slow
+def test_a_request_outlasts_handshakes_cut_while_the_daemon_restarts(tmp_path):
+    """Something that closes the connection mid-handshake (a daemon
+    restarting on its port) cuts the client's CURVE handshake without detail;
+    the request waits on through two such cuts and reaches the daemon that
+    binds the port next, rather than blaming the keys."""
+    import socket
+    import threading
+
+    keys = tmp_path / "keys"
+    app_daemon.make_keys(keys)
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind(("127.0.0.1", 0))
+    ls.listen()
+    port = ls.getsockname()[1]
+    cuts = []
+
+    def cut_twice_then_leave() -> None:
+        for _ in range(2):
+            conn, _ = ls.accept()
+            time.sleep(0.05)
+            conn.close()
+            cuts.append(time.monotonic())
+        ls.close()
+
+    t = threading.Thread(target=cut_twice_then_leave, daemon=True)
+    t.start()
+    answer: dict = {}
+
+    def ask() -> None:
+        try:
+            answer["jobs"] = app_daemon.jobs(daemon=f"tcp://127.0.0.1:{port}", keys=keys, timeout_s=30).jobs
+        except Exception as e:  # noqa: BLE001 (the assertion below shows it)
+            answer["error"] = e
+
+    client = threading.Thread(target=ask, daemon=True)
+    client.start()
+    t.join(timeout=20)
+    assert len(cuts) == 2
+    daemon, _ = start_daemon(tmp_path / "s", "--listen", f"tcp://127.0.0.1:{port}", "--keys", str(keys))
+    try:
+        client.join(timeout=30)
+        assert answer == {"jobs": ()}, answer
+    finally:
+        assert stop(daemon) == 0
+
+
 def test_a_tcp_daemon_with_keys_lets_in_only_clients_with_keys(tmp_path):
     keys, other = tmp_path / "keys", tmp_path / "other"
     r = prism("keys", str(keys), cwd=tmp_path)
@@ -149,6 +196,11 @@ def test_a_tcp_daemon_with_keys_lets_in_only_clients_with_keys(tmp_path):
             app_daemon.jobs(daemon=here, timeout_s=5)
         r = prism("jobs", "--daemon", here, cwd=tmp_path)
         assert r.returncode == 1 and "requires CURVE keys" in r.stderr and "Traceback" not in r.stderr
+        # The wrong server key: every handshake is cut, and after the third the keys are named.
+        t0 = time.monotonic()
+        with pytest.raises(app_daemon.DaemonError, match=r"the CURVE handshake with the daemon at .* failed: .*server\.key"):
+            app_daemon.jobs(daemon=here, keys=other, timeout_s=10)
+        assert time.monotonic() - t0 < 5
         # Another client key, the right server key: refused by name.
         shutil.copy(keys / "server.key", other / "server.key")
         with pytest.raises(app_daemon.DaemonError, match="refused your key"):
