@@ -22,7 +22,8 @@ import orjson
 from prism.core import codec
 
 #: 2: results carry ``release_ns`` (emulation: when the call completes).
-PROTOCOL_VERSION = 8
+#: 9: a rank on another host syncs its clock (``ClockProbe``, ``ClockEcho``, ``ClockOffset``).
+PROTOCOL_VERSION = 9
 #: Largest message (all frames together) a peer may send. Tensors staged
 #: through the coordinator in phase 1 are gradient buckets and activations:
 #: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
@@ -65,6 +66,34 @@ class Hello:
     device: str
     #: The rank's monotonic clock when it sent Hello (for the clock offset).
     t_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClockProbe:
+    """Clock sync (protocol 9; ``prism.core.clocksync``): right after its
+    ``Welcome``, a rank whose coordinator is on another host sends a few of
+    these, one at a time; the coordinator answers each at once (``ClockEcho``)."""
+
+    TYPE: ClassVar[str] = "clock_probe"
+    rank: int
+    #: The probe's number (0, 1, ...): the echo's routing key.
+    seq: int
+    #: The rank's monotonic clock when it sent the probe.
+    t_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClockOffset:
+    """The clock offset the rank settled on after its probes, which the
+    coordinator takes as its own for this rank (both sides then convert
+    with the same one)."""
+
+    TYPE: ClassVar[str] = "clock_offset"
+    rank: int
+    #: coordinator_ns = rank_ns + offset_ns (``RankStart.clock_offset_ns``).
+    offset_ns: int
+    #: The round trip of the probe it kept (the offset is off by at most half of it).
+    rtt_ns: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +303,18 @@ class Welcome:
 
 
 @dataclass(frozen=True, slots=True)
+class ClockEcho:
+    """The coordinator's answer to ``ClockProbe`` ``seq``."""
+
+    TYPE: ClassVar[str] = "clock_echo"
+    seq: int
+    #: The probe's ``t_ns`` (the rank's clock), sent back.
+    probe_ns: int
+    #: The coordinator's monotonic clock when it handled the probe.
+    t_ns: int
+
+
+@dataclass(frozen=True, slots=True)
 class CollectiveResult:
     """Result of ``(gid, seq)`` for one member; payloads hold output tensors."""
 
@@ -339,6 +380,8 @@ class Shutdown:
 
 MESSAGE_TYPES: tuple[type, ...] = (
     Hello,
+    ClockProbe,
+    ClockOffset,
     GroupCreate,
     CollectiveArrive,
     Reached,
@@ -352,6 +395,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Heartbeat,
     Goodbye,
     Welcome,
+    ClockEcho,
     CollectiveResult,
     P2PData,
     SlotGrant,
@@ -361,8 +405,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
 _BY_TYPE: dict[str, type] = {m.TYPE: m for m in MESSAGE_TYPES}
 
 Message = (
-    Hello | GroupCreate | CollectiveArrive | Reached | Send | RecvPost | Wait | TraceRecords
-    | SlotRequest | SlotRelease | Taken | Heartbeat | Goodbye | Welcome | CollectiveResult
+    Hello | ClockProbe | ClockOffset | ClockEcho | GroupCreate | CollectiveArrive | Reached | Send | RecvPost
+    | Wait | TraceRecords | SlotRequest | SlotRelease | Taken | Heartbeat | Goodbye | Welcome | CollectiveResult
     | P2PData | SlotGrant | Error | Shutdown
 )
 
@@ -525,4 +569,6 @@ def routing_key(msg: Message) -> tuple[Any, ...] | None:
         return ("slot",)
     if isinstance(msg, Welcome):
         return ("welcome",)
+    if isinstance(msg, ClockEcho):
+        return ("clock", msg.seq)
     return None

@@ -98,9 +98,10 @@ def start_runtime(endpoint: str, rank: int, world_size: int, local_rank: int) ->
 
         faulthandler.dump_traceback_later(float(dump), repeat=True)
     _switch_interval()
+    probes = _rt.clock_probes_from_env()
     hello = _rt.make_hello(rank, world_size, local_rank, device)
     client, welcome = connect(endpoint, hello)
-    rt = _rt.RankRuntime(client, welcome, hello, welcome_recv_ns=time.monotonic_ns())
+    rt = _rt.RankRuntime(client, welcome, hello, welcome_recv_ns=time.monotonic_ns(), clock_probes=probes)
     _backend.register()
     rt.start(physical_device=_devices.physical_name(device))
     _rt.install_step_hooks(rt)

@@ -50,7 +50,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from prism.core import protocol, trace
+from prism.core import clocksync, protocol, trace
 from prism.rank.recorder import RankRecorder
 
 #: Before blocking, a trace batch older than this goes out, so the coordinator
@@ -62,6 +62,17 @@ STALL_PERIOD_S = 0.005
 STALL_NS = 10_000_000
 #: "Nearly idle": under this share of one CPU over a sampling period.
 STALL_BUSY_SHARE = 0.2
+#: How many clock probes a rank whose coordinator is on another host sends
+#: after its Welcome (``prism.core.clocksync``): ``PRISM_CLOCK_PROBES``, else
+#: ``DEFAULT_CLOCK_PROBES``; 0: none, the Hello's round trip alone gives the
+#: offset (as before protocol 9). A rank on the coordinator's host sends none.
+CLOCK_PROBES_ENV = "PRISM_CLOCK_PROBES"
+DEFAULT_CLOCK_PROBES = 8
+#: How long a rank waits for the answer to one clock probe.
+CLOCK_PROBE_TIMEOUT_S = 30.0
+#: Endpoints on the rank's own host: CLOCK_MONOTONIC is system-wide on Linux,
+#: so the rank's clock is the coordinator's (offset 0, no probes).
+ONE_HOST_PREFIXES = ("ipc://", "inproc://", "tcp://127.", "tcp://localhost", "tcp://[::1]")
 
 
 class Client(Protocol):
@@ -100,6 +111,7 @@ class RankRuntime:
         hello: protocol.Hello,
         *,
         welcome_recv_ns: int | None = None,
+        clock_probes: int = 0,
     ) -> None:
         self.client = client
         self.welcome = welcome
@@ -109,12 +121,24 @@ class RankRuntime:
         self.device = hello.device
         recv = welcome_recv_ns if welcome_recv_ns is not None else hello.t_ns
         endpoint = str(getattr(client, "endpoint", ""))
-        if endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://localhost", "tcp://[::1]")):
+        #: The clock sync's kept round trip and how long the probes took
+        #: (None: no probes were sent).
+        self.clock_rtt_ns: int | None = None
+        self.clock_sync_ns: int | None = None
+        if endpoint.startswith(ONE_HOST_PREFIXES):
             # One host: CLOCK_MONOTONIC is system-wide on Linux, so the clocks
             # are the same one; a midpoint estimate would only add the
             # handshake's jitter (tenths of a second while ranks start).
             self.clock_offset_ns = 0
+        elif clock_probes > 0 and endpoint.startswith("tcp://"):
+            # Another host: the Hello's round trip holds the connect and the
+            # CURVE handshake (tens of ms); probe with small messages.
+            t = time.monotonic_ns()
+            best = sync_clock(client, self.rank, clock_probes)
+            self.clock_sync_ns = time.monotonic_ns() - t
+            self.clock_offset_ns, self.clock_rtt_ns = best.offset_ns, best.rtt_ns
         else:
+            # no probes wanted, or a client with no tcp endpoint (a test's fake coordinator)
             self.clock_offset_ns = welcome.t_ns - (hello.t_ns + recv) // 2
         self.recorder = RankRecorder(self.rank, client.send, small_tensor_limit=welcome.small_tensor_limit)
         #: Emulation (``Welcome.hybrid``): how long Prism itself has held this
@@ -438,6 +462,43 @@ def _thread_runnable(native_id: int | None) -> bool:
         return False
     # The state follows the parenthesised command name, which may hold spaces.
     return stat[stat.rfind(b")") + 2: stat.rfind(b")") + 3] == b"R"
+
+
+def clock_probes_from_env() -> int:
+    """``PRISM_CLOCK_PROBES`` (``CLOCK_PROBES_ENV``), else ``DEFAULT_CLOCK_PROBES``."""
+    raw = os.environ.get(CLOCK_PROBES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CLOCK_PROBES
+    try:
+        n = int(raw)
+        if n < 0:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"prism: {CLOCK_PROBES_ENV}={raw!r}: give how many clock probes a rank on another host "
+                         f"sends, an integer >= 0 (default {DEFAULT_CLOCK_PROBES}; 0: none)") from None
+    return n
+
+
+def sync_clock(client: Client, rank: int, probes: int, *,
+               timeout: float = CLOCK_PROBE_TIMEOUT_S) -> clocksync.ClockSample:
+    """Right after the Welcome: send ``probes`` ``ClockProbe`` messages, one
+    at a time, keep the sample with the shortest round trip
+    (``clocksync.best_sample``) and tell the coordinator its offset
+    (``ClockOffset``), so both sides convert with the same one."""
+    samples = []
+    for seq in range(probes):
+        echo = client.future(("clock", seq))
+        sent = time.monotonic_ns()
+        client.send(protocol.ClockProbe(rank, seq, sent))
+        try:
+            reply = echo.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise PrismRankError(f"rank {rank}: the coordinator did not answer clock probe {seq} within "
+                                 f"{timeout:g} s") from None
+        samples.append(clocksync.ClockSample(sent, reply.t_ns, time.monotonic_ns()))
+    best = clocksync.best_sample(samples)
+    client.send(protocol.ClockOffset(rank, best.offset_ns, best.rtt_ns))
+    return best
 
 
 def make_hello(rank: int, world_size: int, local_rank: int, device: str) -> protocol.Hello:

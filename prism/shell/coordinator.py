@@ -186,7 +186,10 @@ class RankSession:
         self.hello = hello
         self.rank = hello.rank
         self.writer = writer
-        #: coordinator_ns - rank_ns, from the Hello (one host: the same clock, 0).
+        #: coordinator_ns - rank_ns (one host: the same clock, 0). Another
+        #: host's: first a one-way estimate from the Hello (late by its
+        #: connect and handshake), then the offset the rank settled on by
+        #: probing (``ClockOffset``, protocol 9), which its own trace has.
         self.clock_offset_ns = clock_offset_ns
         self.done = False
         self.status = ""
@@ -447,6 +450,8 @@ class Coordinator:
             P.Taken: self._on_taken,
             P.Heartbeat: self._on_heartbeat,
             P.Goodbye: self._on_goodbye,
+            P.ClockProbe: self._on_clock_probe,
+            P.ClockOffset: self._on_clock_offset,
         }
 
     def _now(self) -> int:
@@ -650,6 +655,15 @@ class Coordinator:
         self._admit(session, now)
         await session.deliver(P.Welcome(P.PROTOCOL_VERSION, self.run_id, now, self.small_tensor_limit,
                                         swapping=self.swapper is not None, hybrid=self.hybrid))
+
+    async def _on_clock_probe(self, session: RankSession, msg: P.ClockProbe, now: int) -> None:
+        # At once: the rank takes this stamp to lie halfway through its round trip.
+        await session.deliver(P.ClockEcho(msg.seq, msg.t_ns, now))
+
+    async def _on_clock_offset(self, session: RankSession, msg: P.ClockOffset, now: int) -> None:
+        log.debug("rank %d: clock offset %d ns (round trip %d ns; the Hello's estimate was %d ns)",
+                  session.rank, msg.offset_ns, msg.rtt_ns, session.clock_offset_ns)
+        session.clock_offset_ns = msg.offset_ns
 
     def _admit(self, member: Participant, now: int) -> None:
         """``member`` joins the world: a rank session at its Hello."""

@@ -11,12 +11,15 @@ expected).
 
 Time: every time a sandbox sends is taken onto the coordinator's clock as
 it arrives (``clock_offsets``: 0 on one host, where CLOCK_MONOTONIC is one
-clock; for a sandbox on another node, served by ``prism agent``: the
-coordinator's clock when it took a message less the rank's when it sent it,
-the least of that for the Hello and the rank's first timed message, whose
-clock has no dilation yet: too late by one message's transit and its wait in
-a loop that is idle then, a constant per rank; the Hello's alone was seen
-90 ms late, its connect and handshake included), and each release goes out
+clock; for a sandbox on another node, served by ``prism agent``: the offset
+the rank measured with its clock probes right after its Welcome and sent in
+``ClockOffset``, protocol 9, ``prism.core.clocksync``; with the probes off,
+``PRISM_CLOCK_PROBES=0``, the coordinator's clock when it took a message
+less the rank's when it sent it, the least of that for the Hello and the
+rank's first timed message, whose clock has no dilation yet: too late by
+one message's transit and its wait in a loop that is idle then, a constant
+per rank; the Hello's alone was seen 90 ms late, its connect and handshake
+included), and each release goes out
 on the rank's own clock. The engine's 0 is placed so that the first
 sandbox arrival falls where the batch replay puts it (``_anchor``); emulated
 time and the coordinator's clock then differ by that one offset. A call's data go out when
@@ -158,7 +161,7 @@ class Emulator(Coordinator):
         #: coordinator ns (the ranks' monotonic clock on one host) = engine ns + offset (None until the first arrival)
         self.offset_ns: int | None = None
         #: sandbox rank -> coordinator ns less the rank's monotonic ns (0 on one host; the Hello's
-        #: estimate until the rank's first timed message fixes it)
+        #: estimate until the rank's ClockOffset, or without probes its first timed message, fixes it)
         self.clock_offsets: dict[int, int] = {}
         self._clock_fixed: set[int] = set()
         self._gid_index = {grp.gid: i for i, grp in enumerate(self.graph.groups)}
@@ -249,6 +252,12 @@ class Emulator(Coordinator):
             self.clock_offsets[hello.rank] = session.clock_offset_ns
             if not session.clock_offset_ns:
                 self._clock_fixed.add(hello.rank)  # one host: one clock
+
+    async def _on_clock_offset(self, session: RankSession, msg: P.ClockOffset, now: int) -> None:
+        await super()._on_clock_offset(session, msg, now)
+        # the rank's probes measured it (protocol 9): its first timed message cannot do better
+        self.clock_offsets[session.rank] = session.clock_offset_ns
+        self._clock_fixed.add(session.rank)
 
     #: The fields of a sandbox's messages that are times on its clock.
     _TIMES = {P.CollectiveArrive: "issue_ns", P.Send: "issue_ns", P.RecvPost: "issue_ns", P.Wait: "t_ns",

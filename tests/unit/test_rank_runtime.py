@@ -332,3 +332,94 @@ def test_the_switch_interval_knob(monkeypatch):
             bootstrap._switch_interval()
     finally:
         sys.setswitchinterval(before)
+
+
+# --- the clock sync of a rank on another host (protocol 9) ----------------------------------
+
+#: The fake coordinator's clock runs this far ahead of the rank's.
+COORD_AHEAD_NS = 7_000_000_000
+
+
+class EchoingClient(GrantingClient):
+    """A coordinator at ``endpoint`` that answers each ``ClockProbe`` at once,
+    but whose echo spends ``delays[seq]`` = (to it, back) seconds on the way:
+    the stamp lies where the round trip's two legs meet."""
+
+    def __init__(self, endpoint: str, delays=()) -> None:
+        super().__init__()
+        self.endpoint = endpoint
+        self.delays = list(delays)
+        self._echoes: dict = {}
+
+    def future(self, key):
+        if key[0] != "clock":
+            return super().future(key)
+        fut = self._echoes[key] = concurrent.futures.Future()
+        return fut
+
+    def send(self, msg) -> None:
+        super().send(msg)
+        if isinstance(msg, protocol.ClockProbe):
+            there, back = self.delays[msg.seq] if msg.seq < len(self.delays) else (0, 0)
+            time.sleep(there)
+            stamp = time.monotonic_ns() + COORD_AHEAD_NS
+            time.sleep(back)
+            self._echoes.pop(("clock", msg.seq)).set_result(protocol.ClockEcho(msg.seq, msg.t_ns, stamp))
+
+
+def make_runtime(client, probes: int) -> RankRuntime:
+    hello = protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, rank=0, world_size=1, local_rank=0,
+                           pid=1, hostname="h", device="cpu", t_ns=100)
+    welcome = protocol.Welcome(protocol_version=protocol.PROTOCOL_VERSION, run_id="r", t_ns=1_100,
+                               small_tensor_limit=64)
+    return RankRuntime(client, welcome, hello, welcome_recv_ns=300, clock_probes=probes)
+
+
+def test_a_rank_on_another_host_keeps_the_probe_with_the_shortest_round_trip():
+    # the first probe waits 40 ms on the way there (as a Hello behind its
+    # handshake), the third 30 ms on the way back; the second comes straight
+    client = EchoingClient("tcp://10.1.2.3:5555", [(0.04, 0.0), (0.0, 0.0), (0.0, 0.03), (0.002, 0.002)])
+    rt = make_runtime(client, 4)
+    sent = client.sent
+    assert [type(m) for m in sent] == [protocol.ClockProbe] * 4 + [protocol.ClockOffset]
+    assert [m.seq for m in sent[:4]] == [0, 1, 2, 3]
+    # the probes go one at a time: each after the previous one's echo
+    assert all(a.t_ns < b.t_ns for a, b in zip(sent[:3], sent[1:4]))
+    assert sent[1].t_ns - sent[0].t_ns >= 40_000_000
+    # the second's round trip (no delay) was kept: within a few ms, where
+    # the first alone is 20 ms off and the third 15 ms
+    assert rt.clock_rtt_ns < 3_000_000
+    assert abs(rt.clock_offset_ns - COORD_AHEAD_NS) < 3_000_000
+    assert sent[-1] == protocol.ClockOffset(0, rt.clock_offset_ns, rt.clock_rtt_ns)
+    assert rt.clock_sync_ns >= 74_000_000  # the delays
+
+
+@pytest.mark.parametrize("endpoint", ["ipc:///tmp/run/prism.sock", "tcp://127.0.0.1:5555", "tcp://localhost:5",
+                                      "tcp://[::1]:5", "inproc://x"])
+def test_a_rank_on_its_coordinators_host_sends_no_probe(endpoint):
+    client = EchoingClient(endpoint)
+    rt = make_runtime(client, 8)
+    assert client.sent == [] and rt.clock_offset_ns == 0 and rt.clock_rtt_ns is None
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://10.1.2.3:5555", ""])
+def test_no_probes_wanted_or_no_tcp_endpoint_keep_the_hellos_estimate(endpoint):
+    # PRISM_CLOCK_PROBES=0, or a client with no tcp endpoint (a test's fake coordinator)
+    client = EchoingClient(endpoint)
+    rt = make_runtime(client, 0 if endpoint else 8)
+    assert client.sent == [] and rt.clock_offset_ns == 1_100 - 200 and rt.clock_rtt_ns is None
+
+
+def test_the_clock_probes_knob(monkeypatch):
+    from prism.rank.runtime import CLOCK_PROBES_ENV, DEFAULT_CLOCK_PROBES, clock_probes_from_env
+
+    monkeypatch.delenv(CLOCK_PROBES_ENV, raising=False)
+    assert clock_probes_from_env() == DEFAULT_CLOCK_PROBES == 8
+    monkeypatch.setenv(CLOCK_PROBES_ENV, "0")
+    assert clock_probes_from_env() == 0
+    monkeypatch.setenv(CLOCK_PROBES_ENV, "3")
+    assert clock_probes_from_env() == 3
+    for bad in ("-1", "x", "2.5"):
+        monkeypatch.setenv(CLOCK_PROBES_ENV, bad)
+        with pytest.raises(SystemExit, match=f"PRISM_CLOCK_PROBES='{bad}': give how many clock probes"):
+            clock_probes_from_env()
