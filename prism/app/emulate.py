@@ -90,8 +90,8 @@ class EmulateConfig:
     memory_overhead_gib: float = 0.6  # prism.app.capture.DEFAULT_MEMORY_OVERHEAD_GIB
     #: GPU sandboxes: collectives answered by virtual members only keep their
     #: data on the GPU (``prism.rank.devicepath``). Off by default until it
-    #: meets its timing bar (bench/results/gpu_sandbox-2026-12-05.md and its archive: GPT tp2
-    #: compensated and FSDP2 within it on an H200, pp2 and MoE not); False stages every call
+    #: meets its timing bar (bench/results/gpu_sandbox-2026-12-06.md and its archive: each
+    #: workload within it in some runs on an H200, the recorded GPT tp2 and MoE not); False stages every call
     #: through host memory (the capture's path, which works on GPUs).
     device_path: bool = False
     #: Device path with a recording: each sandbox's prefetch pool (MiB of
