@@ -285,11 +285,14 @@ class GangResidency:
         while want and len(res) + len(want) > self.max_resident:
             victims = self._victims(gpu, rank, sched, allow_pinned=for_grant)
             if victims is None:
+                # Room for the rank itself is what matters; mates follow
+                # later (each brings itself in when it is granted).
+                if want[0] != rank:  # the rank is resident: only mates were wanted
+                    return actions
                 if len(want) > 1:
-                    # Room for the rank itself is what matters; mates follow later.
-                    want = want[:1] if want[0] == rank else []
+                    want = want[:1]
                     continue
-                return None if want else actions
+                return None
             for v in victims:
                 del res[v]
                 actions.append(SwapOut(v))

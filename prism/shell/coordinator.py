@@ -592,7 +592,13 @@ class Coordinator:
         return len(self.ranks) == self.world_size and all(r.done for r in self.ranks.values())
 
     async def _handle(self, event: Event) -> None:
-        await self._event_handlers[type(event)](event, self._now())
+        try:
+            await self._event_handlers[type(event)](event, self._now())
+        except S.SchedulerError as e:
+            # Prism's own slot or swap bookkeeping went wrong: the run stops
+            # with what was recorded kept, not with a traceback.
+            why = str(e) if "report" in str(e) else f"{e}; this is a Prism bug, please report it"
+            self._fail("invalid", f"Prism's scheduler stopped the {self.what}: {why}\n(The trace so far is kept.)", 1)
 
     async def _send(self, rank: int, msg: P.Message) -> None:
         """Deliver ``msg`` to participant ``rank`` unless it has ended."""

@@ -195,6 +195,22 @@ async def test_messages_out_of_place_are_refused(tmp_path, autojump_clock):
         assert_ok(await world.run(script, init=False))
 
 
+async def test_a_scheduler_error_ends_the_capture_as_a_result(tmp_path, autojump_clock):
+    # A slot released twice is Prism's own bookkeeping gone wrong (a rank
+    # cannot do it): the capture ends "invalid" with the scheduler's words and
+    # a valid trace, not with an exception out of the coordinator.
+    async def script(rank):
+        await rank.send_message(P.SlotRelease(0))
+        await rank.send_message(P.SlotRelease(0))
+        await rank.compute(60)
+
+    async with emulated_world(1, tmp_path / "run") as world:
+        result = await world.run(script)
+    assert_failed(result, "invalid", match=r"(?s)Prism's scheduler stopped the capture: rank 0 released a slot it "
+                                           r"does not hold.*Prism bug.*The trace so far is kept")
+    assert world.trace().problems() == []
+
+
 async def test_coordinator_time_is_the_ranks_clock(tmp_path):
     # On the real clock the coordinator's now (here: the Welcome's) is
     # time.monotonic_ns(), the clock ranks stamp their trace with.

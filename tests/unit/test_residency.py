@@ -240,3 +240,27 @@ def test_every_policy_answers_every_call_of_the_protocol():
             "unpin_blocked", "retry", "is_resident", "rescue"} <= calls
     for policy in (NoSwap(), ResidentLimit(2), GangResidency(2)):
         assert [c for c in sorted(calls) if not callable(getattr(policy, c, None))] == [], type(policy).__name__
+
+
+def test_a_resident_rank_is_granted_while_its_mate_cannot_come_in_yet():
+    """A gang half on the GPU (its mate left out for want of room while the
+    other gang's rank runs): the resident half asks again and is granted; its
+    mate comes in later. Before, the grant raised `no room on GPU` (seen in a
+    `--gpus 0,1 --resident 2 --simulate-swaps` capture of tp2 dp4, 1 run in 6)."""
+    gangs = {0: 0, 1: 0, 2: 1, 3: 1}
+    s, p = _sched(4, 2, gangs, slots=2)
+    assert s.request(0) == [Grant(0)] and s.request(1) == [Grant(1)]
+    s.release(0), s.release(1)
+    assert s.request(2) == [SwapOut(0), SwapOut(1), Grant(2)]
+    assert s.request(3) == [Grant(3)]
+    s.release(2), s.release(3)
+    assert s.request(1) == [SwapOut(2), SwapOut(3), SwapIn(1), SwapIn(0), Grant(1)]
+    assert s.finish(0) == []
+    # room for 2 but not for its mate 3 while 1 runs: 2 alone comes in
+    assert s.request(2) == [SwapIn(2), Grant(2)]
+    assert s.release(2) == []
+    assert s.request(2) == [Grant(2)]  # resident: granted; 3 still out
+    assert sorted(p.resident()) == [1, 2]
+    assert s.finish(1) == []
+    assert s.request(3) == [SwapIn(3), Grant(3)]  # room now
+    assert sorted(p.resident()) == [2, 3]
