@@ -606,7 +606,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             if recorded:
                 with torch.no_grad():
                     for r, o in zip(refs, outputs):
-                        feed.deliver(r, o)  # type: ignore[union-attr]
+                        feed.deliver(r, o, rec)  # type: ignore[union-attr]
             else:
                 devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs,
                                         in_splits, out_splits)

@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,7 +106,9 @@ CALL_LOG_ENV = "PRISM_DEVICE_CALL_LOG"
 #: (``query()``: False means the GPU had drained and waited for this host);
 #: ``reach`` the GPU's reach (monotonic ns), ``due`` the release the emulated
 #: job asked for, ``tail`` the call's time after the reach, ``late`` how late
-#: the wait ended past its due moment.
+#: the wait ended past its due moment; a recorded delivery adds its steps
+#: (``RecordedFeed.deliver``: ``f_lock``, ``f_adv0``, ``f_copy``, ``f_adv1``,
+#: ``f_staged``).
 _call_log: list[dict] | None = None
 
 
@@ -738,11 +741,15 @@ class RecordedFeed:
         rec = self.records.get(ref)
         return rec is not None and rec.nbytes == out.numel() * out.element_size() and self.error is None
 
-    def deliver(self, ref: str, out: torch.Tensor) -> bool:
+    def deliver(self, ref: str, out: torch.Tensor, log: dict | None = None) -> bool:
         """Enqueue on the current stream the copy of ``ref``'s recorded bytes
         into ``out`` (behind whatever the stream waits on already); False
         when nothing is recorded for it or its size is not ``out``'s (the
-        caller compensates)."""
+        caller compensates). ``log`` (a call-log record): the moments of the
+        preloaded path's steps (``f_lock`` the feed's lock taken, ``f_adv0``
+        the fills ahead queued, ``f_copy`` the copy queued and its block
+        retired, ``f_adv1`` the fills after it) and ``f_staged``, the blocks
+        the fill queue advanced by in this call (monotonic ns; summed over a call's outputs)."""
         rec = self.records.pop(ref, None)
         nbytes = out.numel() * out.element_size()
         if rec is None or rec.nbytes != nbytes:
@@ -756,7 +763,11 @@ class RecordedFeed:
         dst = out.reshape(-1).view(torch.uint8)
         if self.preloaded:
             with self._cond:
+                if log is not None:
+                    log["f_lock"], staged = time.monotonic_ns(), len(self._order)
                 self._advance()
+                if log is not None:
+                    log["f_adv0"] = time.monotonic_ns()
                 if ref in self.pool:
                     dst.copy_(self.pool.take(ref, torch.uint8, (nbytes,)))
                     self.pool.done(ref)
@@ -765,7 +776,12 @@ class RecordedFeed:
                     dst.copy_(self._host[ref], non_blocking=out.is_cuda)
                     self.direct += 1
                 self.delivered += 1
+                if log is not None:
+                    log["f_copy"] = time.monotonic_ns()
                 self._advance()
+                if log is not None:
+                    log["f_adv1"] = time.monotonic_ns()
+                    log["f_staged"] = log.get("f_staged", 0) + staged - len(self._order)
             return True
         with self._cond:
             while ref not in self.pool and (self._reading == ref or (not self._full and self._ahead(ref))):

@@ -133,6 +133,10 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     # on CPU nothing waits for the release, so the rank may end before any comes (a loaded machine)
     assert all(isinstance(r["due"], int) and r["due"] > 0 for r in colls if "due" in r), colls[:3]
     assert all(r["busy0"] is None and r["recorded"] for r in colls)  # CPU tensors: no stream to ask
+    # a recorded delivery's own steps, in order, inside the outputs' queueing
+    fed = [r for r in colls if "f_copy" in r]
+    assert fed and all(r["t_wait"] <= r["f_lock"] <= r["f_adv0"] <= r["f_copy"] <= r["f_adv1"] <= r["t_out"]
+                       and r["f_staged"] >= 0 for r in fed), fed[:3]
     assert any(r["op"] == "send" and r["reach"] for r in recs)  # a device-path send's reach (protocol 8)
 
 
