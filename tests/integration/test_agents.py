@@ -875,7 +875,7 @@ def test_a_swap_that_hangs_on_a_beating_node_stops_after_the_swap_timeout(tmp_pa
                                    insecure=True, resident=2, simulate_swaps=0.0, swap_timeout_s=0))
     plan = plan_capture(CaptureConfig(8, cmd, out=tmp_path / "run", agents=2, listen="tcp://127.0.0.1:1",
                                       insecure=True, resident=2, simulate_swaps=0.0, swap_timeout_s=1.0))
-    procs = AgentProcesses(free_tcp_endpoint(), 2, 8, keys=None, insecure=True, lost_after_s=30.0)
+    procs = AgentProcesses(free_tcp_endpoint(), 2, 8, keys=None, insecure=True, lost_after_s=1.5)
     agents = [_FakeAgent(procs.endpoint, f"n{i}", i, lambda m: None) for i in range(2)]  # never answer
     try:
         procs.wait_agents(10)
