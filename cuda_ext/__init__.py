@@ -232,6 +232,14 @@ class DevicePool:
     def used(self) -> int:
         return self._used
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``alloc(nbytes)`` would succeed now (nothing changes)."""
+        size = max(self.ALIGN, -(-int(nbytes) // self.ALIGN) * self.ALIGN)
+        if size > self.nbytes:
+            return False
+        pad = self.nbytes - self._head if self._head + size > self.nbytes else 0
+        return self._used + pad + size <= self.nbytes
+
     def alloc(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """(block id, a uint8 view of ``nbytes``); raises ``PoolFull``."""
         size = max(self.ALIGN, -(-int(nbytes) // self.ALIGN) * self.ALIGN)
@@ -307,14 +315,22 @@ class PrefetchPool:
             self._retired.popleft()
             self.pool.free(bid)
 
-    def stage(self, key: Any, data: torch.Tensor, *, block: bool = True) -> None:
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` can be staged now without waiting (after the
+        blocks whose consumers have passed them are returned)."""
+        self._reclaim()
+        return self.pool.fits(nbytes)
+
+    def stage(self, key: Any, data: torch.Tensor, *, block: bool = True, ready: bool = False) -> None:
         """Copy ``data`` (a CPU tensor) into the pool on the side stream;
         returns once the copy is queued. Raises ``PoolFull`` only when even the
         deliveries already consumed cannot make room (``block=False``: when
-        the consumers have not passed them yet, instead of waiting)."""
+        the consumers have not passed them yet, instead of waiting).
+        ``ready``: ``data`` is already a contiguous 1-D uint8 tensor, pinned
+        for a GPU pool (a preloaded recording's slice): used as it is."""
         if key in self._items:
             raise KeyError(f"prefetch: {key!r} is already staged")
-        src = data.detach().reshape(-1).contiguous().view(torch.uint8)
+        src = data if ready else data.detach().reshape(-1).contiguous().view(torch.uint8)
         self._reclaim()
         while True:
             try:
@@ -328,7 +344,8 @@ class PrefetchPool:
             view.copy_(src)
             self._items[key] = (bid, view, None, src)
         else:
-            pinned = src if src.is_pinned() else torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+            pinned = src if ready or src.is_pinned() else torch.empty(src.numel(), dtype=torch.uint8,
+                                                                      pin_memory=True)
             if pinned is not src:
                 pinned.copy_(src)
             with torch.cuda.stream(self.stream):

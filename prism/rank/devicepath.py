@@ -663,18 +663,15 @@ class RecordedFeed:
     def _advance(self) -> None:
         """Preloaded: queue the fills of the blocks that come next, as far as
         the pool has room without waiting (under the lock)."""
-        from cuda_ext import PoolFull
-
-        self.pool._reclaim()
         while self._order:
             rec = self._order[0]
             if rec.ref in self._taken:
                 self._taken.discard(self._order.popleft().ref)
                 continue
-            try:
-                self.pool.stage(rec.ref, self._host[rec.ref], block=False)
-            except PoolFull:
+            if not self.pool.fits(rec.nbytes):
                 return
+            # a slice of the whole recording: contiguous uint8, pinned for a GPU
+            self.pool.stage(rec.ref, self._host[rec.ref], block=False, ready=True)
             self._order.popleft()
             self._queued.discard(rec.ref)
 
@@ -765,7 +762,8 @@ class RecordedFeed:
             with self._cond:
                 if log is not None:
                     log["f_lock"], staged = time.monotonic_ns(), len(self._order)
-                self._advance()
+                if ref not in self.pool:  # room made since the last call may hold it now
+                    self._advance()
                 if log is not None:
                     log["f_adv0"] = time.monotonic_ns()
                 if ref in self.pool:

@@ -143,6 +143,28 @@ def test_device_pool_wraps_around():
     assert pool.used == 1024 + 1024 + 2048
 
 
+def test_device_pool_fits_says_what_alloc_would_do():
+    import random
+
+    rng = random.Random(7)
+    pool = cuda_ext.DevicePool(8192, "cpu")
+    live: list[int] = []
+    for _ in range(2000):
+        if live and rng.random() < 0.45:
+            pool.free(live.pop(rng.randrange(len(live))))
+            continue
+        n = rng.choice([1, 100, 1000, 2048, 3000, 5000, 8192, 9000])
+        used, head = pool.used, pool._head
+        want = pool.fits(n)
+        assert (pool.used, pool._head) == (used, head)  # a question changes nothing
+        try:
+            live.append(pool.alloc(n)[0])
+            got = True
+        except cuda_ext.PoolFull:
+            got = False
+        assert got == want, (n, used, head)
+
+
 def test_prefetch_pool_stages_takes_and_reclaims():
     pp = cuda_ext.PrefetchPool(1 << 12, "cpu")
     for k in range(3):
