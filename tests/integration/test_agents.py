@@ -461,6 +461,46 @@ def test_a_calibration_runs_its_slices_through_agents_that_serve_many_runs(tmp_p
     assert not forkservers(tmp_path)
 
 
+@pytest.mark.slow
+def test_agents_started_by_real_torchrun_find_their_node_rank_and_serve_a_capture(tmp_path):
+    """Two ``torchrun --nnodes 2 --node-rank R --master-addr ... -m prism
+    agent`` (torch's own launcher, static rendezvous, one process per node):
+    each agent takes its node rank from torchrun's GROUP_RANK and the
+    coordinator's host from MASTER_ADDR (its port is ``--port``, not
+    torchrun's store port), and the pair serves a capture as two agents do."""
+    make_keys(tmp_path / "keys")
+    ep = free_tcp_endpoint()
+    port = ep.rsplit(":", 1)[1]
+    master = free_tcp_endpoint().rsplit(":", 1)[1]
+    cap = start(tmp_path, "capture", "-n", "4", "--agents", "2", "--listen", ep, "--keys", "keys", "--out", "run",
+                "--progress", "off", "--show-ranks", "none", "--", *GPT_W4, out="cap.err")
+    ags = []
+    for r in range(2):
+        with open(tmp_path / f"torchrun{r}.err", "w") as err:
+            ags.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                 "--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", master,
+                 "-m", "prism", "agent", "--keys", "keys", "--port", port],
+                cwd=tmp_path, env=ENV, start_new_session=True, stdout=err, stderr=err))
+    try:
+        assert cap.wait(timeout=120) == 0, (tmp_path / "cap.err").read_text()
+        codes = [a.wait(timeout=60) for a in ags]
+    finally:
+        reap(cap, *ags)
+    texts = [(tmp_path / f"torchrun{r}.err").read_text() for r in range(2)]
+    assert codes == [0, 0], texts
+    import re
+
+    for r, text in enumerate(texts):  # MASTER_ADDR with --port; node rank r from GROUP_RANK
+        assert re.search(rf"joining tcp://127\.0\.0\.1:{port} as \S+#{r}\b", text), text
+    cap_text = (tmp_path / "cap.err").read_text()
+    assert re.search(r"agent \S+#0 on \S+ ran ranks 0-1", cap_text), cap_text
+    assert re.search(r"agent \S+#1 on \S+ ran ranks 2-3", cap_text), cap_text
+    run = runfolder.read_run(tmp_path / "run")
+    assert sorted(run.ranks) == [0, 1, 2, 3] and not run.warnings
+    assert not forkservers(tmp_path)
+
+
 def test_an_agent_between_runs_waits_on_and_serves_empty_launches(tmp_path):
     """``runs=2`` with no coordinator yet: a wait past ``wait_s`` is a note,
     not an error; each coordinator in turn (binding the same address once
