@@ -86,16 +86,17 @@ def timeless(events: list[T.Event]) -> list[str]:
 
 @pytest.mark.slow
 def test_two_agents_capture_equals_one_machine(tmp_path, shared_captures):
-    cmd = gpt_tiny(1)
-    text = capture_served(tmp_path, 4, cmd, 2, "--slots", "2")
-    assert "ran ranks 0-1" in text and "ran ranks 2-3" in text, text
-    proc, plain = shared_captures.get(4, cmd, "--slots", "2")
+    # the world 16: the bundled GPT tp2 pp2 dp4 (tiny), through two agents on loopback with CURVE
+    cmd = gpt_tiny(4)
+    text = capture_served(tmp_path, 16, cmd, 2, "--slots", "2")
+    assert "ran ranks 0-7" in text and "ran ranks 8-15" in text, text
+    proc, plain = shared_captures.get(16, cmd, "--slots", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, want = runfolder.read_run(tmp_path / "run"), runfolder.read_run(plain)
     assert not got.warnings
-    assert sorted(got.ranks) == sorted(want.ranks) == [0, 1, 2, 3]
+    assert sorted(got.ranks) == sorted(want.ranks) == list(range(16))
     reported = []
-    for r in range(4):
+    for r in range(16):
         assert timeless(got.ranks[r]) == timeless(want.ranks[r]), f"rank {r}"
         assert sum(isinstance(e, T.Collective) for e in got.ranks[r]) > 0
         losses = harness.parse_losses(runfolder.log_path(tmp_path / "run", r).read_text())
