@@ -165,6 +165,7 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
   # PROFILE="moe ...": for those workloads, the recorded run again with its sandbox profiled
   # (PRISM_PROFILE_RANK: $R/prof-WL/rank-0.prof; a diagnostic run apart, cProfile slows it).
   # HCAB="moe ...": for those workloads, the compensated run again with PRISM_DEVICE_HOST_CHARGE=0 (device-comp-hc0).
+  # REPS=N: the device (and COMP) emulations N times each on the one capture (device, device-2, ...), interleaved.
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
   if [ "${KERNELS:-1}" != 0 ]; then
@@ -185,11 +186,15 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
     local cl=() clc=()
     [ "${CALLLOG:-0}" = 1 ] && cl=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-device-r{rank}.jsonl") \
       && clc=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-device-comp-r{rank}.jsonl")
-    x "$R/emulate-$w-device.txt" 120 env "${sw[@]}" "${cl[@]}" python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
-      --device-path "${pool[@]}" --net "$NET" --warmup 3 --name device --quiet 25 --progress off
-    [ "${COMP:-0}" = 1 ] && x "$R/emulate-$w-device-comp.txt" 120 env "${sw[@]}" "${clc[@]}" python3 -m prism emulate \
-      "$R/cap-$w" --sandbox 0 --device-path --no-recording --net "$NET" --warmup 3 --name device-comp --quiet 25 \
-      --progress off
+    local k sfx
+    for k in $(seq 1 "${REPS:-1}"); do  # REPS=N: each emulation N times on the one capture (its own spread)
+      sfx=; [ "$k" -gt 1 ] && sfx=-$k && cl=() && clc=()  # the call logs of the first only
+      x "$R/emulate-$w-device$sfx.txt" 120 env "${sw[@]}" "${cl[@]}" python3 -m prism emulate "$R/cap-$w" --sandbox 0 \
+        --device-path "${pool[@]}" --net "$NET" --warmup 3 --name "device$sfx" --quiet 25 --progress off
+      [ "${COMP:-0}" = 1 ] && x "$R/emulate-$w-device-comp$sfx.txt" 120 env "${sw[@]}" "${clc[@]}" python3 -m prism \
+        emulate "$R/cap-$w" --sandbox 0 --device-path --no-recording --net "$NET" --warmup 3 --name "device-comp$sfx" \
+        --quiet 25 --progress off
+    done
     case " ${PROFILE:-} " in  # a diagnostic run apart (cProfile slows the sandbox): the recorded run profiled
       *" $w "*) x "$R/emulate-$w-device-prof.txt" 120 env "${sw[@]}" PRISM_PROFILE_RANK="$R/prof-$w" python3 -m prism \
         emulate "$R/cap-$w" --sandbox 0 --device-path --net "$NET" --warmup 3 --name device-prof --quiet 25 \
