@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 
 __all__ = ["CurveKeyError", "KeyFiles", "make_keys", "load_key", "serve_curve", "connect_curve",
-           "HANDSHAKE_FAILED_EVENTS", "handshake_text", "SERVER_PUBLIC", "SERVER_SECRET", "CLIENT_PUBLIC",
+           "HANDSHAKE_FAILED_EVENTS", "HANDSHAKE_TRIES", "handshake_text", "SERVER_PUBLIC", "SERVER_SECRET", "CLIENT_PUBLIC",
            "CLIENT_SECRET", "AUTHORIZED_DIR", "KEYS_ENV"]
 
 #: Key files of ``make_keys`` (``zmq.auth`` certificate format).
@@ -37,6 +37,11 @@ KEYS_ENV = "PRISM_KEYS"
 #: The monitor events of a refused CURVE handshake.
 HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+#: Handshakes failing without detail in a row (none succeeding in between)
+#: before a client blames the keys: a peer closing mid-handshake (a
+#: coordinator or daemon restarting) gives one or two, a wrong server key
+#: every one.
+HANDSHAKE_TRIES = 3
 
 
 class CurveKeyError(ValueError):

@@ -19,6 +19,7 @@ __all__ = [
     "check_listen_endpoint",
     "default_endpoint",
     "free_tcp_endpoint",
+    "on_one_host",
 ]
 
 SOCKET_NAME = "prism.sock"
@@ -28,6 +29,16 @@ SOCKET_NAME = "prism.sock"
 MAX_IPC_PATH_BYTES = 103
 
 _LOOPBACK_NAMES = {"localhost", "ip6-localhost", "ip6-loopback"}
+
+
+#: Endpoints whose two sides share one host: CLOCK_MONOTONIC is system-wide
+#: on Linux, so their clocks are one clock (a clock offset of 0, no probes).
+ONE_HOST_PREFIXES = ("ipc://", "inproc://", "memory://", "tcp://127.", "tcp://localhost", "tcp://[::1]")
+
+
+def on_one_host(endpoint: str) -> bool:
+    """Whether both sides of ``endpoint`` are on this host (``ONE_HOST_PREFIXES``)."""
+    return endpoint.startswith(ONE_HOST_PREFIXES)
 
 
 class UnsafeEndpointError(ValueError):

@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 from prism.core import clocksync, protocol, trace
 from prism.rank.recorder import RankRecorder
+from transport.endpoints import on_one_host
 
 #: Before blocking, a trace batch older than this goes out, so the coordinator
 #: knows what a rank did before a hang.
@@ -70,9 +71,6 @@ CLOCK_PROBES_ENV = "PRISM_CLOCK_PROBES"
 DEFAULT_CLOCK_PROBES = 8
 #: How long a rank waits for the answer to one clock probe.
 CLOCK_PROBE_TIMEOUT_S = 30.0
-#: Endpoints on the rank's own host: CLOCK_MONOTONIC is system-wide on Linux,
-#: so the rank's clock is the coordinator's (offset 0, no probes).
-ONE_HOST_PREFIXES = ("ipc://", "inproc://", "tcp://127.", "tcp://localhost", "tcp://[::1]")
 
 
 class Client(Protocol):
@@ -125,7 +123,7 @@ class RankRuntime:
         #: (None: no probes were sent).
         self.clock_rtt_ns: int | None = None
         self.clock_sync_ns: int | None = None
-        if endpoint.startswith(ONE_HOST_PREFIXES):
+        if on_one_host(endpoint):
             # One host: CLOCK_MONOTONIC is system-wide on Linux, so the clocks
             # are the same one; a midpoint estimate would only add the
             # handshake's jitter (tenths of a second while ranks start).

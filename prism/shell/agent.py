@@ -26,7 +26,7 @@ as an agent joins it takes the agent's hello with it, or cuts its
 handshake; ZeroMQ would reconnect the socket to the next coordinator
 without saying hello there, so before its ``Launch`` an agent whose
 connection drops (or whose handshake fails without detail, fewer than
-``_HANDSHAKE_TRIES`` times in a row) starts over on a new socket with a new
+``transport.curve.HANDSHAKE_TRIES`` times in a row) starts over on a new socket with a new
 hello. A run may have nothing for
 an agent (an empty ``Launch``: fewer sandbox TP groups than agents). A
 ``Launch`` with ``swap`` makes the agent load that swap driver first
@@ -56,10 +56,6 @@ __all__ = ["AgentError", "AgentInterrupted", "AgentProcesses", "AgentSwapper", "
            "run_agent"]
 
 _POLL_MS = 50
-#: Handshakes with the coordinator failing without detail in a row (no
-#: handshake succeeding in between) before a joining agent gives up: a
-#: coordinator closing mid-handshake gives one, a wrong server key every one.
-_HANDSHAKE_TRIES = 3
 
 
 class AgentError(Exception):
@@ -638,7 +634,7 @@ def _serve_run(config: AgentConfig, on_note: Callable[[str], None], last: bool) 
                     # calibration's last slice) mid-handshake gives this once;
                     # a wrong server key gives it every time.
                     failed += 1
-                    if failed >= _HANDSHAKE_TRIES:
+                    if failed >= C.HANDSHAKE_TRIES:
                         raise AgentError(C.handshake_text("the coordinator", config.coordinator, event, keys))
                     again = True
                 elif event == zmq.EVENT_DISCONNECTED:

@@ -50,6 +50,7 @@ from prism.core import protocol as P
 from prism.core import scheduler as S
 from prism.core import trace as T
 from prism.shell import runfolder
+from transport.endpoints import on_one_host
 from transport.trio_socket import AsyncSocket
 
 log = logging.getLogger("prism.shell.coordinator")
@@ -654,7 +655,7 @@ class Coordinator:
             return
         writer = runfolder.TraceWriter(self.run_dir, hello.rank)
         # On one host (ipc or loopback) the monotonic clocks are the same one.
-        local = self.bound_endpoint.startswith(("ipc://", "inproc://", "memory://", "tcp://127.", "tcp://[::1]"))
+        local = on_one_host(self.bound_endpoint)
         session = RankSession(self._sock, identity, hello, writer, 0 if local else now - hello.t_ns)
         self.sessions[hello.rank] = session
         self.by_identity[identity] = hello.rank

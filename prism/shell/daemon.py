@@ -569,11 +569,6 @@ def resolve_endpoint(daemon: str | None) -> str:
     return str(info["endpoint"])
 
 
-#: Handshakes cut without detail in a row before a request gives up on the
-#: keys (as ``prism.shell.agent``'s).
-_HANDSHAKE_TRIES = 3
-
-
 def request(endpoint: str, msg: Any, *, keys: Path | None = None, timeout_s: float = 10.0) -> Any:
     """Send one request to the daemon at ``endpoint`` and return its reply;
     ``DaemonError`` with a clear text when nobody answers within
@@ -621,7 +616,7 @@ def request(endpoint: str, msg: Any, *, keys: Path | None = None, timeout_s: flo
                     # key every time. ZeroMQ reconnects and the request, not
                     # delivered yet, waits on the socket.
                     cut += 1
-                    if cut < _HANDSHAKE_TRIES:
+                    if cut < C.HANDSHAKE_TRIES:
                         continue
                 raise DaemonError(_handshake_text(endpoint, event, keys))
         raise DaemonError(f"no daemon answered at {endpoint} within {timeout_s:g} s: start one with "
