@@ -248,9 +248,9 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
         if not outcome.ok:
             raise CalibrationFailed(f"{what} failed in {outcome.out_dir} ({outcome.status}): "
                                     f"{outcome.message.strip()}")
+        agents = outcome.summary.get("agents") or []
         for i, j in enumerate(ks):
             walls[j] = wall
-            agents = outcome.summary.get("agents") or []
             if i < len(agents):
                 a = agents[i]
                 nodes[j] = {"node": a.get("node"), "host": a.get("host"), "slots": a.get("slots")}
