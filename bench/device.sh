@@ -218,6 +218,34 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
   [ -n "${DRY:-}" ] || find "$R" \( -name '*.bin' -o -name timeline.json \) -delete  # the bundle stays small
 }
 
+suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emulation interleaved REPS times
+  # VARIANTS (default "rec comp rec-late comp-late"): rec = with the recording, comp = --no-recording;
+  # -late = PRISM_EARLY_RELEASE=0 (a collective released only once its reach came, as before early
+  # releases). CALLLOG=1: each run's call log. One line a run in $R/sandbox_ab.txt; each run's summary
+  # JSON in $R/ab-WL-VARIANT-K.json (bench/gpu_sandbox_collect.py reads the text logs).
+  export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
+  local w v k env cap
+  for w in ${WL:-gpt-tp2}; do
+    cap=/tmp/ab-cap-$w
+    # shellcheck disable=SC2046 (the words split on purpose)
+    x "$R/capture-$w.txt" 150 python3 -m prism capture -n 2 --gpus 0 --record 0 --out "$cap" --progress off -- \
+      $(workload_args "$w")
+    for k in $(seq 1 "${REPS:-1}"); do
+      for v in ${VARIANTS:-rec comp rec-late comp-late}; do
+        env=(PRISM_STACK_DUMP_S=20)
+        case $v in *-late) env+=(PRISM_EARLY_RELEASE=0) ;; esac
+        [ "${CALLLOG:-0}" = 1 ] && [ "$k" = 1 ] && env+=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-$v-r{rank}.jsonl")
+        local rec=(); case $v in comp*) rec=(--no-recording) ;; esac
+        x "$R/emulate-$w-$v-$k.txt" 120 env "${env[@]}" python3 -m prism emulate "$cap" --sandbox 0 --device-path \
+          "${rec[@]}" --net "$NET" --warmup 3 --name "$v-$k" --quiet 25 --progress off
+        [ -n "${DRY:-}" ] && continue
+        cp "$cap/emulation/$v-$k/summary.json" "$R/ab-$w-$v-$k.json" 2>/dev/null
+        echo "$w $v $k: $(grep -E 'emulated vs predicted' "$R/emulate-$w-$v-$k.txt") $(grep -oE '[0-9,]+ of them released before' "$R/emulate-$w-$v-$k.txt")" >> "$R/sandbox_ab.txt"
+      done
+    done
+  done
+}
+
 suite_scale_gpu() {  # bench/scale.py with the GPT captured on GPU 0 and its sandbox on GPU 0 (device path; HOSTPATH=1: host)
   local hp=()
   [ "${HOSTPATH:-0}" = 1 ] && hp=(--host-path)
@@ -312,7 +340,7 @@ suite_campaigns() {  # the GPU example campaigns (bench/campaigns: dp_oom, moe_e
 }
 
 SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
-emulate-accuracy-16 comm-share calibration gpu-sandbox truth-segments
+emulate-accuracy-16 comm-share calibration gpu-sandbox sandbox-ab truth-segments
 truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale campaigns scale-gpu cpu-pin"
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then

@@ -588,6 +588,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         "calls": {"recorded": emu.stats.recorded_calls, "compensated": emu.stats.compensated_calls,
                   "on_device": emu.stats.device_calls, "sends_on_device": emu.stats.device_sends,
                   "reached_on_gpu": emu.stats.reached_calls,
+                  "released_before_reach": emu.stats.early_releases, "early_release_off": emu.stats.early_off,
                   "implicit_waits": emu.stats.implicit_waits, "deliveries": emu.stats.deliveries},
         "pacing": {"lead_ns": LEAD_NS,
                    "turnaround_p50_ns": int(np.percentile(turn, 50)), "turnaround_p99_ns": int(np.percentile(turn, 99)),
@@ -770,7 +771,10 @@ def format_summary(s: dict, out_dir: Path) -> str:
     if p.get("reach_lag_p50_ns") is not None:
         lines.append(f"device path: {s['calls']['reached_on_gpu']:,} calls arrived when the GPU reached them, "
                      f"{p['reach_lag_p50_ns'] / 1e6:.3f} ms after the CPU issued them (p50; p99 "
-                     f"{p['reach_lag_p99_ns'] / 1e6:.3f})")
+                     f"{p['reach_lag_p99_ns'] / 1e6:.3f}); {s['calls'].get('released_before_reach', 0):,} of them "
+                     "released before their reach came (their completion known)"
+                     + (f", {s['calls']['early_release_off']} completed at another time than released (a Prism "
+                        "bug: please report it)" if s['calls'].get('early_release_off') else ""))
     lines.append(f"pacing lag: results left {p['lag_p50_ns'] / 1e6:+.3f} ms from their emulated release on the "
                  f"rank's clock (p50; p99 {p['lag_p99_ns'] / 1e6:+.3f}; negative: ahead, held by the rank)")
     per = co.get("wall_s_per_iteration")

@@ -327,6 +327,28 @@ class HybridReplay(SteppableReplay):
         self._close_segments(rank, nd, end, start, now)
         self._pos[rank] = end
 
+    def known_completion(self, rank: int, call: Call) -> tuple[int, int, int] | None:
+        """Sandbox ``rank``, computing, will call the collective ``call`` next:
+        ``(after, cost, node)`` where every other member of that instance has
+        arrived already, so that the call completes at ``max(after, its
+        arrival) + cost`` whatever its arrival (``after``: the latest other
+        arrival, or the rank's compute start, whichever is later; the rank
+        cannot arrive before it). None otherwise: a member still to come, the
+        rank not computing, or ``call`` not what the graph has next (``arrive``
+        reports that). Nothing changes; a shell can release the call before it
+        knows the arrival (a GPU sandbox's stream times itself from there)."""
+        seg = self.computing.get(rank)
+        if seg is None or call.kind != "coll":
+            return None
+        nd, start = seg
+        cn = self.next_call_node(rank, nd)
+        if cn >= self._ptr[rank + 1] or self._kind[cn] != COLL or not self._matches(cn, call):
+            return None
+        i = self._ref[cn]
+        if self._arrived[i] != self._size[i] - 1:
+            return None
+        return max(self._amax[i], start), int(self._icost[i]), cn
+
     def members(self, node: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The group ranks of a collective node's group that are sandbox ranks
         and those that are virtual: what the shell needs to compute what each

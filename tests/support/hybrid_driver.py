@@ -13,8 +13,9 @@ import heapq
 from prism.core.hybrid import HybridReplay
 
 
-def drive(eng: HybridReplay, arrival, ahead: int | None = None) -> list:
-    """Run ``eng`` to the end; returns every Released in order."""
+def drive(eng: HybridReplay, arrival, ahead: int | None = None, before=None) -> list:
+    """Run ``eng`` to the end; returns every Released in order. ``before(rank,
+    call, t)``: called just before each sandbox call arrives (at ``t``)."""
     due: list[tuple[int, int]] = []  # (arrival time, rank)
     scheduled: set[int] = set()
     released = []
@@ -35,6 +36,8 @@ def drive(eng: HybridReplay, arrival, ahead: int | None = None) -> list:
             if cn == eng.graph.rank_ptr[r + 1]:
                 eng.finish(r, t)
             else:
+                if before is not None:
+                    before(r, eng.call_of(cn), t)
                 mismatch = eng.arrive(r, eng.call_of(cn), t)
                 assert mismatch is None, mismatch
             continue

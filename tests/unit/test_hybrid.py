@@ -67,6 +67,35 @@ def test_a_slower_sandbox_delays_the_world_as_the_batch_replay_says(graph, ahead
     assert got.iteration_times.sum() > replay_batch(graph, cost_model=MODEL).iteration_times.sum()
 
 
+@pytest.mark.parametrize("ahead", [None, 1 << 30], ids=["in-time-order", "ahead"])
+def test_a_known_completion_is_the_one_the_arrival_gets(graph, ahead):
+    # Once every other member of a sandbox's next collective has arrived, its
+    # completion is max(after, arrival) + cost whatever the arrival: what a
+    # shell may release before the GPU reports its reach.
+    eng = HybridReplay(graph, [0, 5], cost_model=MODEL)
+    dur = graph.dur
+    known = {}
+
+    def jittered(rank, node, t0):
+        cn = eng.next_call_node(rank, node)
+        return t0 + int(int(dur[node:cn].sum()) * (0.7 + 0.6 * ((node * 7919) % 11) / 10))
+
+    def before(rank, call, t):
+        got = eng.known_completion(rank, call)
+        assert eng.known_completion(rank, Call("coll", "no_such_op", call.gid, call.seq)) is None
+        if got is not None:
+            after, cost, node = got
+            assert after <= max(after, t)
+            known[node] = (after, cost, t)
+
+    drive(eng, jittered, ahead, before)
+    res = eng.result()
+    assert len(known) >= 10  # the peers come first often enough to matter
+    for node, (after, cost, t) in known.items():
+        assert res.start[node] == t
+        assert res.end[node] == max(after, t) + cost, node
+
+
 def test_a_sandbox_faster_than_its_recording_keeps_its_step_marks_in_order(graph):
     # A sandbox that calls again sooner than its recorded compute segments
     # add up to (a GPU stream reaching its next call early): every segment

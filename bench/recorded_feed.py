@@ -1,0 +1,194 @@
+"""A GPU sandbox's recorded delivery in isolation: the host time of
+``RecordedFeed.deliver`` per call and the cost of each torch call it makes.
+
+    python bench/recorded_feed.py [--out FILE.json] [--mib 8] [--calls 32] [--steps 6] [--pool-mib 256]
+
+primitives
+    the host time of each CUDA call the delivery makes (a slice of the pool,
+    entering the side stream, a non-blocking host-to-device copy, an event
+    made and recorded, a stream waiting on it, a device-to-device copy, an
+    event's query, ``current_stream``), microseconds per call, best of 3
+    rounds, on an idle stream.
+feed
+    a synthetic recording (``--calls`` outputs of ``--mib`` MiB per step, the
+    bundled GPT tp2's shape: 32 all-reduces of 8 MiB) delivered as a sandbox
+    would: per call the stream is kept busy (``torch.cuda._sleep``, the
+    compute between two collectives), then ``deliver`` queues the copy;
+    the CPU waits for the GPU once per step. Per call: ``deliver``'s host time
+    and its parts (``f_lock``, ``f_adv0``, ``f_copy``, ``f_adv1``: see
+    ``RecordedFeed.deliver``), p50 and mean, steps after the first; the
+    blocks staged per call. Every delivered output is checked against its
+    recording at the end of each step.
+
+Needs CUDA; prints a table and writes JSON (bench/README.md names the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from _results import per_call_us, result_path, write_json  # noqa: E402
+
+
+def primitives(dev: torch.device) -> dict[str, float]:
+    import cuda_ext
+
+    pool = cuda_ext.DevicePool(64 << 20, dev)
+    side = torch.cuda.Stream(device=dev)
+    host = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
+    src = pool.slab[:1 << 20]
+    ev = torch.cuda.Event()
+    ev.record()
+    torch.cuda.synchronize()
+    n = 2000
+
+    def enter_side():
+        with torch.cuda.stream(side):
+            pass
+
+    def h2d():
+        with torch.cuda.stream(side):
+            src.copy_(host, non_blocking=True)
+
+    def event_record():
+        e = torch.cuda.Event()
+        e.record(side)
+
+    out = {
+        "slab slice": per_call_us(lambda: pool.slab[4096:8192], n),
+        "enter side stream": per_call_us(enter_side, n),
+        "h2d copy_ on side stream (1 MiB)": per_call_us(h2d, n // 4),
+        "Event() + record": per_call_us(event_record, n),
+        "current_stream()": per_call_us(lambda: torch.cuda.current_stream(dev), n),
+        "current_stream().wait_event": per_call_us(lambda: torch.cuda.current_stream(dev).wait_event(ev), n),
+        "d2d copy_ (1 MiB)": per_call_us(lambda: dst.copy_(src), n // 4),
+        "event query": per_call_us(ev.query, n),
+        "view(dtype).view(shape)": per_call_us(lambda: src.view(torch.uint8).view((1 << 20,)), n),
+        "reshape(-1).view(uint8)": per_call_us(lambda: dst.reshape(-1).view(torch.uint8), n),
+    }
+    torch.cuda.synchronize()
+    return out
+
+
+def _recording(tmp: pathlib.Path, calls: int, steps: int, nbytes: int) -> tuple[pathlib.Path, list[str]]:
+    """A run folder whose rank 0 recorded ``calls * steps`` outputs of
+    ``nbytes`` (float32 ramps, each its own), as ``prism capture --record`` writes them."""
+    from prism.core.payloads import digest
+    from prism.core.trace.records import Payload
+    from prism.shell.runfolder import PayloadWriter, payload_data_name, payload_index_path
+
+    w = PayloadWriter(tmp, 0)
+    off = 0
+    refs = []
+    base = torch.arange(nbytes // 4, dtype=torch.float32)
+    for s in range(steps):
+        for c in range(calls):
+            ref = f"coll:1:{s * calls + c}:out"
+            data = (base + (s * calls + c)).numpy().tobytes()
+            rec = Payload(ref=ref, role="recv", dtype="float32", shape=(nbytes // 4,), nbytes=len(data),
+                          digest=digest(data), step=s, file=payload_data_name(0), offset=off)
+            w.received([(rec, memoryview(data))])
+            off += len(data)
+            refs.append(ref)
+    w.close()
+    return payload_index_path(tmp, 0), refs
+
+
+def feed_run(index: pathlib.Path, refs: list[str], calls: int, nbytes: int, pool_bytes: int, sleep_cycles: int,
+             dev: torch.device) -> dict:
+    from prism.rank import devicepath
+
+    t_load = time.perf_counter()
+    feed = devicepath.RecordedFeed(str(index), pool_bytes, dev)
+    t_load = time.perf_counter() - t_load
+    outs = [torch.empty(nbytes // 4, dtype=torch.float32, device=dev) for _ in range(calls)]
+    base = torch.arange(nbytes // 4, dtype=torch.float32, device=dev)
+    rows = []
+    bad = 0
+    for i, ref in enumerate(refs):
+        c = i % calls
+        if dev.type == "cuda":
+            torch.cuda._sleep(sleep_cycles)  # the compute before the call
+        log: dict = {}
+        t0 = time.perf_counter_ns()
+        ok = feed.deliver(ref, outs[c], log)
+        t1 = time.perf_counter_ns()
+        if not ok:
+            raise SystemExit(f"recorded_feed: {ref} was not delivered")
+        rows.append({"step": i // calls, "total_us": (t1 - t0) / 1e3,
+                     **{k: v for k, v in log.items() if k == "f_staged"},
+                     **({"lock_us": (log["f_adv0"] - log["f_lock"]) / 1e3,
+                         "copy_us": (log["f_copy"] - log["f_adv0"]) / 1e3,
+                         "adv1_us": (log["f_adv1"] - log["f_copy"]) / 1e3} if "f_lock" in log else {})})
+        if c == calls - 1:  # the step ends: the CPU waits for the GPU (the loss's .item())
+            for k, o in enumerate(outs):
+                want = base + (i - calls + 1 + k)
+                bad += int(not torch.equal(o, want))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    steady = [r for r in rows if r["step"] >= 1]
+    agg = {}
+    for k in ("total_us", "lock_us", "copy_us", "adv1_us"):
+        v = [r[k] for r in steady if k in r]
+        if v:
+            agg[k] = {"p50": statistics.median(v), "mean": statistics.fmean(v), "max": max(v)}
+    st = feed.stats()
+    return {"load_s": t_load, "stats": st, "mismatched_outputs": bad, "per_call": agg,
+            "staged_per_call": statistics.fmean(r.get("f_staged", 0) for r in steady), "rows": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(result_path("recorded_feed")))
+    ap.add_argument("--mib", type=float, default=8)
+    ap.add_argument("--calls", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--pool-mib", type=int, default=256)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the feed's logic (no primitives)")
+    ap.add_argument("--sleep-cycles", type=int, default=1_500_000, help="GPU cycles of compute between two calls")
+    a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("recorded_feed bench: needs a CUDA device (--device cpu: a smoke run)")
+    import cuda_ext
+
+    dev = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    res = {"benchmark": "recorded_feed", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "command": "python " + " ".join(sys.argv),
+           "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "cuda_ext": cuda_ext.info().path,
+           "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}}
+    res["primitives_us"] = primitives(dev) if dev.type == "cuda" else {}
+    nbytes = int(a.mib * (1 << 20)) // 4 * 4
+    with tempfile.TemporaryDirectory(prefix="prism-feed-") as tmp:
+        index, refs = _recording(pathlib.Path(tmp), a.calls, a.steps, nbytes)
+        res["feed"] = feed_run(index, refs, a.calls, nbytes, a.pool_mib << 20, a.sleep_cycles, dev)
+    print(f"recorded delivery on {res['gpu']}, torch {torch.__version__}, {res['date_utc']}, cuda_ext {res['cuda_ext']}")
+    print(f"{'primitive':<40} {'us/call':>8}")
+    for k, v in res["primitives_us"].items():
+        print(f"  {k:<38} {v:>8.1f}")
+    f = res["feed"]
+    print(f"feed: {a.calls} calls x {a.steps} steps of {a.mib:g} MiB, pool {a.pool_mib} MiB; "
+          f"{f['stats']['direct']} direct, {f['mismatched_outputs']} mismatched; staged/call {f['staged_per_call']:.2f}")
+    for k, v in f["per_call"].items():
+        print(f"  {k:<12} p50 {v['p50']:>8.1f}  mean {v['mean']:>8.1f}  max {v['max']:>8.1f} us")
+    f.pop("rows", None)
+    write_json(a.out, res)
+    return 0 if f["mismatched_outputs"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
