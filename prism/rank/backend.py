@@ -615,7 +615,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         work = self._issued(PrismWork(pending))
         t1 = time.monotonic_ns()
         devicepath.count_issue(t1 - t0)
-        self._charge_return(rel, slot, t0, t1, drained)
+        self._charge_return(rel, slot, t0, t1, drained, sync=not async_op)
         if rec is not None:
             rec["t1"], rec["busy1"] = t1, devicepath.stream_busy(dev)
         return work
@@ -635,10 +635,10 @@ class PrismProcessGroup(dist.ProcessGroup):
         return drained
 
     @staticmethod
-    def _charge_return(rel: Any, slot: int, t0: int, t1: int, drained: bool) -> None:
+    def _charge_return(rel: Any, slot: int, t0: int, t1: int, drained: bool, sync: bool = False) -> None:
         hc = devicepath.host_charge()
         if hc is not None:
-            hc.on_return(t0, t1, drained, rel.moments(slot))
+            hc.on_return(t0, t1, drained, rel.moments(slot), sync)
 
     def _check_len(self, call: str, what: str, items: Sequence[Any], n: int) -> None:
         if len(items) != n:

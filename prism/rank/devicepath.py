@@ -311,7 +311,9 @@ HOST_CHARGE_ENV = "PRISM_DEVICE_HOST_CHARGE"
 
 def host_charge_enabled() -> bool:
     """Whether Prism's host time a drained stream waited for is taken out of
-    the sandbox's clock (``HostCharge``; ``PRISM_DEVICE_HOST_CHARGE=0``: not)."""
+    the sandbox's clock (``HostCharge``; ``PRISM_DEVICE_HOST_CHARGE=0``: not;
+    ``=drained``: only where the next call found the stream drained, the rule
+    before 2026-12-06)."""
     return os.environ.get(HOST_CHARGE_ENV, "1") != "0"
 
 
@@ -336,9 +338,12 @@ class HostCharge:
       passing the previous call to this entry (no more than the stream can
       have idled)."""
 
-    def __init__(self, nominal_ns: int = NCCL_ISSUE_NS) -> None:
+    def __init__(self, nominal_ns: int = NCCL_ISSUE_NS, busy: bool = True) -> None:
         self.nominal_ns = nominal_ns
-        self._prev: tuple[int, int, bool, Any] | None = None
+        #: also charge a synchronous call entered busy whose wait the GPU
+        #: passed before Prism returned from it (``on_entry``)
+        self.busy = busy
+        self._prev: tuple[int, int, bool, Any, bool] | None = None
         self.charged_ns = 0
         self.charges = 0
 
@@ -348,25 +353,45 @@ class HostCharge:
 
     def on_entry(self, t0: int, drained: bool | None) -> int:
         """A call enters at ``t0`` with its stream ``drained`` (None: unknown):
-        what to charge now for the previous call."""
+        what to charge now for the previous call.
+
+        Drained: the stream idled before this entry, for at most ``t0`` less
+        the GPU passing the previous call. Busy (``busy``, the previous call
+        synchronous): where the GPU passed the previous call's wait before
+        Prism returned from it, the stream had nothing after it until the host
+        came back (the program's next kernels are issued after the return),
+        so it idled from the wait's end to the return: the previous call's
+        time in Prism beyond ``nominal`` (after the GPU's reach, for one
+        entered drained) delayed it by that much at most. Measured on an
+        H100 (2026-12-06, GPT tp2, early releases): with the GPU's waits no
+        longer late, the host is the bottleneck a few hundred microseconds a
+        call while the next call still finds the stream busy."""
         prev, self._prev = self._prev, None
-        if not drained or prev is None:
+        if prev is None or drained is None:
             return 0
-        p0, p1, p_drained, moments = prev
-        gpu_past = max(moments())  # (reach, wait end) of the previous call on this host's clock; 0: unknown
-        if not gpu_past:
+        p0, p1, p_drained, moments, p_sync = prev
+        reach, end = moments()
+        if drained:
+            gpu_past = max(reach, end)  # (reach, wait end) of the previous call on this host's clock; 0: unknown
+            if not gpu_past:
+                return 0
+            until = t0  # the stream found drained here: it can have idled until now
+        elif self.busy and p_sync and end and end < p1:
+            gpu_past, until = end, p1  # busy here: the host's next kernels kept it busy after the return
+        else:
             return 0
         pend = p1 - gpu_past if p_drained else p1 - p0 - self.nominal_ns
-        charge = max(0, min(pend, t0 - gpu_past))
+        charge = max(0, min(pend, until - gpu_past))
         if charge:
             self.charged_ns += charge
             self.charges += 1
         return charge
 
-    def on_return(self, t0: int, t1: int, drained: bool | None, moments: Any) -> None:
+    def on_return(self, t0: int, t1: int, drained: bool | None, moments: Any, sync: bool = False) -> None:
         """The call entered at ``t0`` returns at ``t1``; ``moments()`` gives its
-        GPU reach and wait end later (0 while unknown)."""
-        self._prev = (t0, t1, bool(drained), moments)
+        GPU reach and wait end later (0 while unknown); ``sync``: it waits on
+        the caller's stream (an async call's runs on a side stream)."""
+        self._prev = (t0, t1, bool(drained), moments, sync)
 
     def add_pre(self, ns: int) -> None:
         if ns:
@@ -381,7 +406,7 @@ def host_charge() -> HostCharge | None:
     """The process's ``HostCharge`` (None where it is off)."""
     global _host_charge
     if _host_charge is None and host_charge_enabled():
-        _host_charge = HostCharge()
+        _host_charge = HostCharge(busy=os.environ.get(HOST_CHARGE_ENV, "1") != "drained")
     return _host_charge
 
 

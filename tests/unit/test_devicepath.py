@@ -227,6 +227,31 @@ def test_host_charge_takes_out_only_the_issue_time_a_drained_stream_waited_for()
     assert hc.on_entry(5000, None) == 0
 
 
+def test_host_charge_takes_out_the_idle_after_a_wait_the_gpu_passed_before_prism_returned():
+    # A synchronous call entered busy at 1,000 returns at 1,500 (NCCL's part: 30);
+    # its wait ended on the GPU at 1,200: the stream had nothing more until the
+    # host came back, so it idled 300, all Prism's (its 470 beyond NCCL's is more).
+    hc = devicepath.HostCharge(nominal_ns=30)
+    hc.on_return(1000, 1500, False, lambda: (1100, 1200), sync=True)
+    assert hc.on_entry(1600, False) == 300
+    # ... at most its own time beyond NCCL's: ended at 1,000, returned at 1,400 from 1,300
+    hc.on_return(1300, 1400, False, lambda: (1000, 1000), sync=True)
+    assert hc.on_entry(1450, False) == 70
+    # the GPU passed the wait after the return: it never waited for this host
+    hc.on_return(2000, 2500, False, lambda: (2400, 2600), sync=True)
+    assert hc.on_entry(2700, False) == 0
+    # an async call (its wait on a side stream: the caller's stream went on) or an unknown end: nothing
+    hc.on_return(3000, 3500, False, lambda: (3100, 3200), sync=False)
+    assert hc.on_entry(3600, False) == 0
+    hc.on_return(4000, 4500, False, lambda: (4100, 0), sync=True)
+    assert hc.on_entry(4600, False) == 0
+    # PRISM_DEVICE_HOST_CHARGE=drained: the rule before, only at a drained entry
+    old = devicepath.HostCharge(nominal_ns=30, busy=False)
+    old.on_return(1000, 1500, False, lambda: (1100, 1200), sync=True)
+    assert old.on_entry(1600, False) == 0
+    assert hc.charged_ns == 370 and hc.charges == 2
+
+
 def test_the_watcher_carries_prisms_issue_time_for_a_drained_call_instead_of_the_lateness(monkeypatch):
     # Call 0 ends 2,000 late; call 1 entered with its stream drained at 7,500 and
     # was reached at 8,000: the GPU had caught up and waited for the host, so the
