@@ -219,10 +219,10 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
 }
 
 suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emulation interleaved REPS times
-  # VARIANTS (default "rec comp rec-late comp-late"): rec = with the recording, comp = --no-recording;
-  # -late = PRISM_EARLY_RELEASE=0 (a collective released only once its reach came, as before early
-  # releases); -drained = PRISM_DEVICE_HOST_CHARGE=drained (the host charge only at a drained entry,
-  # the rule before 2026-12-06). CALLLOG=1: each run's call log. One line a run in $R/sandbox_ab.txt; each run's summary
+  # VARIANTS (default "rec comp rec-late comp-late"): rec = with the recording, comp = --no-recording,
+  # both with early releases (PRISM_EARLY_RELEASE=1); -late = without them (the default: a collective
+  # released only once its reach came); -drained = PRISM_DEVICE_HOST_CHARGE=drained (the host charge only at a drained entry,
+  # the rule before 2026-12-06); -carryall = PRISM_DEVICE_LATE_CARRY=all. CALLLOG=1: each run's call log. One line a run in $R/sandbox_ab.txt; each run's summary
   # JSON in $R/ab-WL-VARIANT-K.json (bench/gpu_sandbox_collect.py reads the text logs).
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   local w v k env cap
@@ -234,8 +234,9 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
     for k in $(seq 1 "${REPS:-1}"); do
       for v in ${VARIANTS:-rec comp rec-late comp-late}; do
         env=(PRISM_STACK_DUMP_S=20)
-        case $v in *-late*) env+=(PRISM_EARLY_RELEASE=0) ;; esac
+        case $v in *-late*) env+=(PRISM_EARLY_RELEASE=0) ;; *) env+=(PRISM_EARLY_RELEASE=1) ;; esac
         case $v in *-drained*) env+=(PRISM_DEVICE_HOST_CHARGE=drained) ;; esac
+        case $v in *-carryall*) env+=(PRISM_DEVICE_LATE_CARRY=all) ;; esac
         [ "${CALLLOG:-0}" = 1 ] && [ "$k" = 1 ] && env+=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-$v-r{rank}.jsonl")
         local rec=(); case $v in comp*) rec=(--no-recording) ;; esac
         x "$R/emulate-$w-$v-$k.txt" 120 env "${env[@]}" python3 -m prism emulate "$cap" --sandbox 0 --device-path \

@@ -410,6 +410,16 @@ def host_charge() -> HostCharge | None:
     return _host_charge
 
 
+#: "all": the reach watcher carries a late release's whole lateness into the
+#: rank's dilated clock, not only the part the next reach shows the stream
+#: could not have absorbed (``_Watcher``). The call logs of 11 runs on an H100
+#: (2026-12-06, GPT tp2, releases at the reach) say the part left out is most
+#: of the error (+1.3..+14.7% of the capture's prediction; +0.0..+2.5% with it
+#: put back), the CPU's next issue being late because it waited for the late
+#: GPU (a step's end); not the default until measured paired.
+LATE_CARRY_ENV = "PRISM_DEVICE_LATE_CARRY"
+
+
 class _Watcher:
     """The thread behind ``Releaser.watch``.
 
@@ -427,6 +437,9 @@ class _Watcher:
 
         self.flags = flags
         self.poll_s = poll_s
+        #: ``PRISM_DEVICE_LATE_CARRY=all``: carry every late release whole
+        #: (an experiment: see ``LATE_CARRY_ENV``)
+        self.carry_all = os.environ.get(LATE_CARRY_ENV, "") == "all"
         self._calls: collections.deque = collections.deque()  # (slot, issue, on_reach, on_late, rec, drained)
         self._reached: collections.deque = collections.deque()  # (slot, rec) reached, their lateness not yet read
         self._late = 0
@@ -470,6 +483,8 @@ class _Watcher:
                     # what delays it is Prism's issue time.
                     carried = hc.pre(issue, reach)
                     hc.add_pre(carried)
+                elif self.carry_all:
+                    carried = self._late
                 else:
                     carried = min(self._late, max(0, reach - issue))
                 self._late = 0

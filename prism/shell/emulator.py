@@ -85,8 +85,12 @@ _DATA_SIZED = frozenset({"all_to_all_single", "all_to_all"})
 #: Engine events per turn of the loop (the loop stays responsive), in slices of SLICE.
 WORK_BUDGET = 20_000
 SLICE = 256
-#: "0": a device-path collective is released only once its reach came, as
-#: before early releases (``Emulator._release_early``; for comparison).
+#: "1": release a device-path collective before its reach where the engine
+#: knows its completion (``Emulator._release_early``). Off by default: on an
+#: H100 (2026-12-06, GPT tp2) it ran the sandbox 25% faster in wall time but
+#: left the host as the bottleneck, and the emulated time moved with the CPU
+#: (+2.4% to +11.5% of the capture's prediction, against +1.3% to +2.2% with
+#: the release at the reach); ``bench/results/gpu_sandbox-2026-12-06-h100.md``.
 EARLY_RELEASE_ENV = "PRISM_EARLY_RELEASE"
 
 
@@ -202,7 +206,7 @@ class Emulator(Coordinator):
         self._reach: dict[tuple[int, str, int], int] = {}
         #: (rank, gid, seq) -> (after, cost) of a device-path collective released early
         self._early: dict[tuple[int, str, int], tuple[int, int]] = {}
-        self._early_on = os.environ.get(EARLY_RELEASE_ENV, "1") != "0"
+        self._early_on = os.environ.get(EARLY_RELEASE_ENV, "0") == "1"
         self._last_activity = 0
         self._message_handlers.update({
             P.CollectiveArrive: self._on_coll,
@@ -644,8 +648,8 @@ class Emulator(Coordinator):
         and the wait on the sandbox's GPU ends at ``max(that, its reach +
         cost)``, the engine's time, with no round trip from the reach through
         this coordinator on the stream's critical path (measured on an H100,
-        2026-12-06: about 1 ms a call, which the rank's dilated clock then had
-        to take out). The engine still takes the call at its reach, as before;
+        2026-12-06: about 1 ms a call, which the rank's dilated clock then has
+        to take out). Opt-in (``EARLY_RELEASE_ENV``). The engine still takes the call at its reach, as before;
         ``_collect_ends`` then sends nothing more."""
         eng = self.engine
         for rank in self.sandbox:

@@ -109,7 +109,7 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     # its prefetch pool (protocol 7's recorded calls): its losses are the
     # capture's, digit for digit, with no payload through the coordinator.
     calls = gpt_run.parent / "devrec-calls-{rank}.jsonl"
-    env = dict(ENV, PRISM_GPU_SANDBOX="cpu-test", PRISM_DEVICE_CALL_LOG=str(calls))
+    env = dict(ENV, PRISM_GPU_SANDBOX="cpu-test", PRISM_DEVICE_CALL_LOG=str(calls), PRISM_EARLY_RELEASE="1")
     dev = prism("emulate", str(gpt_run), "--sandbox", "4", "--name", "devrec", "--progress", "off", "--json",
                 "--prefetch-pool", "1", cwd=gpt_run.parent, env=env)
     assert dev.returncode == 0, dev.stderr[-3000:]

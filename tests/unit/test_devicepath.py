@@ -278,3 +278,30 @@ def test_the_watcher_carries_prisms_issue_time_for_a_drained_call_instead_of_the
     assert done.wait(5), got
     assert got == [("reach", 0, 1000), ("late", 400), ("reach", 1, 8000)]
     assert hc.charged_ns == 400 and hc.charges == 1
+
+
+def test_the_watcher_carries_the_whole_lateness_with_late_carry_all(monkeypatch):
+    # Call 0 is released 2,000 late (due 5,000, ended 7,000); call 1 was issued at
+    # 7,900, after the GPU passed call 0, and reached at 8,000: by default only 100
+    # is carried (the stream waited for the host anyway); PRISM_DEVICE_LATE_CARRY=all
+    # carries all 2,000 (the host's late issue was its wait for the late GPU).
+    import threading
+
+    import cuda_ext
+
+    for mode, want in (("", 100), ("all", 2000)):
+        monkeypatch.setenv(devicepath.LATE_CARRY_ENV, mode)
+        monkeypatch.setattr(devicepath, "_host_charge", None)
+        flags = cuda_ext.ReleaseFlags(4, "cpu")
+        w = devicepath._Watcher(flags, 1e-4)
+        got: list = []
+        done = threading.Event()
+        for slot in range(2):
+            flags.clear_stamps(slot)
+        w.add(0, 900, lambda at: got.append(("reach", 0, at)), lambda ns: got.append(("late", ns)))
+        w.add(1, 7900, lambda at: (got.append(("reach", 1, at)), done.set()), lambda ns: got.append(("late", ns)))
+        flags._dl[0], flags._dl[1] = 5000, 0
+        flags._st[0], flags._st[1] = 1000, 7000
+        flags._st[2] = 8000
+        assert done.wait(5), got
+        assert got == [("reach", 0, 1000), ("late", want), ("reach", 1, 8000)], mode
