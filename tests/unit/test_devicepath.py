@@ -252,17 +252,14 @@ def test_host_charge_takes_out_the_idle_after_a_wait_the_gpu_passed_before_prism
     assert hc.charged_ns == 370 and hc.charges == 2
 
 
-def test_the_watcher_carries_prisms_issue_time_for_a_drained_call_instead_of_the_lateness(monkeypatch):
-    # Call 0 ends 2,000 late; call 1 entered with its stream drained at 7,500 and
-    # was reached at 8,000: the GPU had caught up and waited for the host, so the
-    # lateness was absorbed and what delayed it is Prism's issue time beyond
-    # NCCL's (8,000 - 7,500 - 100 = 400).
+def _late_then_reached(issue1: int, drained: bool = False) -> list:
+    """Two calls on a fresh watcher: call 0 (issued at 900, reached at 1,000)
+    is due at 5,000 and ends 2,000 late at 7,000; call 1 (issued at ``issue1``)
+    is reached at 8,000. What the watcher reported, in order."""
     import threading
 
     import cuda_ext
 
-    hc = devicepath.HostCharge(nominal_ns=100)
-    monkeypatch.setattr(devicepath, "_host_charge", hc)
     flags = cuda_ext.ReleaseFlags(4, "cpu")
     w = devicepath._Watcher(flags, 1e-4)
     got: list = []
@@ -270,13 +267,23 @@ def test_the_watcher_carries_prisms_issue_time_for_a_drained_call_instead_of_the
     for slot in range(2):
         flags.clear_stamps(slot)
     w.add(0, 900, lambda at: got.append(("reach", 0, at)), lambda ns: got.append(("late", ns)))
-    w.add(1, 7500, lambda at: (got.append(("reach", 1, at)), done.set()), lambda ns: got.append(("late", ns)),
-          None, True)
+    w.add(1, issue1, lambda at: (got.append(("reach", 1, at)), done.set()), lambda ns: got.append(("late", ns)),
+          None, drained)
     flags._dl[0], flags._dl[1] = 5000, 0
     flags._st[0], flags._st[1] = 1000, 7000
     flags._st[2] = 8000
     assert done.wait(5), got
-    assert got == [("reach", 0, 1000), ("late", 400), ("reach", 1, 8000)]
+    return got
+
+
+def test_the_watcher_carries_prisms_issue_time_for_a_drained_call_instead_of_the_lateness(monkeypatch):
+    # Call 0 ends 2,000 late; call 1 entered with its stream drained at 7,500 and
+    # was reached at 8,000: the GPU had caught up and waited for the host, so the
+    # lateness was absorbed and what delayed it is Prism's issue time beyond
+    # NCCL's (8,000 - 7,500 - 100 = 400).
+    hc = devicepath.HostCharge(nominal_ns=100)
+    monkeypatch.setattr(devicepath, "_host_charge", hc)
+    assert _late_then_reached(7500, drained=True) == [("reach", 0, 1000), ("late", 400), ("reach", 1, 8000)]
     assert hc.charged_ns == 400 and hc.charges == 1
 
 
@@ -285,23 +292,7 @@ def test_the_watcher_carries_the_whole_lateness_with_late_carry_all(monkeypatch)
     # 7,900, after the GPU passed call 0, and reached at 8,000: by default only 100
     # is carried (the stream waited for the host anyway); PRISM_DEVICE_LATE_CARRY=all
     # carries all 2,000 (the host's late issue was its wait for the late GPU).
-    import threading
-
-    import cuda_ext
-
     for mode, want in (("", 100), ("all", 2000)):
         monkeypatch.setenv(devicepath.LATE_CARRY_ENV, mode)
         monkeypatch.setattr(devicepath, "_host_charge", None)
-        flags = cuda_ext.ReleaseFlags(4, "cpu")
-        w = devicepath._Watcher(flags, 1e-4)
-        got: list = []
-        done = threading.Event()
-        for slot in range(2):
-            flags.clear_stamps(slot)
-        w.add(0, 900, lambda at: got.append(("reach", 0, at)), lambda ns: got.append(("late", ns)))
-        w.add(1, 7900, lambda at: (got.append(("reach", 1, at)), done.set()), lambda ns: got.append(("late", ns)))
-        flags._dl[0], flags._dl[1] = 5000, 0
-        flags._st[0], flags._st[1] = 1000, 7000
-        flags._st[2] = 8000
-        assert done.wait(5), got
-        assert got == [("reach", 0, 1000), ("late", want), ("reach", 1, 8000)], mode
+        assert _late_then_reached(7900) == [("reach", 0, 1000), ("late", want), ("reach", 1, 8000)], mode
