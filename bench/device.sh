@@ -219,11 +219,12 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
 }
 
 suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emulation interleaved REPS times
-  # VARIANTS (default "rec comp rec-late comp-late"): rec = with the recording, comp = --no-recording,
-  # both with early releases (PRISM_EARLY_RELEASE=1); -late = without them (the default: a collective
-  # released only once its reach came); -drained = PRISM_DEVICE_HOST_CHARGE=drained (the host charge only at a drained entry,
-  # the rule before 2026-12-06); -carryall = PRISM_DEVICE_LATE_CARRY=all. CALLLOG=1: each run's call log. One line a run in $R/sandbox_ab.txt; each run's summary
-  # JSON in $R/ab-WL-VARIANT-K.json (bench/gpu_sandbox_collect.py reads the text logs).
+  # VARIANTS (default "rec rec-carrymin comp comp-carrymin"): rec = with the recording, comp =
+  # --no-recording, each with Prism's defaults and these suffixes: -early = PRISM_EARLY_RELEASE=1 (a
+  # collective released before its reach where the engine knows its completion); -drained =
+  # PRISM_DEVICE_HOST_CHARGE=drained (the host charge's rule before 2026-12-06); -carrymin / -carryall =
+  # PRISM_DEVICE_LATE_CARRY=min / all (the default: excess). CALLLOG=1: the first round's call logs.
+  # One line a run in $R/sandbox_ab.txt, each run's summary JSON in $R/ab-WL-VARIANT-K.json.
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   local w v k env cap
   for w in ${WL:-gpt-tp2}; do
@@ -232,11 +233,11 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
     x "$R/capture-$w.txt" 150 python3 -m prism capture -n 2 --gpus 0 --record 0 --out "$cap" --progress off -- \
       $(workload_args "$w")
     for k in $(seq 1 "${REPS:-1}"); do
-      for v in ${VARIANTS:-rec comp rec-late comp-late}; do
+      for v in ${VARIANTS:-rec rec-carrymin comp comp-carrymin}; do
         env=(PRISM_STACK_DUMP_S=20)
-        case $v in *-late*) env+=(PRISM_EARLY_RELEASE=0) ;; *) env+=(PRISM_EARLY_RELEASE=1) ;; esac
+        case $v in *-early*) env+=(PRISM_EARLY_RELEASE=1) ;; esac
         case $v in *-drained*) env+=(PRISM_DEVICE_HOST_CHARGE=drained) ;; esac
-        case $v in *-carryall*) env+=(PRISM_DEVICE_LATE_CARRY=all) ;; esac
+        case $v in *-carryall*) env+=(PRISM_DEVICE_LATE_CARRY=all) ;; *-carrymin*) env+=(PRISM_DEVICE_LATE_CARRY=min) ;; esac
         [ "${CALLLOG:-0}" = 1 ] && [ "$k" = 1 ] && env+=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-$v-r{rank}.jsonl")
         local rec=(); case $v in comp*) rec=(--no-recording) ;; esac
         x "$R/emulate-$w-$v-$k.txt" 120 env "${env[@]}" python3 -m prism emulate "$cap" --sandbox 0 --device-path \

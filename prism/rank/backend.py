@@ -636,6 +636,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     @staticmethod
     def _charge_return(rel: Any, slot: int, t0: int, t1: int, drained: bool, sync: bool = False) -> None:
+        rel.note_return(slot, t1 - t0)
         hc = devicepath.host_charge()
         if hc is not None:
             hc.on_return(t0, t1, drained, rel.moments(slot), sync)

@@ -275,6 +275,13 @@ class Releaser:
             self._watcher = _Watcher(self.flags, self.POLL_S)
         self._watcher.add(slot, issue_mono_ns, on_reach, on_late, rec, drained)
 
+    def note_return(self, slot: int, host_ns: int) -> None:
+        """The call waiting on ``slot`` returned after ``host_ns`` in Prism:
+        what beyond NCCL's issue time may have made the host's next call late
+        (``_Watcher``'s ``excess`` carry)."""
+        if self._watcher is not None:
+            self._watcher.note_excess(slot, max(0, host_ns - NCCL_ISSUE_NS))
+
     def moments(self, slot: int) -> Any:
         """A reader of the GPU's (reach, wait end) of the wait on ``slot``, on
         this host's clock (0 while not known; read before the slot comes round again)."""
@@ -410,13 +417,15 @@ def host_charge() -> HostCharge | None:
     return _host_charge
 
 
-#: "all": the reach watcher carries a late release's whole lateness into the
-#: rank's dilated clock, not only the part the next reach shows the stream
-#: could not have absorbed (``_Watcher``). The call logs of 11 runs on an H100
-#: (2026-12-06, GPT tp2, releases at the reach) say the part left out is most
-#: of the error (+1.3..+14.7% of the capture's prediction; +0.0..+2.5% with it
-#: put back), the CPU's next issue being late because it waited for the late
-#: GPU (a step's end); not the default until measured paired.
+#: How the reach watcher carries a late release into the rank's dilated
+#: clock (``_Watcher``): "excess" (default) the part the next reach shows
+#: the stream could not have absorbed, counting the host's own delay before
+#: that call's issue as Prism's where it was Prism's (the previous call's
+#: time in Prism beyond NCCL's); "min" that part without it (the rule before
+#: 2026-12-06); "all" the whole lateness. Chosen on the call logs of 12 runs
+#: on an H100 and 4 on an H200 (2026-12-06; ``bench/results/gpu_sandbox-2026-12-06-h100.md``):
+#: "min" left the GPT tp2 and MoE recorded runs +3..+15% over their captures,
+#: the host's issue of a step's first calls being late by Prism's own time.
 LATE_CARRY_ENV = "PRISM_DEVICE_LATE_CARRY"
 
 
@@ -430,21 +439,32 @@ class _Watcher:
     call its CPU has not issued). So the next reach carries
     ``min(late, reach - issue)`` of it into ``on_late`` (the rank's dilated
     clock), and the rest, absorbed while the stream waited for its CPU
-    anyway, is dropped."""
+    anyway, is dropped. But the CPU's issue was itself late by the time the
+    calls before it spent in Prism beyond NCCL's (``note_excess``), which the
+    real job's CPU would not have spent: had the release been on time, the
+    reach would have been ``max(reach - late, issue - excess)``, so
+    ``min(late, reach - issue + excess)`` is carried (``LATE_CARRY_ENV``)."""
 
     def __init__(self, flags: Any, poll_s: float) -> None:
         import collections
 
         self.flags = flags
         self.poll_s = poll_s
-        #: ``PRISM_DEVICE_LATE_CARRY=all``: carry every late release whole
-        #: (an experiment: see ``LATE_CARRY_ENV``)
-        self.carry_all = os.environ.get(LATE_CARRY_ENV, "") == "all"
+        self.carry = os.environ.get(LATE_CARRY_ENV) or "excess"
+        if self.carry not in ("excess", "min", "all"):
+            raise SystemExit(f"prism: {LATE_CARRY_ENV}={self.carry!r}: give excess (the default), min or all")
+        #: slot -> the call's time in Prism beyond NCCL's (``note_excess``), and
+        #: the slots whose lateness ``_late`` holds
+        self._excess: dict[int, int] = {}
+        self._late_slots: list[int] = []
         self._calls: collections.deque = collections.deque()  # (slot, issue, on_reach, on_late, rec, drained)
         self._reached: collections.deque = collections.deque()  # (slot, rec) reached, their lateness not yet read
         self._late = 0
         self._cond = threading.Condition()
         threading.Thread(target=self._loop, name="prism-reach", daemon=True).start()
+
+    def note_excess(self, slot: int, ns: int) -> None:
+        self._excess[slot] = ns
 
     def add(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None,
             drained: bool = False) -> None:
@@ -464,8 +484,9 @@ class _Watcher:
             while True:
                 # the waits before (their ends precede the next reach on a stream) ...
                 while self._reached and (late := flags.late_ns(self._reached[0][0])) is not None:
-                    _, done = self._reached.popleft()
+                    s, done = self._reached.popleft()
                     self._late += late
+                    self._late_slots.append(s)
                     if done is not None:
                         done["late"] = late
                 if not self._calls:
@@ -483,11 +504,16 @@ class _Watcher:
                     # what delays it is Prism's issue time.
                     carried = hc.pre(issue, reach)
                     hc.add_pre(carried)
-                elif self.carry_all:
+                elif self.carry == "all":
                     carried = self._late
                 else:
-                    carried = min(self._late, max(0, reach - issue))
+                    # The host's issue of this call came late by the previous
+                    # calls' time in Prism beyond NCCL's: not the job's, so the
+                    # lateness it hid was not absorbed by a slow host.
+                    own = sum(self._excess.pop(s, 0) for s in self._late_slots) if self.carry == "excess" else 0
+                    carried = min(self._late, max(0, reach - issue) + own)
                 self._late = 0
+                self._late_slots.clear()
                 if carried:
                     on_late(carried)
                 if rec is not None:
@@ -520,6 +546,9 @@ class _NullReleaser:
 
     def moments(self, slot: int) -> Any:
         return lambda: (0, 0)
+
+    def note_return(self, slot: int, host_ns: int) -> None:
+        pass
 
     def reserve(self) -> tuple[int, int]:
         return 0, 0

@@ -252,10 +252,11 @@ def test_host_charge_takes_out_the_idle_after_a_wait_the_gpu_passed_before_prism
     assert hc.charged_ns == 370 and hc.charges == 2
 
 
-def _late_then_reached(issue1: int, drained: bool = False) -> list:
+def _late_then_reached(issue1: int, drained: bool = False, excess: int = 0) -> list:
     """Two calls on a fresh watcher: call 0 (issued at 900, reached at 1,000)
     is due at 5,000 and ends 2,000 late at 7,000; call 1 (issued at ``issue1``)
-    is reached at 8,000. What the watcher reported, in order."""
+    is reached at 8,000; call 0 spent ``excess`` in Prism beyond NCCL's. What
+    the watcher reported, in order."""
     import threading
 
     import cuda_ext
@@ -269,6 +270,7 @@ def _late_then_reached(issue1: int, drained: bool = False) -> list:
     w.add(0, 900, lambda at: got.append(("reach", 0, at)), lambda ns: got.append(("late", ns)))
     w.add(1, issue1, lambda at: (got.append(("reach", 1, at)), done.set()), lambda ns: got.append(("late", ns)),
           None, drained)
+    w.note_excess(0, excess)
     flags._dl[0], flags._dl[1] = 5000, 0
     flags._st[0], flags._st[1] = 1000, 7000
     flags._st[2] = 8000
@@ -287,12 +289,21 @@ def test_the_watcher_carries_prisms_issue_time_for_a_drained_call_instead_of_the
     assert hc.charged_ns == 400 and hc.charges == 1
 
 
-def test_the_watcher_carries_the_whole_lateness_with_late_carry_all(monkeypatch):
+def test_the_watcher_carries_lateness_the_hosts_own_prism_time_hid(monkeypatch):
     # Call 0 is released 2,000 late (due 5,000, ended 7,000); call 1 was issued at
-    # 7,900, after the GPU passed call 0, and reached at 8,000: by default only 100
-    # is carried (the stream waited for the host anyway); PRISM_DEVICE_LATE_CARRY=all
-    # carries all 2,000 (the host's late issue was its wait for the late GPU).
-    for mode, want in (("", 100), ("all", 2000)):
+    # 7,900, after the GPU passed call 0, and reached at 8,000. Call 0 spent 700 in
+    # Prism beyond NCCL's: without it the host would have issued call 1 at 7,200,
+    # so 800 of the lateness delayed the stream (default, "excess"); "min" carries
+    # 100 (the stream waited for the host anyway, the rule before); "all" all 2,000.
+    monkeypatch.setattr(devicepath, "_host_charge", None)
+    for mode, want in (("", 800), ("excess", 800), ("min", 100), ("all", 2000)):
         monkeypatch.setenv(devicepath.LATE_CARRY_ENV, mode)
-        monkeypatch.setattr(devicepath, "_host_charge", None)
-        assert _late_then_reached(7900) == [("reach", 0, 1000), ("late", want), ("reach", 1, 8000)], mode
+        assert _late_then_reached(7900, excess=700) == [("reach", 0, 1000), ("late", want), ("reach", 1, 8000)], mode
+    # more than the lateness is never carried
+    monkeypatch.setenv(devicepath.LATE_CARRY_ENV, "excess")
+    assert _late_then_reached(7900, excess=5000)[1] == ("late", 2000)
+    import cuda_ext
+
+    monkeypatch.setenv(devicepath.LATE_CARRY_ENV, "some")
+    with pytest.raises(SystemExit, match="PRISM_DEVICE_LATE_CARRY='some'"):
+        devicepath._Watcher(cuda_ext.ReleaseFlags(1, "cpu"), 1e-4)
