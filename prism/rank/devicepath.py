@@ -468,6 +468,7 @@ class _Watcher:
 
     def add(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None,
             drained: bool = False) -> None:
+        self._excess.pop(slot, None)  # an earlier call's on this slot, never read (a drained carry)
         with self._cond:
             self._calls.append((slot, issue_mono_ns, on_reach, on_late, rec, drained))
             self._cond.notify()
