@@ -54,8 +54,10 @@ from prism.core import clocksync, protocol, trace
 from prism.rank.recorder import RankRecorder
 from transport.endpoints import on_one_host
 
-#: Before blocking, a trace batch older than this goes out, so the coordinator
-#: knows what a rank did before a hang.
+#: Before blocking, a trace batch older than this goes out, and any batch once
+#: the rank has been blocked this long, so the coordinator knows what a rank did
+#: before a hang (a deadlock's ranks are stopped; an unsent batch was lost, 1 in
+#: many runs of ``test_deadlock_is_reported_rank_by_rank``).
 FLUSH_BEFORE_BLOCK_NS = 100_000_000
 #: The stall monitor's sampling period and how long the main thread must stay
 #: (nearly) idle with communication in flight before it counts as blocked.
@@ -267,7 +269,11 @@ class RankRuntime:
                 self.client.send(protocol.SlotRelease(rank=self.rank))
                 self._holds_slot = False
         try:
-            done.wait()
+            if not done.wait(FLUSH_BEFORE_BLOCK_NS / 1e9):
+                # Blocked a while (a hang, maybe): what the rank did before goes
+                # out now, not with a batch a killed rank never sends.
+                self.recorder.flush()
+                done.wait()
         finally:
             with self._slot_lock:
                 self._blocked -= 1
