@@ -1033,6 +1033,8 @@ class PrismProcessGroup(dist.ProcessGroup):
 
 
 def _complete_from_future(pending: _Op, fut: Any) -> None:
+    if pending.call_log is not None:  # the result reached this rank's completion thread
+        pending.call_log["t_res"] = time.monotonic_ns()
     try:
         reply = fut.result()
     except BaseException as e:
