@@ -224,7 +224,8 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
   # collective released before its reach where the engine knows its completion); -drained =
   # PRISM_DEVICE_HOST_CHARGE=drained (the host charge's rule before 2026-12-06); -carrymin / -carryall =
   # PRISM_DEVICE_LATE_CARRY=min / all (the default: excess). CALLLOG=1: the first round's call logs.
-  # One line a run in $R/sandbox_ab.txt, each run's summary JSON in $R/ab-WL-VARIANT-K.json.
+  # One line a run in $R/sandbox_ab.txt (with a call log, bench/late_carry.py's line for it: what each
+  # carry rule would have given), each run's summary JSON in $R/ab-WL-VARIANT-K.json.
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   local w v k env cap
   for w in ${WL:-gpt-tp2}; do
@@ -245,6 +246,9 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
         [ -n "${DRY:-}" ] && continue
         cp "$cap/emulation/$v-$k/summary.json" "$R/ab-$w-$v-$k.json" 2>/dev/null
         echo "$w $v $k: $(grep -E 'emulated vs predicted' "$R/emulate-$w-$v-$k.txt") $(grep -oE '[0-9,]+ of them released before' "$R/emulate-$w-$v-$k.txt")" >> "$R/sandbox_ab.txt"
+        local ran=excess; case $v in *-carrymin*) ran=min ;; *-carryall*) ran=all ;; esac
+        [ -f "$R/calls-$w-$v-r0.jsonl" ] && [ "$k" = 1 ] && python3 bench/late_carry.py "$R/calls-$w-$v-r0.jsonl" \
+          "$R/ab-$w-$v-$k.json" --ran "$ran" 2>&1 | tail -1 | sed "s/^/  late_carry: /" >> "$R/sandbox_ab.txt"
       done
     done
   done
