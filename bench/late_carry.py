@@ -14,7 +14,9 @@ and the carry rule it ran with (``--ran``, default ``min``: the runs before
 per emulated step (steps from ``--warmup`` on, ``--steps`` in all) and the
 emulated mean each would have given: the run's mean less the difference.
 Arithmetic on the log, not a run: the dilated clock is linear in what is
-carried, but a real run under another rule is the check.
+carried, but a real run under another rule is the check. Not modelled: what
+the host charge's busy rule took of a call's excess (``spend_excess``; 0-0.3
+ms a step on the 2026-12-06 H100 runs), which ``excess`` then does not carry.
 """
 
 from __future__ import annotations

@@ -639,7 +639,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         rel.note_return(slot, t1 - t0)
         hc = devicepath.host_charge()
         if hc is not None:
-            hc.on_return(t0, t1, drained, rel.moments(slot), sync)
+            hc.on_return(t0, t1, drained, rel.moments(slot), sync, lambda ns: rel.spend_excess(slot, ns))
 
     def _check_len(self, call: str, what: str, items: Sequence[Any], n: int) -> None:
         if len(items) != n:

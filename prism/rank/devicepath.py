@@ -276,6 +276,11 @@ class Releaser:
             self._watcher = _Watcher(self.flags, self.POLL_S)
         self._watcher.add(slot, issue_mono_ns, on_reach, on_late, rec, drained)
 
+    def spend_excess(self, slot: int, ns: int) -> None:
+        """``ns`` of the call on ``slot``'s excess was charged by ``HostCharge``."""
+        if self._watcher is not None:
+            self._watcher.spend_excess(slot, ns)
+
     def note_return(self, slot: int, host_ns: int) -> None:
         """The call waiting on ``slot`` returned after ``host_ns`` in Prism:
         what beyond NCCL's issue time may have made the host's next call late
@@ -351,7 +356,7 @@ class HostCharge:
         #: also charge a synchronous call entered busy whose wait the GPU
         #: passed before Prism returned from it (``on_entry``)
         self.busy = busy
-        self._prev: tuple[int, int, bool, Any, bool] | None = None
+        self._prev: tuple[int, int, bool, Any, bool, Any] | None = None
         self.charged_ns = 0
         self.charges = 0
 
@@ -377,7 +382,7 @@ class HostCharge:
         prev, self._prev = self._prev, None
         if prev is None or drained is None:
             return 0
-        p0, p1, p_drained, moments, p_sync = prev
+        p0, p1, p_drained, moments, p_sync, spent = prev
         reach, end = moments()
         if drained:
             gpu_past = max(reach, end)  # (reach, wait end) of the previous call on this host's clock; 0: unknown
@@ -393,13 +398,19 @@ class HostCharge:
         if charge:
             self.charged_ns += charge
             self.charges += 1
+            if spent is not None:
+                spent(charge)
         return charge
 
-    def on_return(self, t0: int, t1: int, drained: bool | None, moments: Any, sync: bool = False) -> None:
+    def on_return(self, t0: int, t1: int, drained: bool | None, moments: Any, sync: bool = False,
+                  spent: Any = None) -> None:
         """The call entered at ``t0`` returns at ``t1``; ``moments()`` gives its
         GPU reach and wait end later (0 while unknown); ``sync``: it waits on
-        the caller's stream (an async call's runs on a side stream)."""
-        self._prev = (t0, t1, bool(drained), moments, sync)
+        the caller's stream (an async call's runs on a side stream);
+        ``spent(ns)``: told what of its time in Prism is charged here, so the
+        reach watcher does not take the same time out again (its ``excess``
+        carry)."""
+        self._prev = (t0, t1, bool(drained), moments, sync, spent)
 
     def add_pre(self, ns: int) -> None:
         if ns:
@@ -466,6 +477,10 @@ class _Watcher:
 
     def note_excess(self, slot: int, ns: int) -> None:
         self._excess[slot] = ns
+
+    def spend_excess(self, slot: int, ns: int) -> None:
+        if slot in self._excess:
+            self._excess[slot] = max(0, self._excess[slot] - ns)
 
     def add(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None,
             drained: bool = False) -> None:
@@ -550,6 +565,9 @@ class _NullReleaser:
         return lambda: (0, 0)
 
     def note_return(self, slot: int, host_ns: int) -> None:
+        pass
+
+    def spend_excess(self, slot: int, ns: int) -> None:
         pass
 
     def reserve(self) -> tuple[int, int]:

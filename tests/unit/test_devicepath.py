@@ -245,18 +245,22 @@ def test_host_charge_takes_out_the_idle_after_a_wait_the_gpu_passed_before_prism
     assert hc.on_entry(3600, False) == 0
     hc.on_return(4000, 4500, False, lambda: (4100, 0), sync=True)
     assert hc.on_entry(4600, False) == 0
+    # what it charges is told to the call's owner (the watcher then carries none of it again)
+    spent: list = []
+    hc.on_return(5000, 5500, False, lambda: (5100, 5200), sync=True, spent=spent.append)
+    assert hc.on_entry(5600, False) == 300 and spent == [300]
     # PRISM_DEVICE_HOST_CHARGE=drained: the rule before, only at a drained entry
     old = devicepath.HostCharge(nominal_ns=30, busy=False)
     old.on_return(1000, 1500, False, lambda: (1100, 1200), sync=True)
     assert old.on_entry(1600, False) == 0
-    assert hc.charged_ns == 370 and hc.charges == 2
+    assert hc.charged_ns == 670 and hc.charges == 3
 
 
-def _late_then_reached(issue1: int, drained: bool = False, excess: int = 0) -> list:
+def _late_then_reached(issue1: int, drained: bool = False, excess: int = 0, spent: int = 0) -> list:
     """Two calls on a fresh watcher: call 0 (issued at 900, reached at 1,000)
     is due at 5,000 and ends 2,000 late at 7,000; call 1 (issued at ``issue1``)
-    is reached at 8,000; call 0 spent ``excess`` in Prism beyond NCCL's. What
-    the watcher reported, in order."""
+    is reached at 8,000; call 0 spent ``excess`` in Prism beyond NCCL's, of
+    which the host charge took ``spent``. What the watcher reported, in order."""
     import threading
 
     import cuda_ext
@@ -271,6 +275,8 @@ def _late_then_reached(issue1: int, drained: bool = False, excess: int = 0) -> l
     w.add(1, issue1, lambda at: (got.append(("reach", 1, at)), done.set()), lambda ns: got.append(("late", ns)),
           None, drained)
     w.note_excess(0, excess)
+    w.spend_excess(0, spent)
+    w.spend_excess(3, spent)  # nothing noted on slot 3: nothing happens
     flags._dl[0], flags._dl[1] = 5000, 0
     flags._st[0], flags._st[1] = 1000, 7000
     flags._st[2] = 8000
@@ -307,3 +313,12 @@ def test_the_watcher_carries_lateness_the_hosts_own_prism_time_hid(monkeypatch):
     monkeypatch.setenv(devicepath.LATE_CARRY_ENV, "some")
     with pytest.raises(SystemExit, match="PRISM_DEVICE_LATE_CARRY='some'"):
         devicepath._Watcher(cuda_ext.ReleaseFlags(1, "cpu"), 1e-4)
+
+
+def test_excess_the_host_charge_took_is_not_carried_again(monkeypatch):
+    # As above, call 0 spent 700 in Prism beyond NCCL's; the host charge took 500 of it
+    # (``spend_excess``), so the watcher carries min(2,000, 100 + 200) = 300, not 800:
+    # each nanosecond of Prism's time comes out of the emulated clock once.
+    monkeypatch.setattr(devicepath, "_host_charge", None)
+    monkeypatch.delenv(devicepath.LATE_CARRY_ENV, raising=False)
+    assert _late_then_reached(7900, excess=700, spent=500)[1] == ("late", 300)
