@@ -106,8 +106,8 @@ CALL_LOG_ENV = "PRISM_DEVICE_CALL_LOG"
 #: (``query()``: False means the GPU had drained and waited for this host);
 #: ``reach`` the GPU's reach (monotonic ns), ``due`` the release the emulated
 #: job asked for, ``tail`` the call's time after the reach, ``late`` how late
-#: the wait ended past its due moment, ``t_res`` when its result reached the
-#: rank's completion thread (the flag flips right after); a recorded delivery adds its steps
+#: the wait ended past its due moment, ``t_flip`` when its result arrived and
+#: its flag was flipped, ``t_res`` when the rank's completion thread took it; a recorded delivery adds its steps
 #: (``RecordedFeed.deliver``: ``f_lock``, ``f_adv0``, ``f_copy``, ``f_adv1``,
 #: ``f_staged``).
 _call_log: list[dict] | None = None

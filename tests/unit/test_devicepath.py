@@ -322,3 +322,48 @@ def test_excess_the_host_charge_took_is_not_carried_again(monkeypatch):
     monkeypatch.setattr(devicepath, "_host_charge", None)
     monkeypatch.delenv(devicepath.LATE_CARRY_ENV, raising=False)
     assert _late_then_reached(7900, excess=700, spent=500)[1] == ("late", 300)
+
+
+def test_the_release_flag_flips_as_the_result_arrives_and_only_once(monkeypatch):
+    # A device-path call's flag is flipped by whoever completes its future (the
+    # transport's thread), before the completion thread's turn; that thread then
+    # completes the call without flipping again. A failed call is not flipped
+    # there: the completion thread lets the GPU go and reports the failure.
+    import concurrent.futures
+    import types
+
+    from prism.core.protocol import CollectiveResult
+    from prism.rank import backend
+
+    monkeypatch.setattr(backend._rt, "current", lambda: types.SimpleNamespace(dilation_ns=5))
+    flips, queued = [], []
+    rel = types.SimpleNamespace(release=lambda *a: flips.append(a))
+    rt = types.SimpleNamespace(on_done=lambda fut, handler: fut.add_done_callback(lambda f: queued.append((handler, f))))
+
+    def op(slot):  # what the two handlers use of a backend._Op
+        o = types.SimpleNamespace(release_flag=(rel, slot, 9), call_log={"t0": 0}, flipped=False, release_mono_ns=0,
+                                  what=f"all_reduce (seq {slot})", completed=[])
+        o.complete = lambda payloads, error: o.completed.append((payloads, error))
+        return o
+
+    a = op(2)
+    fut = concurrent.futures.Future()
+    backend._on_result(rt, a, fut)
+    fut.set_result(CollectiveResult("g", 3, payloads=(), release_ns=1000, tail_ns=70))
+    assert flips == [(2, 9, 1005, 70)] and a.flipped  # at once, on the monotonic clock (dilation 5)
+    assert a.call_log["due"] == 1005 and a.call_log["tail"] == 70 and not a.completed
+    (handler, f), = queued
+    handler(f)  # the completion thread's turn: completes, does not flip again
+    assert flips == [(2, 9, 1005, 70)] and a.completed == [((), None)]
+
+    b = op(3)
+    fut = concurrent.futures.Future()
+    queued.clear()
+    backend._on_result(rt, b, fut)
+    fut.set_exception(RuntimeError("the coordinator is gone"))
+    assert len(flips) == 1 and not b.flipped
+    (handler, f), = queued
+    handler(f)
+    assert flips[-1] == (3, 9)  # the GPU let go
+    (payloads, error), = b.completed
+    assert payloads is None and "the coordinator is gone" in str(error)
