@@ -27,9 +27,9 @@ import json
 import pathlib
 import sys
 
-#: NCCL's issue time (``prism.rank.devicepath.NCCL_ISSUE_NS``; not imported: no torch needed here)
-NOMINAL_NS = 30_000
-RULES = ("min", "excess", "all")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from prism.core.latecarry import NCCL_ISSUE_NS, RULES, carried as carried_by  # noqa: E402 (sans-IO: no torch)
 
 
 def read_calls(path: str) -> list[dict]:
@@ -55,11 +55,9 @@ def carried(rows: list[dict], skip: int) -> dict[str, int]:
         if i < skip or "reach" not in b or "t0" not in b:
             continue
         late = a.get("late") or 0
-        gap = max(0, b["reach"] - b["t0"])
-        excess = max(0, a.get("t1", a["t0"]) - a["t0"] - NOMINAL_NS)
-        out["min"] += min(late, gap)
-        out["excess"] += min(late, gap + excess)
-        out["all"] += late
+        excess = max(0, a.get("t1", a["t0"]) - a["t0"] - NCCL_ISSUE_NS)
+        for rule in RULES:
+            out[rule] += carried_by(rule, late, b["reach"] - b["t0"], excess)
     return out
 
 

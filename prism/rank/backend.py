@@ -1046,16 +1046,20 @@ def _flip_release(pending: _Op, fut: Any) -> None:
     if pending.release_flag is None or fut.cancelled() or fut.exception() is not None:
         return
     reply = fut.result()
-    if reply.release_ns:
-        # On the rank's dilated clock (an emulation): back onto the monotonic one.
-        pending.release_mono_ns = reply.release_ns + _rt.current().dilation_ns
+    _take_release(pending, reply)
+    tail = getattr(reply, "tail_ns", 0)
     rel, slot, value = pending.release_flag
-    rel.release(slot, value, pending.release_mono_ns, getattr(reply, "tail_ns", 0))
+    rel.release(slot, value, pending.release_mono_ns, tail)
     pending.flipped = True
     if pending.call_log is not None:
-        pending.call_log["t_flip"] = time.monotonic_ns()
-        pending.call_log["due"] = pending.release_mono_ns
-        pending.call_log["tail"] = getattr(reply, "tail_ns", 0)
+        pending.call_log.update(t_flip=time.monotonic_ns(), due=pending.release_mono_ns, tail=tail)
+
+
+def _take_release(pending: _Op, reply: Any) -> None:
+    """The reply's release moment, on the rank's dilated clock (an
+    emulation), back onto the monotonic one."""
+    if reply.release_ns:
+        pending.release_mono_ns = reply.release_ns + _rt.current().dilation_ns
 
 
 def _on_result(rt: Any, pending: _Op, fut: Any) -> None:
@@ -1079,9 +1083,7 @@ def _complete_from_future(pending: _Op, fut: Any) -> None:
         if not pending.flipped:  # (the transport's callback flips it first)
             _flip_release(pending, fut)
     else:
-        if reply.release_ns:
-            # On the rank's dilated clock (an emulation): back onto the monotonic one.
-            pending.release_mono_ns = reply.release_ns + _rt.current().dilation_ns
+        _take_release(pending, reply)
         _hold_until(pending.release_mono_ns)
     pending.complete(tuple(reply.payloads), None)
 

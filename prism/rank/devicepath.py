@@ -70,6 +70,8 @@ from typing import Any
 
 import torch
 
+from prism.core import latecarry
+from prism.core.latecarry import NCCL_ISSUE_NS
 from prism.rank.envnames import GPU_SANDBOX_ENV, SANDBOX_ENV  # noqa: F401 (their home for torch-free readers)
 #: Release flags in the ring (a flag is reused after this many calls, with a higher value).
 SLOTS = 4096
@@ -315,10 +317,6 @@ class Releaser:
         self.flags.release(slot, value, at_ns, tail_ns)
 
 
-#: What NCCL's host side takes to issue a collective (25-42 us per call by op,
-#: measured on two H200s, ``bench/results/archive/nccl_accuracy-2026-11.md``):
-#: the part of Prism's own issue time the real job would spend too.
-NCCL_ISSUE_NS = 30_000
 HOST_CHARGE_ENV = "PRISM_DEVICE_HOST_CHARGE"
 
 
@@ -430,14 +428,11 @@ def host_charge() -> HostCharge | None:
 
 
 #: How the reach watcher carries a late release into the rank's dilated
-#: clock (``_Watcher``): "excess" (default) the part the next reach shows
-#: the stream could not have absorbed, counting the host's own delay before
-#: that call's issue as Prism's where it was Prism's (the previous call's
-#: time in Prism beyond NCCL's); "min" that part without it (the rule before
-#: 2026-12-06); "all" the whole lateness. Chosen on the call logs of 12 runs
-#: on an H100 and 4 on an H200 (2026-12-06; ``bench/results/gpu_sandbox-2026-12-06-h100.md``):
-#: "min" left the GPT tp2 and MoE recorded runs +3..+15% over their captures,
-#: the host's issue of a step's first calls being late by Prism's own time.
+#: clock: ``prism.core.latecarry``'s rules, "excess" by default. Chosen on the
+#: call logs of 12 runs on an H100 and 4 on an H200 (2026-12-06;
+#: ``bench/results/gpu_sandbox-2026-12-06-h100.md``): "min" left the GPT tp2
+#: and MoE recorded runs +3..+15% over their captures, the host's issue of a
+#: step's first calls being late by Prism's own time.
 LATE_CARRY_ENV = "PRISM_DEVICE_LATE_CARRY"
 
 
@@ -462,9 +457,10 @@ class _Watcher:
 
         self.flags = flags
         self.poll_s = poll_s
-        self.carry = os.environ.get(LATE_CARRY_ENV) or "excess"
-        if self.carry not in ("excess", "min", "all"):
-            raise SystemExit(f"prism: {LATE_CARRY_ENV}={self.carry!r}: give excess (the default), min or all")
+        self.carry = os.environ.get(LATE_CARRY_ENV) or latecarry.RULES[0]
+        if self.carry not in latecarry.RULES:
+            raise SystemExit(f"prism: {LATE_CARRY_ENV}={self.carry!r}: give {', '.join(latecarry.RULES)} (the first "
+                             "is the default)")
         #: slot -> the call's time in Prism beyond NCCL's (``note_excess``), and
         #: the slots whose lateness ``_late`` holds
         self._excess: dict[int, int] = {}
@@ -521,14 +517,12 @@ class _Watcher:
                     # what delays it is Prism's issue time.
                     carried = hc.pre(issue, reach)
                     hc.add_pre(carried)
-                elif self.carry == "all":
-                    carried = self._late
                 else:
                     # The host's issue of this call came late by the previous
                     # calls' time in Prism beyond NCCL's: not the job's, so the
                     # lateness it hid was not absorbed by a slow host.
-                    own = sum(self._excess.pop(s, 0) for s in self._late_slots) if self.carry == "excess" else 0
-                    carried = min(self._late, max(0, reach - issue) + own)
+                    own = sum(self._excess.pop(s, 0) for s in self._late_slots)
+                    carried = latecarry.carried(self.carry, self._late, reach - issue, own)
                 self._late = 0
                 self._late_slots.clear()
                 if carried:

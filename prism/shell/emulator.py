@@ -649,8 +649,9 @@ class Emulator(Coordinator):
         cost)``, the engine's time, with no round trip from the reach through
         this coordinator on the stream's critical path (measured on an H100,
         2026-12-06: about 1 ms a call, which the rank's dilated clock then has
-        to take out). Opt-in (``EARLY_RELEASE_ENV``). The engine still takes the call at its reach, as before;
-        ``_collect_ends`` then sends nothing more."""
+        to take out). Opt-in (``EARLY_RELEASE_ENV``). The engine still takes
+        the call at its reach, as before; ``_collect_ends`` then sends nothing
+        more."""
         eng = self.engine
         for rank in self.sandbox:
             q = self._queue[rank]
@@ -673,12 +674,8 @@ class Emulator(Coordinator):
                 continue
             self._early[key] = (after, cost)
             self.stats.early_releases += 1
-            self.stats.deliveries += 1
-            release = after + cost + (self.offset_ns or 0)
-            self.stats.lag_ns.append(self._now() - release - self._dilation.get(rank, 0))
-            release -= self.clock_offsets.get(rank, 0)  # on the rank's own clock
-            await self._send(rank, P.CollectiveResult(self.groups.to_rank(rank, msg.gid), msg.seq,
-                                                      payloads=out.payloads, release_ns=release, tail_ns=cost))
+            await self._deliver(rank, dataclasses.replace(out, tail_ns=cost), after + cost + (self.offset_ns or 0),
+                                self._now())
 
     async def _send_due(self) -> None:
         heap = self._heap
@@ -688,17 +685,21 @@ class Emulator(Coordinator):
             taken = self._taken_at.pop(node, None)
             if taken is not None:
                 self.stats.turnaround_ns.append(now - taken)
-            self.stats.lag_ns.append(now - release - self._dilation.get(rank, 0))
-            self.stats.deliveries += 1
-            release -= self.clock_offsets.get(rank, 0)  # on the rank's own clock
-            if isinstance(msg, P.CollectiveResult):
-                msg = P.CollectiveResult(self.groups.to_rank(rank, msg.gid), msg.seq, payloads=msg.payloads,
-                                         release_ns=release, tail_ns=msg.tail_ns)
-            else:
-                msg = P.P2PData(msg.src, msg.dst, msg.tag, msg.pseq, payloads=msg.payloads, release_ns=release)
-            await self._send(rank, msg)
+            await self._deliver(rank, msg, release, now)
         if heap:
             self._wake_at(self._mono_to_trio(heap[0][0] - LEAD_NS))
+
+    async def _deliver(self, rank: int, msg: P.Message, release: int, now: int) -> None:
+        """Send a sandbox its result, due at ``release`` (coordinator ns), on its own clock and group id."""
+        self.stats.lag_ns.append(now - release - self._dilation.get(rank, 0))
+        self.stats.deliveries += 1
+        release -= self.clock_offsets.get(rank, 0)  # on the rank's own clock
+        if isinstance(msg, P.CollectiveResult):
+            msg = P.CollectiveResult(self.groups.to_rank(rank, msg.gid), msg.seq, payloads=msg.payloads,
+                                     release_ns=release, tail_ns=msg.tail_ns)
+        else:
+            msg = P.P2PData(msg.src, msg.dst, msg.tag, msg.pseq, payloads=msg.payloads, release_ns=release)
+        await self._send(rank, msg)
 
     async def _on_due(self, ev: Due, now: int) -> None:
         await self._pump()
