@@ -89,8 +89,9 @@ SLICE = 256
 #: knows its completion (``Emulator._release_early``). Off by default: on an
 #: H100 (2026-12-06, GPT tp2) it ran the sandbox 25% faster in wall time but
 #: left the host as the bottleneck, and the emulated time moved with the CPU
-#: (+2.4% to +11.5% of the capture's prediction, against +1.3% to +2.2% with
-#: the release at the reach); ``bench/results/gpu_sandbox-2026-12-06-h100.md``.
+#: (compensated GPT tp2: +2.4% to +11.5% of the capture's prediction over four
+#: runs, against +1.3% and +2.1% with the release at the reach in the same
+#: calls); ``bench/results/gpu_sandbox-2026-12-06-h100.md``.
 EARLY_RELEASE_ENV = "PRISM_EARLY_RELEASE"
 
 
