@@ -19,9 +19,9 @@ call to the capture) and stores them under ``RUN/calibration/<name>/``:
 PP stage and EP rank) and copies the representatives' durations to their
 class. ``predict`` and ``emulate`` use a stored calibration with
 ``--calibration on`` (the newest) or ``--calibration NAME``; the default is
-off: on the H200 machine's CPUs (bench/results/calibration-2026-12-03-h200cpu.md)
-it cut a polluted capture's error from 31-101% to 9-15% but did not beat a
-clean capture everywhere.
+off: on a device host's 16 CPUs it cut a polluted capture's error from 31-101%
+to 9-15% (bench/results/archive/calibration-2026-12.md) and tied with the bare
+prediction on clean captures (bench/results/calibration-2026-12-06-h100cpu.md).
 Segments the capture timed with two clocks (GPU captures) keep their
 capture timing (``prism.core.calibration``, the rule).
 """

@@ -51,7 +51,7 @@ class PredictConfig:
     warmup: int = DEFAULT_WARMUP
     #: A stored slice calibration (``prism.app.calibrate``): "off" (the bare
     #: graph), "on" (the newest) or its name. Off by default: it wins on
-    #: polluted captures, not on every clean one (bench/results/calibration-2026-12-03-h200cpu.md).
+    #: polluted captures and ties on clean ones (bench/results/calibration-2026-12-06-h100cpu.md).
     calibration: str = "off"
     #: What-if knobs (``prism.core.whatif``): a straggler, throttled GPUs, slower
     #: links, a memory limit. None: the capture as it was.
