@@ -108,6 +108,15 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, profile: str, slots
     return out
 
 
+def _write(path: str, out: dict) -> None:
+    """The JSON so far, replaced whole (a reader never sees half a file)."""
+    p = pathlib.Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(out, indent=2))
+    tmp.replace(p)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=8, help="ranks per run (at most the core count); default 8")
@@ -190,6 +199,9 @@ def main() -> int:
                     vals[v].append(res[v]["mean_ns"])
                 pairs.append({"truth_mean_ns": t_mean, "truth_step_ns": np.diff(ends).tolist(), "truth_wall_s": twall,
                               **res})
+                # every finished pair on disk at once: a run cut by its time bound keeps what it measured
+                out["in_progress"] = {"config": name, "flags": CONFIGS[a.world][name], "runs": pairs}
+                _write(a.out, out)
                 print(f"{name} run {i}: truth {t_mean / 1e6:.1f} ms, " + ", ".join(
                     f"{v} {res[v]['mean_ns'] / 1e6:.1f}" for v in VARIANTS)
                       + "  (" + "; ".join(f"{v} {res[v]['wall_s']:.0f} s, {len(res[v]['slices'])} slices"
@@ -206,9 +218,9 @@ def main() -> int:
                 row["symmetry_cost"] = (row["predicted"]["symmetric"]["median_error"]
                                         - row["predicted"]["calibrated"]["median_error"])
             out["configs"].append(row)
+            out.pop("in_progress", None)
             rows.append(row)
-            pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            pathlib.Path(a.out).write_text(json.dumps(out, indent=2))
+            _write(a.out, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print()
