@@ -91,6 +91,11 @@ class CalibrateConfig:
     #: Keep the segments the capture ran undisturbed (``prism.core.calibration.
     #: CLEAN_SHARE``); False replaces every one-clock segment (``--replace-clean``).
     keep_clean: bool = True
+    #: Keep the slices an earlier, interrupted ``calibrate`` of the same
+    #: ``name`` finished (their emulations' summaries say ok, for the same
+    #: ranks) and run only the others; a failed attempt's folder is kept and
+    #: its slice runs again under ``<emulation>-retry<N>``.
+    resume: bool = False
     # Agents, as ``prism emulate --agents``: each slice's emulation places its
     # ranks on them (an agent a slice has no rank for gets an empty launch), so
     # they must outlive one run: ``prism agent --runs 0``.
@@ -113,8 +118,9 @@ class CalibrationResult:
         nodes = m.get("slice_nodes") or [None] * len(m["slices"])
         for k, s in enumerate(m["slices"]):
             on = f" on node {nodes[k]['node']}" if nodes[k] else ""
+            kept = ", kept from an earlier run" if m["emulations"][k] in m.get("resumed", ()) else ""
             lines.append(f"  slice {k}: ranks {','.join(map(str, s))}{on}  ({m['emulations'][k]}, "
-                         f"{m['slice_wall_s'][k]:.1f} s)")
+                         f"{m['slice_wall_s'][k]:.1f} s{kept})")
         if m.get("cramped_slices"):
             lines.append("warning: a slice had more ranks than its node's slots, so its ranks took turns and their "
                          "durations include the waits: " + "; ".join(m["cramped_slices"])
@@ -222,19 +228,35 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
         for j in ks:
             emu_names[j] = (f"calibrate-{name}-slice{ks[0]}" if len(ks) == 1
                             else f"calibrate-{name}-slices{ks[0]}-{ks[-1]}")
-    for e in dict.fromkeys(emu_names):
-        if (run / runfolder.EMULATION_DIR / e).exists():
-            raise UsageError(f"{run / runfolder.EMULATION_DIR / e} exists already; choose another --name")
+    if config.resume and config.name is None:
+        raise UsageError("--resume needs the --name of the calibration to finish")
+    if not config.resume:
+        for e in dict.fromkeys(emu_names):
+            if (run / runfolder.EMULATION_DIR / e).exists():
+                raise UsageError(f"{run / runfolder.EMULATION_DIR / e} exists already: an earlier calibration "
+                                 f"{name!r}; --resume keeps the slices it finished, or choose another --name")
 
     table: dict[int, np.ndarray] = {}
     per_rank: dict[str, dict] = {}
     walls: list[float] = [0.0] * len(slices)
     nodes: list[dict | None] = [None] * len(slices)
     cramped: list[str] = []
+    resumed: list[str] = []
     for ks in rounds:
         k = ks[0]
         ranks_of = [slices[j] for j in ks]
         sandbox = sorted(r for s in ranks_of for r in s)
+        what = (f"slice {k} (ranks {','.join(map(str, slices[k]))})" if len(ks) == 1 else
+                "slices " + ", ".join(f"{j} (ranks {','.join(map(str, slices[j]))})" for j in ks))
+        if config.resume:
+            done, emu = _earlier_attempts(run / runfolder.EMULATION_DIR, emu_names[k], sandbox, what)
+            for j in ks:
+                emu_names[j] = emu
+            if done is not None:
+                resumed.append(emu)
+                wall = float((done.get("coordinator") or {}).get("wall_s") or 0.0)
+                _note_round(ks, slices, done, wall, walls, nodes, cramped)
+                continue
         t0 = time.perf_counter()
         outcome = emulate(EmulateConfig(run=run, sandbox=",".join(map(str, sandbox)), net=config.net,
                                         name=emu_names[k], warmup=config.warmup, quiet_s=config.quiet_s,
@@ -243,20 +265,16 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
                                         agent_wait_s=config.agent_wait_s,
                                         placement=tuple(tuple(s) for s in ranks_of) if config.agents else None))
         wall = time.perf_counter() - t0
-        what = (f"slice {k} (ranks {','.join(map(str, slices[k]))})" if len(ks) == 1 else
-                "slices " + ", ".join(f"{j} (ranks {','.join(map(str, slices[j]))})" for j in ks))
         if not outcome.ok:
+            finished = sum(1 for r in rounds[:rounds.index(ks)] for _ in r)
             raise CalibrationFailed(f"{what} failed in {outcome.out_dir} ({outcome.status}): "
-                                    f"{outcome.message.strip()}")
-        agents = outcome.summary.get("agents") or []
-        for i, j in enumerate(ks):
-            walls[j] = wall
-            if i < len(agents):
-                a = agents[i]
-                nodes[j] = {"node": a.get("node"), "host": a.get("host"), "slots": a.get("slots")}
-                if a.get("slots") is not None and a["slots"] < len(slices[j]):
-                    cramped.append(f"slice {j} ({len(slices[j])} ranks) on node {a.get('node')} "
-                                   f"({a['slots']} slot{'' if a['slots'] == 1 else 's'})")
+                                    f"{outcome.message.strip()}\n"
+                                    + (f"The {finished} slice(s) measured before it are kept: `prism calibrate "
+                                       f"{run} --name {name} --resume` (with the same options) runs only the rest."
+                                       if finished else
+                                       f"`prism calibrate {run} --name {name} --resume` (with the same options) "
+                                       "runs it again and keeps what finishes."))
+        _note_round(ks, slices, outcome.summary, wall, walls, nodes, cramped)
     for k, s in enumerate(slices):
         outcome_dir = run / runfolder.EMULATION_DIR / emu_names[k]
         for r in s:
@@ -297,7 +315,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
                                                                                          time.gmtime()),
         "slice_mode": config.slices, "slices": [list(s) for s in slices], "cores": cores,
         "symmetric": config.symmetric, "packed": config.pack, "classes": classes, "emulations": emu_names,
-        "slice_wall_s": walls, "uncalibrated_ranks": uncal, "per_rank": per_rank,
+        "slice_wall_s": walls, "resumed": resumed, "uncalibrated_ranks": uncal, "per_rank": per_rank,
         "rule": "one-clock (CPU-timed) compute segments take the slice's measurement; segments the capture timed "
                 "with two clocks (GPU) keep the capture's timing"
                 + (", and so do segments whose main thread was on a CPU for clean_share of their wall time or more"
@@ -314,6 +332,46 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
     (out / _DURATIONS).write_bytes(buf.getvalue())
     (out / _MANIFEST).write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
     return CalibrationResult(out, data)
+
+
+def _note_round(ks: Sequence[int], slices, summary: dict, wall: float, walls: list[float],
+                nodes: list[dict | None], cramped: list[str]) -> None:
+    """A finished round's wall time and, with agents, each slice's node."""
+    agents = summary.get("agents") or []
+    for i, j in enumerate(ks):
+        walls[j] = wall
+        if i < len(agents):
+            a = agents[i]
+            nodes[j] = {"node": a.get("node"), "host": a.get("host"), "slots": a.get("slots")}
+            if a.get("slots") is not None and a["slots"] < len(slices[j]):
+                cramped.append(f"slice {j} ({len(slices[j])} ranks) on node {a.get('node')} "
+                               f"({a['slots']} slot{'' if a['slots'] == 1 else 's'})")
+
+
+def _earlier_attempts(emulations: Path, base: str, sandbox: list[int], what: str) -> tuple[dict | None, str]:
+    """For ``--resume``: the summary of a finished earlier run of this round
+    (``base`` or a retry of it) and its name, else None and the name the
+    round runs under now (``base``, or the first free ``base-retryN`` when
+    failed attempts hold the others: their folders are kept)."""
+    import orjson
+
+    names = [base]
+    while (emulations / names[-1]).exists():
+        names.append(f"{base}-retry{len(names) + 1}")
+    for emu in names[:-1]:
+        try:
+            summary = orjson.loads((emulations / emu / "summary.json").read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            continue  # killed before it wrote its summary: run again
+        if summary.get("status") != "ok":
+            continue
+        if sorted(summary.get("sandbox") or []) != sandbox:
+            raise UsageError(f"--resume: {emulations / emu} ran sandbox ranks "
+                             f"{','.join(map(str, sorted(summary.get('sandbox') or [])))}, but {what} now holds "
+                             f"{','.join(map(str, sandbox))}: the earlier calibration had other --slices, --cores, "
+                             "--pack or --symmetric; resume with those, or choose another --name")
+        return summary, emu
+    return None, names[-1]
 
 
 def _bare_total(events: Sequence[Event]) -> int:

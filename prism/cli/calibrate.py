@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default=None, metavar="tp=T,pp=P,dp=D[,ep=E]",
                    help="the run's layout when the manifest has none")
     p.add_argument("--warmup", type=int, default=1, help="steps dropped before averaging (default: 1)")
+    p.add_argument("--resume", action="store_true",
+                   help="finish the calibration --name that an interruption or a failed slice stopped: the slices "
+                        "it measured are kept, the others run (failed attempts' folders are kept too)")
     p.add_argument("--json", action="store_true", help="print the calibration's manifest as JSON")
     p.add_argument("--replace-clean", action="store_true",
                    help="replace every CPU-timed segment by its slice's measurement, also those the capture ran "
@@ -50,7 +53,8 @@ def main(args: argparse.Namespace) -> int:
                              name=args.name,
                              net=args.net, cores=args.cores, layout=args.layout, warmup=args.warmup,
                              agents=args.agents, listen=args.listen, keys=args.keys, insecure=args.insecure,
-                             agent_wait_s=args.agent_wait, keep_clean=not args.replace_clean)
+                             agent_wait_s=args.agent_wait, keep_clean=not args.replace_clean,
+                             resume=args.resume)
     try:
         result = calibrate(config)
     except PrismError as e:

@@ -85,6 +85,46 @@ def test_symmetric_calibration_copies_one_slice_to_its_classes(run):
         calibrate(CalibrateConfig(run=run, name="sym", cores=2))
 
 
+def test_resume_keeps_the_finished_slices_and_reruns_the_failed_one(run, monkeypatch):
+    import dataclasses
+
+    import prism.app.emulate as emulate_mod
+    from prism.app.calibrate import CalibrationFailed
+
+    real = emulate_mod.emulate
+
+    def slice1_stopped(config):  # slice 1 runs, then reads as stopped by a signal
+        out = real(config)
+        if config.name.endswith("slice1"):
+            s = out.out_dir / "summary.json"
+            s.write_text(json.dumps({**json.loads(s.read_text()), "status": "interrupted"}))
+            return dataclasses.replace(out, exit_code=143, status="interrupted", message="stopped by SIGTERM")
+        return out
+
+    monkeypatch.setattr(emulate_mod, "emulate", slice1_stopped)
+    with pytest.raises(CalibrationFailed, match=r"(?s)slice 1 \(ranks 2,3\) failed .*stopped by SIGTERM.*The 1 slice\(s\) "
+                                                r"measured before it are kept: `prism calibrate .* --name res --resume`"):
+        calibrate(CalibrateConfig(run=run, name="res", cores=2, keep_clean=False))
+    monkeypatch.setattr(emulate_mod, "emulate", real)
+    emus = run / "emulation"
+    done = (emus / "calibrate-res-slice0" / "summary.json").stat().st_mtime_ns
+    with pytest.raises(UsageError, match="calibrate-res-slice0 exists already: an earlier calibration 'res'; --resume"):
+        calibrate(CalibrateConfig(run=run, name="res", cores=2, keep_clean=False))
+    with pytest.raises(UsageError, match="ran sandbox ranks 0,1, but slice 0 .ranks 0,2. now holds 0,2"):
+        calibrate(CalibrateConfig(run=run, name="res", slices="0,2;1,3", cores=2, keep_clean=False, resume=True))
+    with pytest.raises(UsageError, match="--resume needs the --name"):
+        calibrate(CalibrateConfig(run=run, cores=2, resume=True))
+    res = calibrate(CalibrateConfig(run=run, name="res", cores=2, keep_clean=False, resume=True))
+    m = res.manifest
+    assert m["resumed"] == ["calibrate-res-slice0"]
+    assert m["emulations"] == ["calibrate-res-slice0", "calibrate-res-slice1-retry2"]
+    assert (emus / "calibrate-res-slice0" / "summary.json").stat().st_mtime_ns == done  # not run again
+    assert json.loads((emus / "calibrate-res-slice1" / "summary.json").read_text())["status"] == "interrupted"
+    assert "kept from an earlier run" in res.text()
+    table, _ = load_calibration(run, "res")
+    assert sorted(table) == [0, 1, 2, 3] and all(m["per_rank"][str(r)]["replaced"] == len(table[r]) for r in table)
+
+
 def test_a_slice_too_big_for_the_cores_is_refused(run):
     with pytest.raises(UsageError, match="slice 0,1,2 has 3 ranks but only 2 fit"):
         calibrate(CalibrateConfig(run=run, slices="0,1,2;3", cores=2, name="big"))
