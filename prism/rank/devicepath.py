@@ -134,13 +134,25 @@ def stream_busy(device: Any) -> bool | None:
     return not torch.cuda.current_stream(device).query()
 
 
+#: How long the call log's writer waits for the completion thread to stamp
+#: the last released calls' ``t_res`` (seconds).
+_T_RES_WAIT_S = 1.0
+
+
 def _write_call_log(rank: int) -> None:
     global _call_log
     path = os.environ.get(CALL_LOG_ENV)
     if not path or not _call_log:
         return
     import json
+    import time
 
+    # A released call's GPU went on at the flag's flip (the transport's
+    # thread); the completion thread stamps ``t_res`` a little later and the
+    # program may end in between: give it a moment (bounded) to do so.
+    deadline = time.monotonic() + _T_RES_WAIT_S
+    while any("t_flip" in r and "t_res" not in r for r in _call_log) and time.monotonic() < deadline:
+        time.sleep(0.005)
     with open(path.format(rank=rank), "w") as f:
         for rec in _call_log:
             f.write(json.dumps(rec) + "\n")

@@ -367,3 +367,24 @@ def test_the_release_flag_flips_as_the_result_arrives_and_only_once(monkeypatch)
     assert flips[-1] == (3, 9)  # the GPU let go
     (payloads, error), = b.completed
     assert payloads is None and "the coordinator is gone" in str(error)
+
+
+def test_the_call_log_waits_for_the_completion_threads_last_stamp(monkeypatch, tmp_path):
+    # the GPU goes on at the flag's flip; the completion thread stamps t_res a little later
+    import json
+    import threading
+
+    monkeypatch.setenv(devicepath.CALL_LOG_ENV, str(tmp_path / "calls-r{rank}.jsonl"))
+    monkeypatch.setattr(devicepath, "_call_log", None)
+    done = devicepath.call_record(t0=1, t_flip=2, t_res=3)
+    late = devicepath.call_record(t0=4, t_flip=5)
+    host = devicepath.call_record(t0=6)  # a host-path call: no flip, nothing to wait for
+    threading.Timer(0.1, lambda: late.update(t_res=7)).start()
+    devicepath._write_call_log(3)
+    rows = [json.loads(line) for line in (tmp_path / "calls-r3.jsonl").read_text().splitlines()]
+    assert rows == [done, {"t0": 4, "t_flip": 5, "t_res": 7}, host]
+    # a stamp that never comes holds the writer only as long as the bound
+    monkeypatch.setattr(devicepath, "_T_RES_WAIT_S", 0.05)
+    devicepath.call_record(t0=8, t_flip=9)
+    devicepath._write_call_log(4)
+    assert json.loads((tmp_path / "calls-r4.jsonl").read_text()) == {"t0": 8, "t_flip": 9}
