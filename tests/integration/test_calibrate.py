@@ -86,20 +86,18 @@ def test_symmetric_calibration_copies_one_slice_to_its_classes(run):
 
 
 def test_resume_keeps_the_finished_slices_and_reruns_the_failed_one(run, monkeypatch):
-    import dataclasses
-
     import prism.app.emulate as emulate_mod
     from prism.app.calibrate import CalibrationFailed
 
     real = emulate_mod.emulate
 
-    def slice1_stopped(config):  # slice 1 runs, then reads as stopped by a signal
-        out = real(config)
+    def slice1_stopped(config):  # slice 1 stopped by a signal: a folder whose summary says so
         if config.name.endswith("slice1"):
-            s = out.out_dir / "summary.json"
-            s.write_text(json.dumps({**json.loads(s.read_text()), "status": "interrupted"}))
-            return dataclasses.replace(out, exit_code=143, status="interrupted", message="stopped by SIGTERM")
-        return out
+            d = run / "emulation" / config.name
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps({"status": "interrupted", "sandbox": [2, 3]}))
+            return emulate_mod.EmulationOutcome(d, 143, "interrupted", "stopped by SIGTERM")
+        return real(config)
 
     monkeypatch.setattr(emulate_mod, "emulate", slice1_stopped)
     with pytest.raises(CalibrationFailed, match=r"(?s)slice 1 \(ranks 2,3\) failed .*stopped by SIGTERM.*The 1 slice\(s\) "
