@@ -144,6 +144,13 @@ class CalibrationResult:
         if b and c:
             lines.append(f"predicted iteration time: bare {b / 1e6:,.3f} ms, calibrated {c / 1e6:,.3f} ms "
                          f"({c / b - 1:+.2%}; cost profile {m['cost_model']})")
+        biggest = max((len(x) for x in m["slices"]), default=0)
+        if (not m.get("packed") and not m.get("agents") and len(m["slices"]) > 1 and seg
+                and 2 * biggest <= m["cores"]):
+            lines.append(f"note: each slice ran alone, {biggest} rank(s) on a machine of {m['cores']} cores: an idle "
+                         "machine computes faster than the job's full one (turbo clocks, shared caches and memory "
+                         "bandwidth), so the slices' figures may run short of the job's; --pack runs the slices "
+                         "together, the machine loaded as in the job")
         lines.append(f"stored in {self.out_dir}; use it with `prism predict RUN --calibration on` "
                      "(or `--calibration " + m["name"] + "`)")
         return "\n".join(lines)

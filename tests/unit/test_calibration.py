@@ -278,3 +278,27 @@ def test_node_rounds_put_one_slice_on_each_node_at_a_time():
     assert node_rounds(0, 2) == ()
     with pytest.raises(CalibrationError, match="counts"):
         node_rounds(2, -1)
+
+
+def _manifest(**kw):
+    m = {"run": "r", "world_size": 8, "slices": [[0, 1], [2, 3], [4, 5], [6, 7]], "slice_mode": "tp", "symmetric": False,
+         "packed": False, "cores": 16, "emulations": ["e0", "e1", "e2", "e3"], "slice_wall_s": [1.0] * 4,
+         "resumed": [], "classes": {}, "uncalibrated_ranks": [], "agents": 0, "name": "c", "cost_model": "p",
+         "per_rank": {"0": {"replaced": 5, "kept_two_clock": 0, "kept_clean": 0}},
+         "bare_mean_ns": 2e6, "calibrated_mean_ns": 1.9e6}
+    m.update(kw)
+    return m
+
+
+def test_a_calibration_of_lone_slices_on_a_big_machine_points_to_pack():
+    from pathlib import Path
+
+    from prism.app.calibrate import CalibrationResult
+
+    tmp = Path("x")
+    text = CalibrationResult(tmp, _manifest()).text()
+    assert "each slice ran alone, 2 rank(s) on a machine of 16 cores" in text and "--pack runs the slices" in text
+    # packed, a machine the slices half fill or more, one slice, agents' nodes, nothing CPU-timed replaced
+    for quiet in (_manifest(packed=True), _manifest(cores=3), _manifest(slices=[[0, 1]], emulations=["e0"]),
+                  _manifest(agents=2), _manifest(per_rank={"0": {"replaced": 0, "kept_two_clock": 5}})):
+        assert "ran alone" not in CalibrationResult(tmp, quiet).text()
