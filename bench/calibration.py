@@ -139,10 +139,10 @@ def main() -> int:
                     help="allow --world above the cores (the truth then shares cores: a smoke run, not a measurement)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per ground-truth run")
     ap.add_argument("--out", default=str(result_path("calibration")))
-    ap.add_argument("--variants", default="calibrated,symmetric",
+    ap.add_argument("--variants", default="calibrated,packed,symmetric",
                     help="calibrations beside bare: calibrated, symmetric, packed (calibrate --pack: slices run "
                          "together up to the slice cores), replace-clean (calibrate --replace-clean); default "
-                         "calibrated,symmetric")
+                         "calibrated,packed,symmetric")
     a = ap.parse_args()
     global VARIANTS
     chosen = [v for v in a.variants.split(",") if v]

@@ -141,18 +141,18 @@ suite_emulate_accuracy_16() {  # the same at world 16 (GPT in two layouts, the M
     --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} --out "$R/accuracy-world16.json"
 }
 
-suite_calibration() {  # slice calibration vs truth on the host's cores: bare, calibrated, symmetric; W=8 16; POLLUTED=1 (PLAIN=0: only that; CALCONFIGS: --configs)
+suite_calibration() {  # slice calibration vs truth on the host's cores: bare, calibrated, packed, symmetric; W=8 16; POLLUTED=1 (PLAIN=0: only that; CALCONFIGS: --configs)
   # Time per pair on a 16-core host (2026-12-06): truth + capture ~15 s; calibrated 30-35 s (world 8) and
   # 35-60 s (world 16), symmetric 9-17 s, packed 8-12 s; each config runs RUNS pairs within TW seconds, so
-  # world 16 with the default variants needs TW=420 for RUNS=2 (a cut run keeps its finished pairs).
+  # world 16 with the default variants needs TW=450 for RUNS=2 (a cut run keeps its finished pairs).
   local netp=${NETP:-bench/results/netprofile-2026-12-02-h200cpu-gloo.toml} w
   for w in ${W:-8}; do
     [ "${PLAIN:-1}" != 0 ] && x "$R/calibration-world$w.txt" ${TW:-280} python3 bench/calibration.py --world "$w" \
-      --runs ${RUNS:-3} --net "$netp" --variants ${VARIANTS:-calibrated,symmetric} ${CALCONFIGS:+--configs $CALCONFIGS} \
+      --runs ${RUNS:-3} --net "$netp" --variants ${VARIANTS:-calibrated,packed,symmetric} ${CALCONFIGS:+--configs $CALCONFIGS} \
       --out "$R/calibration-world$w.json"
     if [ -n "${POLLUTED:-}" ]; then  # a capture of every rank at once on a quarter of the cores
       x "$R/calibration-world$w-polluted.txt" ${TW:-280} python3 bench/calibration.py --world "$w" --runs ${RUNS:-3} \
-        --capture-cores $((w / 4)) --capture-slots "$w" --net "$netp" --variants ${VARIANTS:-calibrated,symmetric} \
+        --capture-cores $((w / 4)) --capture-slots "$w" --net "$netp" --variants ${VARIANTS:-calibrated,packed,symmetric} \
         ${CALCONFIGS:+--configs $CALCONFIGS} --out "$R/calibration-world$w-polluted.json"
     fi
   done
