@@ -249,7 +249,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
     nodes: list[dict | None] = [None] * len(slices)
     cramped: list[str] = []
     resumed: list[str] = []
-    for ks in rounds:
+    for i, ks in enumerate(rounds):
         k = ks[0]
         ranks_of = [slices[j] for j in ks]
         sandbox = sorted(r for s in ranks_of for r in s)
@@ -273,14 +273,11 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
                                         placement=tuple(tuple(s) for s in ranks_of) if config.agents else None))
         wall = time.perf_counter() - t0
         if not outcome.ok:
-            finished = sum(1 for r in rounds[:rounds.index(ks)] for _ in r)
+            finished = sum(map(len, rounds[:i]))
+            kept = f"The {finished} slice(s) measured before it are kept: " if finished else ""
             raise CalibrationFailed(f"{what} failed in {outcome.out_dir} ({outcome.status}): "
-                                    f"{outcome.message.strip()}\n"
-                                    + (f"The {finished} slice(s) measured before it are kept: `prism calibrate "
-                                       f"{run} --name {name} --resume` (with the same options) runs only the rest."
-                                       if finished else
-                                       f"`prism calibrate {run} --name {name} --resume` (with the same options) "
-                                       "runs it again and keeps what finishes."))
+                                    f"{outcome.message.strip()}\n{kept}`prism calibrate {run} --name {name} "
+                                    "--resume` (with the same options) runs only the slices not measured yet.")
         _note_round(ks, slices, outcome.summary, wall, walls, nodes, cramped)
     for k, s in enumerate(slices):
         outcome_dir = run / runfolder.EMULATION_DIR / emu_names[k]
