@@ -85,6 +85,12 @@ class CalibrateConfig:
     name: str | None = None
     net: str | None = None
     cores: int | None = None
+    #: GPUs the slices' sandbox ranks run on, as ``prism emulate --gpus``
+    #: (None: GPU 0 when the capture ran on CUDA). A CUDA capture's slice holds
+    #: at most one rank per GPU (unless ``cores`` says otherwise): sandboxes
+    #: sharing a GPU would time-share it, and the slice would measure the
+    #: contention the capture's two-clock segments already took out.
+    gpus: str | None = None
     layout: str | None = None
     warmup: int = 1
     quiet_s: float = 30.0
@@ -114,7 +120,7 @@ class CalibrationResult:
     def text(self) -> str:
         m = self.manifest
         lines = [f"calibrated {m['run']} (world {m['world_size']}) with {len(m['slices'])} slice(s) "
-                 f"({m['slice_mode']}{', symmetric' if m['symmetric'] else ''}{', packed' if m.get('packed') else ''}), {m['cores']} cores per slice at most:"]
+                 f"({m['slice_mode']}{', symmetric' if m['symmetric'] else ''}{', packed' if m.get('packed') else ''}), {m['cores']} {m.get('slot_unit', 'cores')} per slice at most:"]
         nodes = m.get("slice_nodes") or [None] * len(m["slices"])
         for k, s in enumerate(m["slices"]):
             on = f" on node {nodes[k]['node']}" if nodes[k] else ""
@@ -146,7 +152,7 @@ class CalibrationResult:
                          f"({c / b - 1:+.2%}; cost profile {m['cost_model']})")
         biggest = max((len(x) for x in m["slices"]), default=0)
         if (not m.get("packed") and not m.get("agents") and len(m["slices"]) > 1 and seg
-                and 2 * biggest <= m["cores"]):
+                and m.get("slot_unit", "cores") == "cores" and 2 * biggest <= m["cores"]):
             lines.append(f"note: each slice ran alone, {biggest} rank(s) on a machine of {m['cores']} cores: an idle "
                          "machine computes faster than the job's full one (turbo clocks, shared caches and memory "
                          "bandwidth), so the slices' figures may run short of the job's; --pack runs the slices "
@@ -161,6 +167,28 @@ def _usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def _default_slots(config: CalibrateConfig, manifest, ranks) -> tuple[int, str]:
+    """How many ranks a slice holds when ``--cores`` is not given: this
+    machine's usable cores, or for a capture that drove GPUs, the GPUs the
+    sandboxes are given (one rank per GPU; ``--gpus``, default GPU 0), or with
+    agents the cores (each agent's node places its own GPUs); and what it counts
+    ("cores" or "GPUs")."""
+    from prism.app.predict import traced_device_kind
+
+    cores = _usable_cores()
+    cuda = traced_device_kind(ranks) == "cuda" or getattr(manifest, "device_kind", None) == "cuda"
+    if not cuda or config.agents:
+        return cores, "cores"
+    gpus = config.gpus if config.gpus is not None else "0"
+    try:
+        n = len({int(x) for x in gpus.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"--gpus takes GPU indices like 0 or 0,1; got {gpus!r}") from None
+    if n < 1:
+        raise UsageError(f"--gpus {gpus!r} names no GPU; give indices like 0 or 0,1")
+    return min(cores, n), "GPUs"
 
 
 def _layout(config_layout: str | None, manifest) -> Layout | None:
@@ -207,7 +235,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
     manifest, ranks = _bare_events(run)
     world = len(ranks)
     layout = _layout(config.layout, manifest)
-    cores = config.cores if config.cores is not None else _usable_cores()
+    cores, slot_unit = (config.cores, "cores") if config.cores is not None else _default_slots(config, manifest, ranks)
     try:
         slices = plan_slices(world, config.slices, cores=cores, layout=layout)
         rep_of: dict[int, int] = {}
@@ -269,7 +297,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
                                         name=emu_names[k], warmup=config.warmup, quiet_s=config.quiet_s,
                                         show_ranks="none", progress="off", agents=config.agents,
                                         listen=config.listen, keys=config.keys, insecure=config.insecure,
-                                        agent_wait_s=config.agent_wait_s,
+                                        agent_wait_s=config.agent_wait_s, gpus=config.gpus,
                                         placement=tuple(tuple(s) for s in ranks_of) if config.agents else None))
         wall = time.perf_counter() - t0
         if not outcome.ok:
@@ -318,6 +346,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
         "name": name, "run": str(run), "world_size": world, "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                          time.gmtime()),
         "slice_mode": config.slices, "slices": [list(s) for s in slices], "cores": cores,
+        "slot_unit": slot_unit, "gpus": config.gpus,
         "symmetric": config.symmetric, "packed": config.pack, "classes": classes, "emulations": emu_names,
         "slice_wall_s": walls, "resumed": resumed, "uncalibrated_ranks": uncal, "per_rank": per_rank,
         "rule": "one-clock (CPU-timed) compute segments take the slice's measurement; segments the capture timed "

@@ -24,7 +24,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="stored in RUN/calibration/NAME (default: the date and time)")
     p.add_argument("--net", default=None, metavar="PROFILE", help="cost profile, as for `prism predict`")
     p.add_argument("--cores", type=int, default=None,
-                   help="most ranks a slice may hold (default: this machine's usable cores)")
+                   help="most ranks a slice may hold (default: this machine's usable cores; for a capture that "
+                        "ran on GPUs, the GPUs given by --gpus: one sandbox rank per GPU)")
+    p.add_argument("--gpus", default=None, metavar="0[,1,...]",
+                   help="a CUDA capture's slices run their sandbox ranks on these GPUs, as `prism emulate "
+                        "--gpus` (default: GPU 0, so one rank per slice)")
     p.add_argument("--layout", default=None, metavar="tp=T,pp=P,dp=D[,ep=E]",
                    help="the run's layout when the manifest has none")
     p.add_argument("--warmup", type=int, default=1, help="steps dropped before averaging (default: 1)")
@@ -51,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
 
     config = CalibrateConfig(run=args.run, slices=args.slices, symmetric=args.symmetric, pack=args.pack,
                              name=args.name,
-                             net=args.net, cores=args.cores, layout=args.layout, warmup=args.warmup,
+                             net=args.net, cores=args.cores, gpus=args.gpus, layout=args.layout, warmup=args.warmup,
                              agents=args.agents, listen=args.listen, keys=args.keys, insecure=args.insecure,
                              agent_wait_s=args.agent_wait, keep_clean=not args.replace_clean,
                              resume=args.resume)

@@ -302,3 +302,25 @@ def test_a_calibration_of_lone_slices_on_a_big_machine_points_to_pack():
     for quiet in (_manifest(packed=True), _manifest(cores=3), _manifest(slices=[[0, 1]], emulations=["e0"]),
                   _manifest(agents=2), _manifest(per_rank={"0": {"replaced": 0, "kept_two_clock": 5}})):
         assert "ran alone" not in CalibrationResult(tmp, quiet).text()
+
+
+def test_a_cuda_captures_slices_hold_one_rank_per_gpu_given(monkeypatch):
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from prism.app import calibrate as cal
+    from prism.app.errors import UsageError
+
+    monkeypatch.setattr(cal, "_usable_cores", lambda: 16)
+    cpu, cuda = SimpleNamespace(device_kind="cpu"), SimpleNamespace(device_kind="cuda")
+    cfg = cal.CalibrateConfig(run="r")
+    assert cal._default_slots(cfg, cpu, {}) == (16, "cores")
+    assert cal._default_slots(cfg, cuda, {}) == (1, "GPUs")  # GPU 0, as emulate's default
+    assert cal._default_slots(cal.CalibrateConfig(run="r", gpus="0,1"), cuda, {}) == (2, "GPUs")
+    assert cal._default_slots(cal.CalibrateConfig(run="r", gpus="1,1"), cuda, {}) == (1, "GPUs")
+    assert cal._default_slots(cal.CalibrateConfig(run="r", agents=2), cuda, {}) == (16, "cores")
+    with pytest.raises(UsageError, match="--gpus takes GPU indices"):
+        cal._default_slots(cal.CalibrateConfig(run="r", gpus="a"), cuda, {})
+    text = cal.CalibrationResult(Path("x"), _manifest(cores=2, slot_unit="GPUs", slices=[[0], [1]],
+                                                      emulations=["e0", "e1"])).text()
+    assert "2 GPUs per slice at most" in text and "ran alone" not in text
