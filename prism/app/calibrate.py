@@ -322,6 +322,8 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
             table[r] = m.durations
             per_rank[str(r)] = {"slice": k, "source_rank": r, "segments": m.segments, "replaced": m.replaced,
                                 "kept_two_clock": m.kept_two_clock, "kept_clean": m.kept_clean, "regrouped_gaps": m.regrouped,
+                                "clean_ns": m.clean_ns, "replaced_bare_ns": m.replaced_bare_ns,
+                                "replaced_ns": m.replaced_ns,
                                 "bare_compute_ns": _bare_total(ranks[r]),
                                 "calibrated_compute_ns": int(m.durations.sum())}
     classes: dict[str, list[int]] = {}
@@ -337,6 +339,8 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
                 table[r] = m.durations
                 per_rank[str(r)] = {"slice": per_rank[str(p)]["slice"], "source_rank": p, "segments": m.segments,
                                     "replaced": m.replaced, "kept_two_clock": m.kept_two_clock, "kept_clean": m.kept_clean,
+                                    "clean_ns": m.clean_ns, "replaced_bare_ns": m.replaced_bare_ns,
+                                    "replaced_ns": m.replaced_ns,
                                     "regrouped_gaps": m.regrouped, "bare_compute_ns": _bare_total(ranks[r]),
                                     "calibrated_compute_ns": int(m.durations.sum())}
     uncal = [r for r in range(world) if r not in table]

@@ -222,6 +222,11 @@ class Measured:
     kept_two_clock: int  # those kept because the capture timed them with two clocks
     regrouped: int  # gaps between calls whose segments were cut differently (their total split in proportion)
     kept_clean: int = 0  # one-clock segments kept because the capture ran them undisturbed (CLEAN_SHARE)
+    #: ns totals: the kept-clean segments' (as captured), the replaced ones' as
+    #: captured and as the slice measured them (where a calibration's change comes from)
+    clean_ns: int = 0
+    replaced_bare_ns: int = 0
+    replaced_ns: int = 0
 
 
 def _call_key(ev: Event) -> tuple:
@@ -297,8 +302,8 @@ def measured_durations(rank: int, bare: Sequence[Event], slice_events: Sequence[
                                    f"has {_describe(key)}; the program took another path than in the capture, so "
                                    "its durations cannot calibrate this graph")
     measured = [[ev.end_ns - ev.start_ns for ev in g] for g in egaps]
-    d, replaced, kept, regrouped, clean = _fill(bgaps, measured, keep_clean)
-    return Measured(rank, d, len(d), replaced, kept, regrouped, clean)
+    d, replaced, kept, regrouped, clean, sums = _fill(bgaps, measured, keep_clean)
+    return Measured(rank, d, len(d), replaced, kept, regrouped, clean, *sums)
 
 
 def _shape(key: tuple) -> tuple:
@@ -315,13 +320,15 @@ def _split(total: int, bare: Sequence[int]) -> list[int]:
 
 
 def _fill(bgaps: list[list[Compute]], measured: list[list[int]],
-          keep_clean: bool = True) -> tuple[np.ndarray, int, int, int, int]:
+          keep_clean: bool = True) -> tuple[np.ndarray, int, int, int, int, tuple[int, int, int]]:
     """Per bare segment its new duration: one to one where a gap holds as many
     measured segments, else the gap's measured total split in proportion;
     two-clock segments (and with ``keep_clean`` undisturbed ones) keep their
-    bare duration."""
+    bare duration. Also the counts and ``(clean_ns, replaced_bare_ns,
+    replaced_ns)`` of ``Measured``."""
     out: list[int] = []
     replaced = kept = regrouped = clean = 0
+    clean_ns = replaced_bare_ns = replaced_ns = 0
     for k, b in enumerate(bgaps):
         meas = measured[k] if k < len(measured) else []
         bare_d = [ev.end_ns - ev.start_ns for ev in b]
@@ -337,10 +344,14 @@ def _fill(bgaps: list[list[Compute]], measured: list[list[int]],
             elif keep_clean and _clean(ev):
                 out.append(d_bare)
                 clean += 1
+                clean_ns += d_bare
             else:
                 out.append(max(int(d_new), 0))
                 replaced += 1
-    return np.asarray(out, np.int64), replaced, kept, regrouped, clean
+                replaced_bare_ns += d_bare
+                replaced_ns += out[-1]
+    return (np.asarray(out, np.int64), replaced, kept, regrouped, clean,
+            (clean_ns, replaced_bare_ns, replaced_ns))
 
 
 def expand_classes(ranks: Mapping[int, Sequence[Event]], table: Mapping[int, np.ndarray],
@@ -368,8 +379,8 @@ def expand_classes(ranks: Mapping[int, Sequence[Event]], table: Mapping[int, np.
                     + (_describe(calls_p[k]) if a else "no more calls") + "; calibrate without --symmetric")
         durs = iter(table[p].tolist())
         measured = [[next(durs) for _ in g] for g in gaps_p]
-        d, replaced, kept, regrouped, clean = _fill(gaps_r, measured, keep_clean)
-        out[r] = Measured(r, d, len(d), replaced, kept, regrouped, clean)
+        d, replaced, kept, regrouped, clean, sums = _fill(gaps_r, measured, keep_clean)
+        out[r] = Measured(r, d, len(d), replaced, kept, regrouped, clean, *sums)
     return out
 
 

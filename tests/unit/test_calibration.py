@@ -146,8 +146,11 @@ def test_segments_the_capture_ran_undisturbed_keep_their_capture_timing():
     m = measured_durations(0, bare, meas)
     assert m.durations.tolist() == [100, 40, 90, 35]  # bare 100, 40 kept; slice 90, 35 taken
     assert (m.replaced, m.kept_clean, m.kept_two_clock) == (2, 2, 0)
+    segs = [ev.end_ns - ev.start_ns for ev in bare if isinstance(ev, Compute)]
+    assert (m.clean_ns, m.replaced_bare_ns, m.replaced_ns) == (140, segs[2] + segs[3], 125)
     m = measured_durations(0, bare, meas, keep_clean=False)  # --replace-clean: the rule before PrismTrace 1.4
     assert m.durations.tolist() == [80, 30, 90, 35] and (m.replaced, m.kept_clean) == (4, 0)
+    assert (m.clean_ns, m.replaced_bare_ns, m.replaced_ns) == (0, sum(segs), 235)
 
 
 def test_a_slice_that_took_another_path_is_refused_naming_rank_and_call():
