@@ -61,6 +61,7 @@ from prism.app.calibrate import CalibrateConfig, calibrate  # noqa: E402
 from prism.app.capture import capture_run  # noqa: E402
 from prism.app.netprofile import usable_cores  # noqa: E402
 from prism.app.predict import PredictConfig, predict  # noqa: E402
+from prism.validation.affinity import on_cpus  # noqa: E402
 
 CONFIGS: dict[int, dict[str, list[str]]] = {
     2: {"gpt-tp2": ["--tp", "2"]},
@@ -80,13 +81,9 @@ VARIANTS = ("bare", "calibrated", "symmetric")  # bare and --variants (set in ma
 def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, profile: str, slots: int, cores: list[int],
               slice_cores: int, slices: str, warmup: int) -> dict:
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
-    mine = os.sched_getaffinity(0)
     t0 = time.monotonic()
-    os.sched_setaffinity(0, cores)  # the capture's ranks inherit it
-    try:
+    with on_cpus(cores):  # the capture's ranks inherit it; every thread gets all the CPUs back after
         status = capture_run(d, world, cmd, slots=slots, show_ranks=(), progress="off").exit_code
-    finally:
-        os.sched_setaffinity(0, mine)
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
     out: dict = {"capture_wall_s": time.monotonic() - t0}

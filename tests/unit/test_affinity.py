@@ -1,0 +1,36 @@
+"""prism.validation.affinity: a narrowed CPU set does not outlive ``on_cpus`` on any thread."""
+
+import os
+import threading
+
+import pytest
+
+from prism.validation.affinity import on_cpus, thread_affinities
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"),
+                                reason="needs Linux's per-thread CPU affinity")
+
+
+def test_a_thread_started_on_fewer_cpus_gets_them_all_back():
+    mine = os.sched_getaffinity(0)
+    one = {min(mine)}
+    started, stop = threading.Event(), threading.Event()
+    tid = []
+
+    def worker():
+        tid.append(threading.get_native_id())
+        started.set()
+        stop.wait(10)
+
+    with on_cpus(one):
+        t = threading.Thread(target=worker)
+        t.start()
+        started.wait(10)
+        assert os.sched_getaffinity(tid[0]) == one  # what the bug was: the thread inherits the narrowed set
+    try:
+        assert os.sched_getaffinity(0) == mine
+        assert os.sched_getaffinity(tid[0]) == mine
+        assert thread_affinities()[tid[0]] == mine
+    finally:
+        stop.set()
+        t.join()
