@@ -7,8 +7,10 @@ threads, ZeroMQ's I/O threads, the launcher's threads. A later
 ``prism emulate`` in the same process launched its fork server from such a
 thread, so its ranks ran on the capture's few cores (found 2026-12-06:
 ``bench/calibration.py``'s packed slices of a polluted capture measured as slow
-as the polluted capture itself). ``on_cpus`` restores the set on every thread
-of the process (``/proc/self/task``) when it ends.
+as the polluted capture itself). The other way round too: a capture that
+launched its ranks from a thread created before the narrowing ran them on every
+CPU. ``on_cpus`` narrows every thread of the process (``/proc/self/task``) and
+gives each its set back when it ends.
 """
 
 from __future__ import annotations
@@ -27,16 +29,22 @@ def thread_affinities() -> dict[int, set[int]]:
     return out
 
 
+def _set_all(cpus: set[int], before: dict[int, set[int]]) -> None:
+    for tid in thread_affinities():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, before.get(tid, cpus))
+
+
 @contextlib.contextmanager
 def on_cpus(cpus: Iterable[int]) -> Iterator[None]:
-    """The calling thread (and what it starts: threads, processes) on ``cpus``;
-    at the end every thread of the process gets back the calling thread's
-    earlier set."""
+    """Every thread of this process (and what they start: threads, processes)
+    on ``cpus``; at the end each thread gets back its earlier set, and one
+    started meanwhile the calling thread's."""
+    want = set(cpus)
+    before = thread_affinities()
     mine = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, set(cpus))
+    _set_all(want, {})
     try:
         yield
     finally:
-        for tid in thread_affinities():
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, mine)
+        _set_all(mine, before)

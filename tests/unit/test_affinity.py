@@ -11,6 +11,32 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.p
                                 reason="needs Linux's per-thread CPU affinity")
 
 
+def test_a_thread_started_before_runs_on_the_narrowed_set_and_gets_its_own_back():
+    # the other half of the bug: a capture launching its ranks from a thread
+    # created before the narrowing ran them on every CPU
+    mine = os.sched_getaffinity(0)
+    one = {min(mine)}
+    started, stop = threading.Event(), threading.Event()
+    tid = []
+
+    def worker():
+        tid.append(threading.get_native_id())
+        started.set()
+        stop.wait(10)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    started.wait(10)
+    try:
+        with on_cpus(one):
+            assert os.sched_getaffinity(tid[0]) == one
+            assert os.sched_getaffinity(0) == one
+        assert os.sched_getaffinity(tid[0]) == mine
+    finally:
+        stop.set()
+        t.join()
+
+
 def test_a_thread_started_on_fewer_cpus_gets_them_all_back():
     mine = os.sched_getaffinity(0)
     one = {min(mine)}
