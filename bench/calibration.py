@@ -141,9 +141,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per ground-truth run")
     ap.add_argument("--out", default=str(result_path("calibration")))
     ap.add_argument("--variants", default="calibrated,packed,symmetric",
-                    help="calibrations beside bare: calibrated, symmetric, packed (calibrate --pack: slices run "
-                         "together up to the slice cores), replace-clean (calibrate --replace-clean), packed-replace (both); default "
-                         "calibrated,packed,symmetric")
+                    help="calibrations beside bare: calibrated (calibrate --no-pack: one slice at a time), "
+                         "symmetric (--symmetric --no-pack), packed (calibrate's default: slices run together up to "
+                         "the slice cores), replace-clean (--no-pack --replace-clean), packed-replace (--replace-clean);"
+                         " default calibrated,packed,symmetric")
     a = ap.parse_args()
     global VARIANTS
     chosen = [v for v in a.variants.split(",") if v]

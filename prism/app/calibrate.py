@@ -2,10 +2,12 @@
 
 ``calibrate(CalibrateConfig(run="runs/gpt"))`` plans the slices
 (``prism.core.calibration.plan_slices``: by default the TP groups, else the
-pipelines, else pairs; each at most this machine's cores), runs each slice
-as sandbox ranks against the bare graph (``prism.app.emulate.emulate``, one
-slice after the other, so a slice's ranks have a core each; with agents,
-one slice per node side by side, ``node_rounds``), takes every
+pipelines, else pairs; each at most this machine's cores, or for a GPU
+capture its GPUs), packs them (``pack_slices``: as many slices at once as
+the cores hold, so the machine is loaded as in the job; ``--no-pack``: one
+slice after the other), runs each as sandbox ranks against the bare graph
+(``prism.app.emulate.emulate``; with agents, one slice per node side by
+side, ``node_rounds``, unpacked unless ``--pack``), takes every
 sandbox rank's compute durations from its emulation trace (matched call by
 call to the capture) and stores them under ``RUN/calibration/<name>/``:
 
@@ -21,7 +23,11 @@ class. ``predict`` and ``emulate`` use a stored calibration with
 ``--calibration on`` (the newest) or ``--calibration NAME``; the default is
 off: on a device host's 16 CPUs it cut a polluted capture's error from 31-101%
 to 9-15% (bench/results/archive/calibration-2026-12.md) and tied with the bare
-prediction on clean captures (bench/results/calibration-2026-12-06-h100cpu.md).
+prediction on clean captures (bench/results/calibration-2026-12-06-h100cpu.md,
+which also has why packing is the default: on clean captures packed slices stay
+within 0.2-0.6 points of the bare prediction where lone slices on an idle host
+drift 1-2 points low, on polluted ones they correct as much, at a quarter of
+the wall time).
 Segments the capture timed with two clocks (GPU captures) keep their
 capture timing (``prism.core.calibration``, the rule).
 """
@@ -81,7 +87,7 @@ class CalibrateConfig:
     symmetric: bool = False
     #: Run slices together, as many as fit ``cores`` (``pack_slices``): the
     #: machine loaded as in the job instead of idle around one slice.
-    pack: bool = False
+    pack: bool | None = None  # None: packed, except with agents (one slice per node)
     name: str | None = None
     net: str | None = None
     cores: int | None = None
@@ -155,8 +161,8 @@ class CalibrationResult:
                 and m.get("slot_unit", "cores") == "cores" and 2 * biggest <= m["cores"]):
             lines.append(f"note: each slice ran alone, {biggest} rank(s) on a machine of {m['cores']} cores: an idle "
                          "machine computes faster than the job's full one (turbo clocks, shared caches and memory "
-                         "bandwidth), so the slices' figures may run short of the job's; --pack runs the slices "
-                         "together, the machine loaded as in the job")
+                         "bandwidth), so the slices' figures may run short of the job's; without --no-pack the "
+                         "slices run together, the machine loaded as in the job")
         lines.append(f"stored in {self.out_dir}; use it with `prism predict RUN --calibration on` "
                      "(or `--calibration " + m["name"] + "`)")
         return "\n".join(lines)
@@ -167,6 +173,12 @@ def _usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def _packs(config: CalibrateConfig) -> bool:
+    """Whether the slices run packed: ``--pack``/``--no-pack``, else packed
+    except with agents (there one slice per node, each alone on its node)."""
+    return config.pack if config.pack is not None else not config.agents
 
 
 def _default_slots(config: CalibrateConfig, manifest, ranks) -> tuple[int, str]:
@@ -235,6 +247,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
     manifest, ranks = _bare_events(run)
     world = len(ranks)
     layout = _layout(config.layout, manifest)
+    packed = _packs(config)
     cores, slot_unit = (config.cores, "cores") if config.cores is not None else _default_slots(config, manifest, ranks)
     try:
         slices = plan_slices(world, config.slices, cores=cores, layout=layout)
@@ -244,7 +257,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
                 raise CalibrationError("--symmetric needs the run's layout to know which ranks are equivalent; the "
                                        "manifest has none: pass --layout tp=T,pp=P,dp=D")
             slices, rep_of = symmetric_plan(slices, symmetry_classes(world, layout))
-        if config.pack:
+        if packed:
             slices = pack_slices(slices, cores)
     except CalibrationError as e:
         raise UsageError(str(e)) from None
@@ -351,7 +364,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
                                                                                          time.gmtime()),
         "slice_mode": config.slices, "slices": [list(s) for s in slices], "cores": cores,
         "slot_unit": slot_unit, "gpus": config.gpus,
-        "symmetric": config.symmetric, "packed": config.pack, "classes": classes, "emulations": emu_names,
+        "symmetric": config.symmetric, "packed": packed, "classes": classes, "emulations": emu_names,
         "slice_wall_s": walls, "resumed": resumed, "uncalibrated_ranks": uncal, "per_rank": per_rank,
         "rule": "one-clock (CPU-timed) compute segments take the slice's measurement; segments the capture timed "
                 "with two clocks (GPU) keep the capture's timing"
@@ -406,7 +419,7 @@ def _earlier_attempts(emulations: Path, base: str, sandbox: list[int], what: str
             raise UsageError(f"--resume: {emulations / emu} ran sandbox ranks "
                              f"{','.join(map(str, sorted(summary.get('sandbox') or [])))}, but {what} now holds "
                              f"{','.join(map(str, sandbox))}: the earlier calibration had other --slices, --cores, "
-                             "--pack or --symmetric; resume with those, or choose another --name")
+                             "--pack/--no-pack or --symmetric; resume with those, or choose another --name")
         return summary, emu
     return None, names[-1]
 

@@ -18,9 +18,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--symmetric", action="store_true",
                    help="run one slice per class of equivalent ranks (same TP rank, PP stage, EP rank) and copy "
                         "its durations to the class")
-    p.add_argument("--pack", action="store_true",
+    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
                    help="run slices together, as many as --cores holds, so the machine is as loaded as in the "
-                        "job (an idle machine computes faster than a full one)")
+                        "job (an idle machine computes faster than a full one); the default except with --agents. "
+                        "--no-pack: one slice at a time")
     p.add_argument("--name", default=None, help="stored in RUN/calibration/NAME (default: the date and time)")
     p.add_argument("--net", default=None, metavar="PROFILE", help="cost profile, as for `prism predict`")
     p.add_argument("--cores", type=int, default=None,

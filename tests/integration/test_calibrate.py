@@ -49,6 +49,7 @@ def test_calibrate_stores_durations_that_predict_and_emulate_use(run):
     m = res.manifest
     assert m["keep_clean"] is False and all(v["kept_clean"] == 0 for v in m["per_rank"].values())
     assert m["slices"] == [[0, 1], [2, 3]] and not m["symmetric"] and m["uncalibrated_ranks"] == []
+    assert m["packed"] is True  # the default; two cores hold one TP pair at a time
     assert sorted(p.name for p in res.out_dir.iterdir()) == ["durations.npz", "manifest.json"]
     assert json.loads((res.out_dir / "manifest.json").read_text())["emulations"] == m["emulations"]
     for name in m["emulations"]:

@@ -300,7 +300,7 @@ def test_a_calibration_of_lone_slices_on_a_big_machine_points_to_pack():
 
     tmp = Path("x")
     text = CalibrationResult(tmp, _manifest()).text()
-    assert "each slice ran alone, 2 rank(s) on a machine of 16 cores" in text and "--pack runs the slices" in text
+    assert "each slice ran alone, 2 rank(s) on a machine of 16 cores" in text and "without --no-pack the slices run" in text
     # packed, a machine the slices half fill or more, one slice, agents' nodes, nothing CPU-timed replaced
     for quiet in (_manifest(packed=True), _manifest(cores=3), _manifest(slices=[[0, 1]], emulations=["e0"]),
                   _manifest(agents=2), _manifest(per_rank={"0": {"replaced": 0, "kept_two_clock": 5}})):
@@ -327,3 +327,12 @@ def test_a_cuda_captures_slices_hold_one_rank_per_gpu_given(monkeypatch):
     text = cal.CalibrationResult(Path("x"), _manifest(cores=2, slot_unit="GPUs", slices=[[0], [1]],
                                                       emulations=["e0", "e1"])).text()
     assert "2 GPUs per slice at most" in text and "ran alone" not in text
+
+
+def test_slices_run_packed_by_default_except_through_agents():
+    from prism.app.calibrate import CalibrateConfig, _packs
+
+    assert _packs(CalibrateConfig(run="r")) is True
+    assert _packs(CalibrateConfig(run="r", agents=2)) is False  # one slice per node, alone on it
+    assert _packs(CalibrateConfig(run="r", agents=2, pack=True)) is True
+    assert _packs(CalibrateConfig(run="r", pack=False)) is False  # --no-pack
