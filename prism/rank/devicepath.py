@@ -264,7 +264,12 @@ class Releaser:
     after it was due, Prism's delay) and hands the part that delayed the
     stream's next call to ``on_late`` (see ``_Watcher``)."""
 
-    #: The watcher's poll period while calls are in flight (s).
+    #: The watcher's poll period while calls are in flight (s); ``POLL_ENV``
+    #: (microseconds) overrides it. Each poll takes the GIL, which the
+    #: sandbox's main thread then waits for after each CUDA call that released
+    #: it: a longer period may cut the host time of every call (the recorded
+    #: path's dear CUDA calls, bench/results/gpu_sandbox-2026-12-06-h100.md),
+    #: and reports reaches later by up to that much. Not yet measured on a GPU.
     POLL_S = 20e-6
 
     def __init__(self) -> None:
@@ -287,7 +292,7 @@ class Releaser:
         ``drained``: the stream had drained when the call came (the GPU
         waited for Prism's issue: ``HostCharge.pre``)."""
         if self._watcher is None:
-            self._watcher = _Watcher(self.flags, self.POLL_S)
+            self._watcher = _Watcher(self.flags, poll_s())
         self._watcher.add(slot, issue_mono_ns, on_reach, on_late, rec, drained)
 
     def spend_excess(self, slot: int, ns: int) -> None:
@@ -446,6 +451,23 @@ def host_charge() -> HostCharge | None:
 #: and MoE recorded runs +3..+15% over their captures, the host's issue of a
 #: step's first calls being late by Prism's own time.
 LATE_CARRY_ENV = "PRISM_DEVICE_LATE_CARRY"
+POLL_ENV = "PRISM_DEVICE_POLL_US"
+
+
+def poll_s() -> float:
+    """The reach watcher's poll period: ``POLL_ENV`` in microseconds, else
+    ``Releaser.POLL_S``; a bad value stops the rank with what to give."""
+    raw = os.environ.get(POLL_ENV)
+    if not raw:
+        return Releaser.POLL_S
+    try:
+        us = float(raw)
+    except ValueError:
+        us = -1.0
+    if not 0 < us <= 100_000:
+        raise SystemExit(f"prism: {POLL_ENV}={raw!r}: give the reach watcher's poll period in microseconds, "
+                         "more than 0 and at most 100000 (default 20)")
+    return us / 1e6
 
 
 class _Watcher:

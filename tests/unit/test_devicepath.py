@@ -388,3 +388,16 @@ def test_the_call_log_waits_for_the_completion_threads_last_stamp(monkeypatch, t
     devicepath.call_record(t0=8, t_flip=9)
     devicepath._write_call_log(4)
     assert json.loads((tmp_path / "calls-r4.jsonl").read_text()) == {"t0": 8, "t_flip": 9}
+
+
+def test_the_reach_watchers_poll_period_comes_from_the_environment(monkeypatch):
+    from prism.rank import devicepath as dp
+
+    monkeypatch.delenv(dp.POLL_ENV, raising=False)
+    assert dp.poll_s() == dp.Releaser.POLL_S == 20e-6
+    monkeypatch.setenv(dp.POLL_ENV, "200")
+    assert dp.poll_s() == pytest.approx(200e-6)
+    for bad in ("0", "-5", "fast", "1e9"):
+        monkeypatch.setenv(dp.POLL_ENV, bad)
+        with pytest.raises(SystemExit, match="PRISM_DEVICE_POLL_US.*microseconds"):
+            dp.poll_s()
