@@ -181,6 +181,20 @@ def _packs(config: CalibrateConfig) -> bool:
     return config.pack if config.pack is not None else not config.agents
 
 
+def _check_gpus(config: CalibrateConfig, manifest, ranks) -> None:
+    """``--gpus`` fits the run and the options (before any slice runs)."""
+    if config.gpus is None:
+        return
+    from prism.app.predict import traced_device_kind
+
+    if config.agents:
+        raise UsageError("--gpus names this machine's GPUs; with --agents each node's agent offers its own "
+                         "(`prism agent --gpus 0,1`): drop --gpus")
+    if traced_device_kind(ranks) != "cuda" and getattr(manifest, "device_kind", None) != "cuda":
+        raise UsageError(f"--gpus {config.gpus}: this capture ran on CPU, so its slices run on CPU cores (--cores); "
+                         "drop --gpus")
+
+
 def _default_slots(config: CalibrateConfig, manifest, ranks) -> tuple[int, str]:
     """How many ranks a slice holds when ``--cores`` is not given: this
     machine's usable cores, or for a capture that drove GPUs, the GPUs the
@@ -248,6 +262,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
     world = len(ranks)
     layout = _layout(config.layout, manifest)
     packed = _packs(config)
+    _check_gpus(config, manifest, ranks)
     cores, slot_unit = (config.cores, "cores") if config.cores is not None else _default_slots(config, manifest, ranks)
     try:
         slices = plan_slices(world, config.slices, cores=cores, layout=layout)
@@ -260,6 +275,9 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
         if packed:
             slices = pack_slices(slices, cores)
     except CalibrationError as e:
+        if slot_unit == "GPUs" and "fit this machine" in str(e):
+            raise UsageError(f"{e}. This capture ran on GPUs, so a slice holds one rank per GPU given ({cores} "
+                             "now): give more with --gpus 0,1,... or choose smaller slices") from None
         raise UsageError(str(e)) from None
     name = config.name or time.strftime("%Y%m%d-%H%M%S")
     if not name or "/" in name or name in CALIBRATION_CHOICES:
@@ -419,7 +437,9 @@ def _earlier_attempts(emulations: Path, base: str, sandbox: list[int], what: str
             raise UsageError(f"--resume: {emulations / emu} ran sandbox ranks "
                              f"{','.join(map(str, sorted(summary.get('sandbox') or [])))}, but {what} now holds "
                              f"{','.join(map(str, sandbox))}: the earlier calibration had other --slices, --cores, "
-                             "--pack/--no-pack or --symmetric; resume with those, or choose another --name")
+                             "--gpus, --pack/--no-pack or --symmetric; resume with those, or choose another --name "
+                             "(since 2026-12-06 slices are packed by default: a calibration begun before needs "
+                             "--no-pack, and a GPU capture's slices hold one rank per GPU: --cores N as before)")
         return summary, emu
     return None, names[-1]
 

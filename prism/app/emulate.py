@@ -202,7 +202,11 @@ def _gpu_env(config: EmulateConfig, device_kind: str | None, sandbox: Sequence[i
         raise UsageError(f"--gpus {gpus}: {'GPU ' + str(bad[0]) + ' is' if bad else 'no GPU'} not visible here "
                          f"(visible: {seen or 'none'}); the capture ran on {device_kind or 'an unknown device'}: "
                          "a sandbox of a CUDA capture needs a GPU")
-    env = {D.GPUS_ENV: ",".join(map(str, ids)), D.SANDBOX_ENV: ",".join(map(str, sandbox))}
+    # The GPUs are the sandboxes' alone: place them among themselves (one per
+    # GPU while they fit), not as blocks of the whole world, which put every
+    # sandbox of a small slice on the first GPU.
+    env = {D.GPUS_ENV: ",".join(map(str, ids)), D.SANDBOX_ENV: ",".join(map(str, sandbox)),
+           D.NODE_RANKS_ENV: ",".join(map(str, sorted(sandbox)))}
     return _gpu_limits(config, env, pool_gib)
 
 

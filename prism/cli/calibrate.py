@@ -26,10 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--net", default=None, metavar="PROFILE", help="cost profile, as for `prism predict`")
     p.add_argument("--cores", type=int, default=None,
                    help="most ranks a slice may hold (default: this machine's usable cores; for a capture that "
-                        "ran on GPUs, the GPUs given by --gpus: one sandbox rank per GPU)")
+                        "ran on GPUs, the GPUs given by --gpus: one sandbox rank per GPU; more than that makes "
+                        "sandboxes share a GPU and time-share it)")
     p.add_argument("--gpus", default=None, metavar="0[,1,...]",
-                   help="a CUDA capture's slices run their sandbox ranks on these GPUs, as `prism emulate "
-                        "--gpus` (default: GPU 0, so one rank per slice)")
+                   help="a CUDA capture's slices run their sandbox ranks on these GPUs, one per GPU, as `prism "
+                        "emulate --gpus` (default: GPU 0, so one rank per slice; not with --agents, whose nodes "
+                        "offer their own)")
     p.add_argument("--layout", default=None, metavar="tp=T,pp=P,dp=D[,ep=E]",
                    help="the run's layout when the manifest has none")
     p.add_argument("--warmup", type=int, default=1, help="steps dropped before averaging (default: 1)")

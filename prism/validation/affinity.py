@@ -24,27 +24,38 @@ def thread_affinities() -> dict[int, set[int]]:
     """Each thread of this process (its native id) and the CPUs it may run on."""
     out = {}
     for t in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
             out[int(t)] = os.sched_getaffinity(int(t))
     return out
 
 
 def _set_all(cpus: set[int], before: dict[int, set[int]]) -> None:
-    for tid in thread_affinities():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(tid, before.get(tid, cpus))
+    """Every thread on ``before``'s set for it, else ``cpus``; again while
+    threads appear during a pass (one a not-yet-set thread started inherits
+    its old set)."""
+    seen: set[str] = set()
+    for _ in range(10):
+        tids = set(os.listdir("/proc/self/task"))
+        if tids == seen:
+            return
+        for t in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(t), before.get(int(t), cpus))
+        seen = tids
 
 
 @contextlib.contextmanager
 def on_cpus(cpus: Iterable[int]) -> Iterator[None]:
     """Every thread of this process (and what they start: threads, processes)
     on ``cpus``; at the end each thread gets back its earlier set, and one
-    started meanwhile the calling thread's."""
+    started meanwhile the calling thread's. A set the machine cannot honour
+    raises ``OSError`` at once (from the calling thread's change)."""
     want = set(cpus)
     before = thread_affinities()
     mine = os.sched_getaffinity(0)
-    _set_all(want, {})
+    os.sched_setaffinity(0, want)
     try:
+        _set_all(want, {})
         yield
     finally:
         _set_all(mine, before)

@@ -130,6 +130,14 @@ def test_a_slice_too_big_for_the_cores_is_refused(run):
     assert np.all([not p.name.startswith("calibrate-big") for p in (run / "emulation").iterdir()])
 
 
+def test_gpus_are_refused_for_a_cpu_capture_and_through_agents(run):
+    with pytest.raises(UsageError, match="--gpus 0: this capture ran on CPU"):
+        calibrate(CalibrateConfig(run=run, gpus="0", name="g"))
+    with pytest.raises(UsageError, match="with --agents each node's agent offers its own"):
+        calibrate(CalibrateConfig(run=run, gpus="0", agents=2, name="g"))
+    assert np.all([not p.name.startswith("calibrate-g") for p in (run / "emulation").iterdir()])
+
+
 def test_pipelines_calibrate_although_their_waits_move(tmp_path_factory, shared_captures):
     # tp2 x pp2: an irecv's wait falls before or after the next send, run by run; issues must match, waits float
     cmd = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", *GPT_W4[6:]]

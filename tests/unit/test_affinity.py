@@ -7,8 +7,9 @@ import pytest
 
 from prism.validation.affinity import on_cpus, thread_affinities
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"),
-                                reason="needs Linux's per-thread CPU affinity")
+pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task")
+                                or len(os.sched_getaffinity(0)) < 2,
+                                reason="needs Linux's per-thread CPU affinity and two CPUs to narrow from")
 
 
 def test_a_thread_started_before_runs_on_the_narrowed_set_and_gets_its_own_back():
@@ -60,3 +61,11 @@ def test_a_thread_started_on_fewer_cpus_gets_them_all_back():
     finally:
         stop.set()
         t.join()
+
+
+def test_a_cpu_set_the_machine_cannot_honour_raises_and_changes_nothing():
+    mine = os.sched_getaffinity(0)
+    with pytest.raises(OSError):
+        with on_cpus({max(mine) + 4096}):
+            pass
+    assert os.sched_getaffinity(0) == mine

@@ -42,6 +42,25 @@ def test_emulate_takes_the_script_after_its_options(monkeypatch, capsys):
     assert "emulated" in capsys.readouterr().out
 
 
+def test_calibrate_packs_unless_told_not_to(monkeypatch):
+    import prism.app.calibrate as app_calibrate
+
+    seen = []
+
+    class Result:
+        manifest: dict = {}
+
+        def text(self):
+            return "calibrated"
+
+    monkeypatch.setattr(app_calibrate, "calibrate", lambda config: seen.append(config) or Result())
+    for argv, pack in ((["calibrate", "runs/x"], None), (["calibrate", "runs/x", "--no-pack"], False),
+                       (["calibrate", "runs/x", "--pack", "--gpus", "0,1"], True)):
+        assert cli.main(argv) == 0
+        assert seen[-1].pack is pack
+    assert app_calibrate._packs(seen[0]) is True and seen[-1].gpus == "0,1"
+
+
 def test_calibrate_and_predict_name_what_is_wrong(tmp_path, capsys):
     assert cli.main(["calibrate", str(tmp_path)]) == 2
     assert f"prism calibrate: {tmp_path} has no graph to calibrate" in capsys.readouterr().err

@@ -10,6 +10,20 @@ def test_a_cpu_capture_needs_no_gpu_env():
     assert E._gpu_env(E.EmulateConfig(run="r"), "cpu", [0, 3]) == {"PRISM_SANDBOX_RANKS": "0,3"}
 
 
+def test_sandboxes_take_one_gpu_each_while_they_fit(monkeypatch):
+    # a slice of world 8 on --gpus 0,1: before, its ranks took GPUs as blocks of
+    # the whole world (ranks 0-3 on GPU 0), so sandboxes 2 and 3 shared GPU 0
+    import prism.shell.gpu_plan as G
+    from prism.rank.devices import choose_node_gpu
+
+    monkeypatch.setattr(G, "visible_gpus", lambda: [0, 1])
+    env = E._gpu_env(E.EmulateConfig(run="r", gpus="0,1"), "cuda", [3, 2])
+    assert env["PRISM_NODE_RANKS"] == "2,3"
+    assert [choose_node_gpu(r, 8, [0, 1], env["PRISM_NODE_RANKS"]) for r in (2, 3)] == [0, 1]
+    env = E._gpu_env(E.EmulateConfig(run="r", gpus="0,1"), "cuda", [0, 5, 6, 7])
+    assert [choose_node_gpu(r, 8, [0, 1], env["PRISM_NODE_RANKS"]) for r in (0, 5, 6, 7)] == [0, 0, 1, 1]
+
+
 def test_a_memory_limit_on_cpu_is_refused():
     with pytest.raises(UsageError, match="--memory-limit emulates a smaller GPU"):
         E._gpu_env(E.EmulateConfig(run="r", memory_limit_gib=4), "cpu", [0])
