@@ -1,5 +1,6 @@
 """prism.validation.affinity: a narrowed CPU set does not outlive ``on_cpus`` on any thread."""
 
+import contextlib
 import os
 import threading
 
@@ -12,11 +13,9 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.p
                                 reason="needs Linux's per-thread CPU affinity and two CPUs to narrow from")
 
 
-def test_a_thread_started_before_runs_on_the_narrowed_set_and_gets_its_own_back():
-    # the other half of the bug: a capture launching its ranks from a thread
-    # created before the narrowing ran them on every CPU
-    mine = os.sched_getaffinity(0)
-    one = {min(mine)}
+@contextlib.contextmanager
+def _a_thread():
+    """A thread that lives until the block ends; yields its native id."""
     started, stop = threading.Event(), threading.Event()
     tid = []
 
@@ -29,38 +28,34 @@ def test_a_thread_started_before_runs_on_the_narrowed_set_and_gets_its_own_back(
     t.start()
     started.wait(10)
     try:
-        with on_cpus(one):
-            assert os.sched_getaffinity(tid[0]) == one
-            assert os.sched_getaffinity(0) == one
-        assert os.sched_getaffinity(tid[0]) == mine
+        yield tid[0]
     finally:
         stop.set()
         t.join()
+
+
+def test_a_thread_started_before_runs_on_the_narrowed_set_and_gets_its_own_back():
+    # the other half of the bug: a capture launching its ranks from a thread
+    # created before the narrowing ran them on every CPU
+    mine = os.sched_getaffinity(0)
+    one = {min(mine)}
+    with _a_thread() as tid:
+        with on_cpus(one):
+            assert os.sched_getaffinity(tid) == one
+            assert os.sched_getaffinity(0) == one
+        assert os.sched_getaffinity(tid) == mine
 
 
 def test_a_thread_started_on_fewer_cpus_gets_them_all_back():
     mine = os.sched_getaffinity(0)
     one = {min(mine)}
-    started, stop = threading.Event(), threading.Event()
-    tid = []
-
-    def worker():
-        tid.append(threading.get_native_id())
-        started.set()
-        stop.wait(10)
-
-    with on_cpus(one):
-        t = threading.Thread(target=worker)
-        t.start()
-        started.wait(10)
-        assert os.sched_getaffinity(tid[0]) == one  # what the bug was: the thread inherits the narrowed set
-    try:
+    with contextlib.ExitStack() as stack:
+        with on_cpus(one):
+            tid = stack.enter_context(_a_thread())
+            assert os.sched_getaffinity(tid) == one  # what the bug was: the thread inherits the narrowed set
         assert os.sched_getaffinity(0) == mine
-        assert os.sched_getaffinity(tid[0]) == mine
-        assert thread_affinities()[tid[0]] == mine
-    finally:
-        stop.set()
-        t.join()
+        assert os.sched_getaffinity(tid) == mine
+        assert thread_affinities()[tid] == mine
 
 
 def test_a_cpu_set_the_machine_cannot_honour_raises_and_changes_nothing():
