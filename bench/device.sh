@@ -145,14 +145,17 @@ suite_calibration() {  # slice calibration vs truth on the host's cores: bare, c
   # Time per pair on a 16-core host (2026-12-06): truth + capture ~15 s; calibrated 30-35 s (world 8) and
   # 35-60 s (world 16), symmetric 9-17 s, packed 8-12 s; each config runs RUNS pairs within TW seconds, so
   # world 16 with the default variants needs TW=450 for RUNS=2 (a cut run keeps its finished pairs).
-  local netp=${NETP:-bench/results/netprofile-2026-12-02-h200cpu-gloo.toml} w
+  # NETP: a profile file, or measured / per-op / one-fit / concurrent: gloo points measured on this host
+  # first (bench/accuracy.py's profiles; adds 30-60 s per step).
+  local netp=${NETP:-bench/results/netprofile-2026-12-02-h200cpu-gloo.toml} w prof
+  case $netp in measured|per-op|one-fit|concurrent) prof=(--profile "$netp") ;; *) prof=(--net "$netp") ;; esac
   for w in ${W:-8}; do
     [ "${PLAIN:-1}" != 0 ] && x "$R/calibration-world$w.txt" ${TW:-280} python3 bench/calibration.py --world "$w" \
-      --runs ${RUNS:-3} --net "$netp" --variants ${VARIANTS:-calibrated,packed,symmetric} ${CALCONFIGS:+--configs $CALCONFIGS} \
+      --runs ${RUNS:-3} "${prof[@]}" --variants ${VARIANTS:-calibrated,packed,symmetric} ${CALCONFIGS:+--configs $CALCONFIGS} \
       --out "$R/calibration-world$w.json"
     if [ -n "${POLLUTED:-}" ]; then  # a capture of every rank at once on a quarter of the cores
       x "$R/calibration-world$w-polluted.txt" ${TW:-280} python3 bench/calibration.py --world "$w" --runs ${RUNS:-3} \
-        --capture-cores $((w / 4)) --capture-slots "$w" --net "$netp" --variants ${VARIANTS:-calibrated,packed,symmetric} \
+        --capture-cores $((w / 4)) --capture-slots "$w" "${prof[@]}" --variants ${VARIANTS:-calibrated,packed,symmetric} \
         ${CALCONFIGS:+--configs $CALCONFIGS} --out "$R/calibration-world$w-polluted.json"
     fi
   done
