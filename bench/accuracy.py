@@ -74,6 +74,7 @@ from prism.core.replay import replay_batch  # noqa: E402
 from prism.shell.runfolder import read_run  # noqa: E402
 from prism.shell.launcher import launch_ranks  # noqa: E402
 from prism.validation import stepclock  # noqa: E402
+from prism.validation.keep import keep_capture  # noqa: E402
 from prism.validation.truthrun import STEPCLOCK  # noqa: E402
 
 from _results import result_path, write_json  # noqa: E402  (bench/ is this script's folder, on sys.path)
@@ -146,10 +147,16 @@ def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float) -> 
 CPU_CLOCK = "cpu-clock"
 
 
+#: The kept captures' folder names, in the order they were taken (``--keep-runs``).
+KEPT: list[str] = []
+
+
 def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots: int, warmup: int,
-              emulate_with: str | None):
+              emulate_with: str | None, keep: tuple[str, str] | None = None):
     """Capture (rank 0 recorded), predict under each of ``models``, emulate with
-    sandbox 0 under the profile file ``emulate_with`` (None: no emulation)."""
+    sandbox 0 under the profile file ``emulate_with`` (None: no emulation);
+    ``keep``: (folder, name) keeps the capture's graph there
+    (``prism.validation.keep``), its folder's name in ``KEPT[-1]``."""
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
     t0 = time.monotonic()
     status = capture_run(d, world, cmd, slots=slots, show_ranks=(), progress="off",
@@ -157,6 +164,8 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
     wall = time.monotonic() - t0
+    if keep is not None:
+        KEPT.append(keep_capture(d, *keep))
     ranks = read_run(d).ranks
     segs = [ev for evs in ranks.values() for ev in evs if isinstance(ev, Compute) and ev.thread_cpu_ns >= 0]
     seg_wall = sum(ev.end_ns - ev.start_ns for ev in segs)
@@ -273,6 +282,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per ground-truth run")
     ap.add_argument("--pin", action="store_true", help="rank r on one CPU, in the truth, the capture and the "
                     "emulation alike (PRISM_PIN_CPUS=1: prism/rank/forkserver.py)")
+    ap.add_argument("--keep-runs", default=None, metavar="DIR",
+                    help="keep each capture's graph (traces and manifest, no payloads) in DIR/CONFIG-K; each pair's "
+                         "JSON names its folder (`kept`), beside the truth's step times")
     ap.add_argument("--out", default=str(result_path("accuracy")))
     a = ap.parse_args()
     if a.pin:
@@ -319,7 +331,9 @@ def main() -> int:
             for i in range(a.runs):
                 times, twall, ends = run_truth(a.world, cmd, tmp, a.timeout)
                 t_mean = mean_iteration(ends, a.warmup)
-                preds, (pwall, cpu_share), emu = run_prism(a.world, cmd, tmp, models, cores, a.warmup, emulate_with)
+                keep = (a.keep_runs, f"{name}-{i}") if a.keep_runs else None
+                preds, (pwall, cpu_share), emu = run_prism(a.world, cmd, tmp, models, cores, a.warmup, emulate_with,
+                                                           keep)
                 truth.append(t_mean)
                 for k, (_, m) in preds.items():
                     pred[k].append(m)
@@ -328,7 +342,8 @@ def main() -> int:
                     emu_sb.append(emu["sandbox_mean_ns"])
                 pairs.append({"truth_step_ns": times.tolist(), "truth_mean_ns": t_mean, "truth_wall_s": twall,
                               "prism": {k: {"step_ns": st.tolist(), "mean_ns": m} for k, (st, m) in preds.items()},
-                              "capture_wall_s": pwall, "capture_cpu_share": cpu_share, "emulation": emu})
+                              "capture_wall_s": pwall, "capture_cpu_share": cpu_share, "emulation": emu,
+                              "kept": KEPT[-1] if keep else None})
                 line = f"{name} run {i}: truth {t_mean / 1e6:.1f} ms, " + ", ".join(
                     f"{k} {m / 1e6:.1f}" for k, (_, m) in preds.items())
                 if emu is not None:

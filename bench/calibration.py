@@ -62,6 +62,7 @@ from prism.app.capture import capture_run  # noqa: E402
 from prism.app.netprofile import usable_cores  # noqa: E402
 from prism.app.predict import PredictConfig, predict  # noqa: E402
 from prism.validation.affinity import on_cpus  # noqa: E402
+from prism.validation.keep import keep_capture  # noqa: E402
 
 CONFIGS: dict[int, dict[str, list[str]]] = {
     2: {"gpt-tp2": ["--tp", "2"]},
@@ -79,7 +80,7 @@ VARIANTS = ("bare", "calibrated", "symmetric")  # bare and --variants (set in ma
 
 
 def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, profile: str, slots: int, cores: list[int],
-              slice_cores: int, slices: str, warmup: int) -> dict:
+              slice_cores: int, slices: str, warmup: int, keep: tuple[str, str] | None = None) -> dict:
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
     t0 = time.monotonic()
     with on_cpus(cores):  # the capture's ranks inherit it; every thread gets all the CPUs back after
@@ -87,6 +88,8 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, profile: str, slots
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
     out: dict = {"capture_wall_s": time.monotonic() - t0}
+    if keep is not None:  # the capture's graph, before the calibrations add theirs
+        out["kept"] = keep_capture(d, *keep)
     bare = predict(PredictConfig(run=d, net=profile, warmup=warmup))
     out["bare"] = {"step_ns": bare.result.iteration_times.tolist(), "mean_ns": bare.mean_iteration_ns}
     for name in VARIANTS[1:]:
@@ -139,6 +142,9 @@ def main() -> int:
     ap.add_argument("--oversubscribe", action="store_true",
                     help="allow --world above the cores (the truth then shares cores: a smoke run, not a measurement)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per ground-truth run")
+    ap.add_argument("--keep-runs", default=None, metavar="DIR",
+                    help="keep each capture's graph (traces and manifest, no payloads) in DIR/CONFIG-K; each pair's "
+                         "JSON names its folder (`kept`)")
     ap.add_argument("--out", default=str(result_path("calibration")))
     ap.add_argument("--variants", default="calibrated,packed,symmetric",
                     help="calibrations beside bare: calibrated (calibrate --no-pack: one slice at a time), "
@@ -195,7 +201,8 @@ def main() -> int:
             for i in range(a.runs):
                 _, twall, ends = run_truth(a.world, cmd, tmp, a.timeout)
                 t_mean = mean_iteration(ends, a.warmup)
-                res = run_prism(a.world, cmd, tmp, profile, slots, cap_cores, slice_cores, a.slices, a.warmup)
+                keep = (a.keep_runs, f"{name}-{i}") if a.keep_runs else None
+                res = run_prism(a.world, cmd, tmp, profile, slots, cap_cores, slice_cores, a.slices, a.warmup, keep)
                 truth.append(t_mean)
                 for v in VARIANTS:
                     vals[v].append(res[v]["mean_ns"])

@@ -28,6 +28,8 @@
 #   SMI=0    do not sample the GPUs' clocks into $OUT/r/smi.csv (nccl-accuracy*)
 #   PROBE=1  nccl-accuracy*: sample the CPU's single-thread speed beside the runs
 #   TESTS    gpu-tests: the test files (run with -m gpu); TG its bound in s (default 200)
+#   KEEP=1   emulate-accuracy*, calibration: keep each capture's graph under $R/keep-* (no payloads;
+#            bench/accuracy.py --keep-runs), for replaying the CPU captures offline against their truths
 set -u
 OUT=${OUT:-/tmp/prism-out}
 R=$OUT/r
@@ -133,12 +135,13 @@ suite_cpu_accuracy() {  # gloo on the host's cores: profile, truth vs Prism at w
 
 suite_emulate_accuracy() {  # gloo on the host's cores: truth vs predicted (three profiles) vs emulated, world 8
   x "$R/accuracy-world8.txt" ${T8:-540} python3 bench/accuracy.py --world 8 --runs ${RUNS:-3} --steps 10 \
-    --out "$R/accuracy-world8.json"
+    ${KEEP:+--keep-runs "$R/keep-accuracy8"} --out "$R/accuracy-world8.json"
 }
 
 suite_emulate_accuracy_16() {  # the same at world 16 (GPT in two layouts, the MoE)
   x "$R/accuracy-world16.txt" ${T16:-540} python3 bench/accuracy.py --world 16 --runs ${RUNS:-3} --steps 10 \
-    --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} --out "$R/accuracy-world16.json"
+    --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} ${KEEP:+--keep-runs "$R/keep-accuracy16"} \
+    --out "$R/accuracy-world16.json"
 }
 
 suite_calibration() {  # slice calibration vs truth on the host's cores: bare, calibrated, packed, symmetric; W=8 16; POLLUTED=1 (PLAIN=0: only that; CALCONFIGS: --configs)
@@ -152,11 +155,12 @@ suite_calibration() {  # slice calibration vs truth on the host's cores: bare, c
   for w in ${W:-8}; do
     [ "${PLAIN:-1}" != 0 ] && x "$R/calibration-world$w.txt" ${TW:-280} python3 bench/calibration.py --world "$w" \
       --runs ${RUNS:-3} "${prof[@]}" --variants ${VARIANTS:-calibrated,packed,symmetric} ${CALCONFIGS:+--configs $CALCONFIGS} \
-      --out "$R/calibration-world$w.json"
+      ${KEEP:+--keep-runs "$R/keep-calibration$w"} --out "$R/calibration-world$w.json"
     if [ -n "${POLLUTED:-}" ]; then  # a capture of every rank at once on a quarter of the cores
       x "$R/calibration-world$w-polluted.txt" ${TW:-280} python3 bench/calibration.py --world "$w" --runs ${RUNS:-3} \
         --capture-cores $((w / 4)) --capture-slots "$w" "${prof[@]}" --variants ${VARIANTS:-calibrated,packed,symmetric} \
-        ${CALCONFIGS:+--configs $CALCONFIGS} --out "$R/calibration-world$w-polluted.json"
+        ${CALCONFIGS:+--configs $CALCONFIGS} ${KEEP:+--keep-runs "$R/keep-calibration$w-polluted"} \
+        --out "$R/calibration-world$w-polluted.json"
     fi
   done
 }
