@@ -1,0 +1,109 @@
+"""Replays kept CPU captures (``accuracy.py`` / ``calibration.py
+--keep-runs``) under one or more cost profiles and compares each with the
+truth measured beside it. No GPU, seconds: the offline loop for the gloo
+model (issue 19) that ``two_clock_check.py`` is for the GPU captures.
+
+    python bench/kept_replay.py RESULT.json [RESULT.json ...] --kept DIR \\
+        [--net PROFILE[,PROFILE...]] [--json OUT.json]
+
+``RESULT.json``: a benchmark's JSON whose pairs name their kept capture
+(``kept``); ``--kept``: the folder given to ``--keep-runs`` (default: a
+``keep`` folder beside each JSON). ``--net``: profile files or bundled names
+(default: the one the benchmark used, from its JSON). Per pair it prints the
+truth, each profile's prediction and its error; per config and profile the
+median |error| (signed median) and its 95% bootstrap CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from accuracy import bootstrap_median_ci  # noqa: E402  (bench/ is this script's folder, on sys.path)
+from prism.app.errors import PrismError  # noqa: E402
+from prism.app.predict import PredictConfig, predict  # noqa: E402
+
+
+def _pairs(doc: dict):
+    """(config, index, pair) for every pair of an accuracy or calibration JSON, finished or in progress."""
+    rows = list(doc.get("configs") or [])
+    if doc.get("in_progress"):
+        rows.append(doc["in_progress"])
+    for row in rows:
+        for i, pair in enumerate(row.get("runs") or []):
+            yield row["config"], i, pair
+
+
+def _profile_of(doc: dict) -> str | None:
+    """The profile file the benchmark predicted with, where its JSON names one."""
+    prof = doc.get("profile") or doc.get("cost_profile") or {}
+    return prof.get("path") if isinstance(prof, dict) else prof
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", help="accuracy or calibration JSON files whose pairs name a kept capture")
+    ap.add_argument("--kept", default=None, help="the --keep-runs folder (default: keep/ beside each JSON)")
+    ap.add_argument("--net", default=None, help="comma-separated profiles (default: the benchmark's own)")
+    ap.add_argument("--json", default=None, help="write every pair's figures here")
+    a = ap.parse_args()
+
+    rows: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    out = []
+    for path in a.results:
+        p = pathlib.Path(path)
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            sys.exit(f"kept_replay: cannot read {p}: {e}")
+        kept_root = pathlib.Path(a.kept) if a.kept else p.parent / "keep"
+        nets = a.net.split(",") if a.net else [_profile_of(doc)]
+        if nets == [None]:
+            sys.exit(f"kept_replay: {p} names no profile; pass --net")
+        warmup = int(doc.get("warmup") or 2)
+        for config, i, pair in _pairs(doc):
+            if not pair.get("kept"):
+                continue
+            run = kept_root / pair["kept"]
+            if not run.is_dir():
+                sys.exit(f"kept_replay: {p}: pair {i} of {config} was kept as {run}, which is not there; pass "
+                         "--kept with the --keep-runs folder")
+            truth = float(pair["truth_mean_ns"])
+            line = {"result": str(p), "config": config, "pair": i, "kept": pair["kept"], "truth_ns": truth}
+            for net in nets:
+                try:
+                    pred = predict(PredictConfig(run=run, net=net, warmup=warmup)).mean_iteration_ns
+                except PrismError as e:
+                    sys.exit(f"kept_replay: {run} under {net}: {e} (pass --net with a profile file)")
+                line[net] = pred
+                rows.setdefault((config, net), []).append((truth, pred))
+            out.append(line)
+            print(f"{config} pair {i}: truth {truth / 1e6:.1f} ms, " + ", ".join(
+                f"{pathlib.Path(n).stem} {line[n] / 1e6:.1f} ({line[n] / truth - 1:+.1%})" for n in nets), flush=True)
+    if not out:
+        sys.exit("kept_replay: no pair names a kept capture (run the benchmark with --keep-runs DIR)")
+    print()
+    print(f"{'config':<20} {'profile':<44} {'pairs':>5} {'median |err|':>12} {'signed':>8} {'95% CI':>12}")
+    summary = []
+    for (config, net), vals in rows.items():
+        errs = [abs(p - t) / t for t, p in vals]
+        signed = statistics.median((p - t) / t for t, p in vals)
+        lo, hi = bootstrap_median_ci(errs)
+        summary.append({"config": config, "profile": net, "pairs": len(vals), "median_error": statistics.median(errs),
+                        "median_signed_error": signed, "error_ci95": [lo, hi]})
+        print(f"{config:<20} {pathlib.Path(net).name[:44]:<44} {len(vals):>5} {statistics.median(errs):>12.1%} "
+              f"{signed:>+8.1%} {lo:>5.0%}-{hi:.0%}")
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps({"pairs": out, "summary": summary}, indent=2))
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
