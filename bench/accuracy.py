@@ -147,16 +147,13 @@ def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float) -> 
 CPU_CLOCK = "cpu-clock"
 
 
-#: The kept captures' folder names, in the order they were taken (``--keep-runs``).
-KEPT: list[str] = []
-
-
 def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots: int, warmup: int,
               emulate_with: str | None, keep: tuple[str, str] | None = None):
     """Capture (rank 0 recorded), predict under each of ``models``, emulate with
     sandbox 0 under the profile file ``emulate_with`` (None: no emulation);
     ``keep``: (folder, name) keeps the capture's graph there
-    (``prism.validation.keep``), its folder's name in ``KEPT[-1]``."""
+    (``prism.validation.keep``). Returns the predictions, the capture's wall
+    time and CPU share, the emulation's figures and the kept folder's name."""
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
     t0 = time.monotonic()
     status = capture_run(d, world, cmd, slots=slots, show_ranks=(), progress="off",
@@ -164,8 +161,7 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
     wall = time.monotonic() - t0
-    if keep is not None:
-        KEPT.append(keep_capture(d, *keep))
+    kept = keep_capture(d, *keep) if keep is not None else None
     ranks = read_run(d).ranks
     segs = [ev for evs in ranks.values() for ev in evs if isinstance(ev, Compute) and ev.thread_cpu_ns >= 0]
     seg_wall = sum(ev.end_ns - ev.start_ns for ev in segs)
@@ -199,7 +195,7 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
                "prism_overhead_ns": s["ranks"]["0"]["prism_overhead_ns"], "wall_s": time.monotonic() - t1,
                "turnaround_p50_ns": s["pacing"]["turnaround_p50_ns"]}
     shutil.rmtree(d.parent, ignore_errors=True)
-    return preds, wall, emu
+    return preds, wall, emu, kept
 
 
 def bootstrap_median_ci(x: list[float], reps: int = 4000, seed: int = 0) -> tuple[float, float]:
@@ -332,8 +328,8 @@ def main() -> int:
                 times, twall, ends = run_truth(a.world, cmd, tmp, a.timeout)
                 t_mean = mean_iteration(ends, a.warmup)
                 keep = (a.keep_runs, f"{name}-{i}") if a.keep_runs else None
-                preds, (pwall, cpu_share), emu = run_prism(a.world, cmd, tmp, models, cores, a.warmup, emulate_with,
-                                                           keep)
+                preds, (pwall, cpu_share), emu, kept = run_prism(a.world, cmd, tmp, models, cores, a.warmup,
+                                                                 emulate_with, keep)
                 truth.append(t_mean)
                 for k, (_, m) in preds.items():
                     pred[k].append(m)
@@ -343,7 +339,7 @@ def main() -> int:
                 pairs.append({"truth_step_ns": times.tolist(), "truth_mean_ns": t_mean, "truth_wall_s": twall,
                               "prism": {k: {"step_ns": st.tolist(), "mean_ns": m} for k, (st, m) in preds.items()},
                               "capture_wall_s": pwall, "capture_cpu_share": cpu_share, "emulation": emu,
-                              "kept": KEPT[-1] if keep else None})
+                              "kept": kept})
                 line = f"{name} run {i}: truth {t_mean / 1e6:.1f} ms, " + ", ".join(
                     f"{k} {m / 1e6:.1f}" for k, (_, m) in preds.items())
                 if emu is not None:
