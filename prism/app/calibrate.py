@@ -181,30 +181,32 @@ def _packs(config: CalibrateConfig) -> bool:
     return config.pack if config.pack is not None else not config.agents
 
 
-def _check_gpus(config: CalibrateConfig, manifest, ranks) -> None:
-    """``--gpus`` fits the run and the options (before any slice runs)."""
-    if config.gpus is None:
-        return
+def _on_cuda(manifest, ranks) -> bool:
+    """Whether the capture drove GPUs (its traces show CUDA memory, or its manifest says so)."""
     from prism.app.predict import traced_device_kind
 
+    return traced_device_kind(ranks) == "cuda" or getattr(manifest, "device_kind", None) == "cuda"
+
+
+def _check_gpus(config: CalibrateConfig, cuda: bool) -> None:
+    """``--gpus`` fits the run (``cuda``: it drove GPUs) and the options, before any slice runs."""
+    if config.gpus is None:
+        return
     if config.agents:
         raise UsageError("--gpus names this machine's GPUs; with --agents each node's agent offers its own "
                          "(`prism agent --gpus 0,1`): drop --gpus")
-    if traced_device_kind(ranks) != "cuda" and getattr(manifest, "device_kind", None) != "cuda":
+    if not cuda:
         raise UsageError(f"--gpus {config.gpus}: this capture ran on CPU, so its slices run on CPU cores (--cores); "
                          "drop --gpus")
 
 
-def _default_slots(config: CalibrateConfig, manifest, ranks) -> tuple[int, str]:
+def _default_slots(config: CalibrateConfig, cuda: bool) -> tuple[int, str]:
     """How many ranks a slice holds when ``--cores`` is not given: this
-    machine's usable cores, or for a capture that drove GPUs, the GPUs the
-    sandboxes are given (one rank per GPU; ``--gpus``, default GPU 0), or with
-    agents the cores (each agent's node places its own GPUs); and what it counts
-    ("cores" or "GPUs")."""
-    from prism.app.predict import traced_device_kind
-
+    machine's usable cores, or for a capture that drove GPUs (``cuda``), the
+    GPUs the sandboxes are given (one rank per GPU; ``--gpus``, default GPU 0),
+    or with agents the cores (each agent's node places its own GPUs); and what
+    it counts ("cores" or "GPUs")."""
     cores = _usable_cores()
-    cuda = traced_device_kind(ranks) == "cuda" or getattr(manifest, "device_kind", None) == "cuda"
     if not cuda or config.agents:
         return cores, "cores"
     gpus = config.gpus if config.gpus is not None else "0"
@@ -262,8 +264,9 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
     world = len(ranks)
     layout = _layout(config.layout, manifest)
     packed = _packs(config)
-    _check_gpus(config, manifest, ranks)
-    cores, slot_unit = (config.cores, "cores") if config.cores is not None else _default_slots(config, manifest, ranks)
+    cuda = _on_cuda(manifest, ranks)
+    _check_gpus(config, cuda)
+    cores, slot_unit = (config.cores, "cores") if config.cores is not None else _default_slots(config, cuda)
     try:
         slices = plan_slices(world, config.slices, cores=cores, layout=layout)
         rep_of: dict[int, int] = {}

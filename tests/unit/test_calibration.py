@@ -315,15 +315,16 @@ def test_a_cuda_captures_slices_hold_one_rank_per_gpu_given(monkeypatch):
     from prism.app.errors import UsageError
 
     monkeypatch.setattr(cal, "_usable_cores", lambda: 16)
-    cpu, cuda = SimpleNamespace(device_kind="cpu"), SimpleNamespace(device_kind="cuda")
+    assert cal._on_cuda(SimpleNamespace(device_kind="cuda"), {}) is True
+    assert cal._on_cuda(SimpleNamespace(device_kind="cpu"), {}) is False
     cfg = cal.CalibrateConfig(run="r")
-    assert cal._default_slots(cfg, cpu, {}) == (16, "cores")
-    assert cal._default_slots(cfg, cuda, {}) == (1, "GPUs")  # GPU 0, as emulate's default
-    assert cal._default_slots(cal.CalibrateConfig(run="r", gpus="0,1"), cuda, {}) == (2, "GPUs")
-    assert cal._default_slots(cal.CalibrateConfig(run="r", gpus="1,1"), cuda, {}) == (1, "GPUs")
-    assert cal._default_slots(cal.CalibrateConfig(run="r", agents=2), cuda, {}) == (16, "cores")
+    assert cal._default_slots(cfg, False) == (16, "cores")
+    assert cal._default_slots(cfg, True) == (1, "GPUs")  # GPU 0, as emulate's default
+    assert cal._default_slots(cal.CalibrateConfig(run="r", gpus="0,1"), True) == (2, "GPUs")
+    assert cal._default_slots(cal.CalibrateConfig(run="r", gpus="1,1"), True) == (1, "GPUs")
+    assert cal._default_slots(cal.CalibrateConfig(run="r", agents=2), True) == (16, "cores")
     with pytest.raises(UsageError, match="--gpus takes GPU indices"):
-        cal._default_slots(cal.CalibrateConfig(run="r", gpus="a"), cuda, {})
+        cal._default_slots(cal.CalibrateConfig(run="r", gpus="a"), True)
     text = cal.CalibrationResult(Path("x"), _manifest(cores=2, slot_unit="GPUs", slices=[[0], [1]],
                                                       emulations=["e0", "e1"])).text()
     assert "2 GPUs per slice at most" in text and "ran alone" not in text
