@@ -20,12 +20,16 @@ def result_path(benchmark: str, ext: str = "json") -> pathlib.Path:
     return RESULTS / f"{name}.{ext}"
 
 
-def write_json(path: str | os.PathLike[str], doc: object) -> None:
-    """Write a benchmark's results (indented JSON, its folder made) and say where."""
+def write_json(path: str | os.PathLike[str], doc: object, say: bool = True) -> None:
+    """Write a benchmark's results (indented JSON, its folder made; replaced
+    whole, so a reader never sees half a file) and, with ``say``, where."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2))
-    print(f"wrote {path}")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(path)
+    if say:
+        print(f"wrote {path}")
 
 
 def per_call_us(fn, n: int) -> float:

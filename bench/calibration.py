@@ -39,7 +39,6 @@ machine's 16 cores:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -55,7 +54,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _results import result_path  # noqa: E402  (bench/ is this script's folder, on sys.path)
+from _results import result_path, write_json  # noqa: E402  (bench/ is this script's folder, on sys.path)
 from accuracy import _stats, command, ensure_profile, mean_iteration, run_truth  # noqa: E402
 from prism.app.calibrate import CalibrateConfig, calibrate  # noqa: E402
 from prism.app.capture import capture_run  # noqa: E402
@@ -83,7 +82,7 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, profile: str, slots
               slice_cores: int, slices: str, warmup: int, keep: tuple[str, str] | None = None) -> dict:
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
     t0 = time.monotonic()
-    with on_cpus(cores):  # the capture's ranks inherit it; every thread gets all the CPUs back after
+    with on_cpus(cores):  # the capture's ranks inherit it; every thread gets its own CPUs back after
         status = capture_run(d, world, cmd, slots=slots, show_ranks=(), progress="off").exit_code
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
@@ -110,15 +109,6 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, profile: str, slots
                                                         for k in ("clean_ns", "replaced_bare_ns", "replaced_ns")]}
     shutil.rmtree(d.parent, ignore_errors=True)
     return out
-
-
-def _write(path: str, out: dict) -> None:
-    """The JSON so far, replaced whole (a reader never sees half a file)."""
-    p = pathlib.Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    tmp.replace(p)
 
 
 def main() -> int:
@@ -210,7 +200,7 @@ def main() -> int:
                               **res})
                 # every finished pair on disk at once: a run cut by its time bound keeps what it measured
                 out["in_progress"] = {"config": name, "flags": CONFIGS[a.world][name], "runs": pairs}
-                _write(a.out, out)
+                write_json(a.out, out, say=False)
                 print(f"{name} run {i}: truth {t_mean / 1e6:.1f} ms, " + ", ".join(
                     f"{v} {res[v]['mean_ns'] / 1e6:.1f}" for v in VARIANTS)
                       + "  (" + "; ".join(f"{v} {res[v]['wall_s']:.0f} s, {len(res[v]['slices'])} slices"
@@ -229,7 +219,7 @@ def main() -> int:
             out["configs"].append(row)
             out.pop("in_progress", None)
             rows.append(row)
-            _write(a.out, out)
+            write_json(a.out, out, say=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print()
