@@ -25,7 +25,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from accuracy import bootstrap_median_ci  # noqa: E402  (bench/ is this script's folder, on sys.path)
+from _results import write_json  # noqa: E402  (bench/ is this script's folder, on sys.path)
+from accuracy import bootstrap_median_ci  # noqa: E402
 from prism.app.errors import PrismError  # noqa: E402
 from prism.app.predict import PredictConfig, predict  # noqa: E402
 
@@ -100,8 +101,7 @@ def main() -> int:
         print(f"{config:<20} {pathlib.Path(net).name[:44]:<44} {len(vals):>5} {statistics.median(errs):>12.1%} "
               f"{signed:>+8.1%} {lo:>5.0%}-{hi:.0%}")
     if a.json:
-        pathlib.Path(a.json).write_text(json.dumps({"pairs": out, "summary": summary}, indent=2))
-        print(f"wrote {a.json}")
+        write_json(a.json, {"pairs": out, "summary": summary})
     return 0
 
 
