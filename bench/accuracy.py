@@ -147,6 +147,15 @@ def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float) -> 
 CPU_CLOCK = "cpu-clock"
 
 
+def cpu_clock_graph(ranks: dict) -> ExecutionGraph:
+    """The capture's graph with each CPU compute segment cut to the time its
+    main thread was on a CPU (``Compute.thread_cpu_ns``; PrismTrace 1.4)."""
+    return ExecutionGraph.from_events({r: [
+        dataclasses.replace(ev, end_ns=ev.start_ns + min(ev.thread_cpu_ns, ev.end_ns - ev.start_ns))
+        if isinstance(ev, Compute) and ev.thread_cpu_ns >= 0 else ev for ev in evs]
+        for r, evs in ranks.items()})
+
+
 def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots: int, warmup: int,
               emulate_with: str | None, keep: tuple[str, str] | None = None):
     """Capture (rank 0 recorded), predict under each of ``models``, emulate with
@@ -175,10 +184,7 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
         g = graph
         if name == CPU_CLOCK:  # each CPU segment cut to its main thread's CPU time (PrismTrace 1.4)
             if cpu_graph is None:
-                cpu_graph = ExecutionGraph.from_events({r: [
-                    dataclasses.replace(ev, end_ns=ev.start_ns + min(ev.thread_cpu_ns, ev.end_ns - ev.start_ns))
-                    if isinstance(ev, Compute) and ev.thread_cpu_ns >= 0 else ev for ev in evs]
-                    for r, evs in ranks.items()})
+                cpu_graph = cpu_clock_graph(ranks)
             g = cpu_graph
         res = replay_batch(g, cost_model=model)
         preds[name] = (res.iteration_times, res.mean_iteration_time(warmup))

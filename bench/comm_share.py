@@ -18,7 +18,13 @@ profile's replay, so an iteration-time error shows whether the cost model
 also captures with ``PRISM_FRONT_END_IN_COMM=1`` (torch's Python dispatch
 counted inside each call instead of in the compute around it:
 ``prism/rank/bootstrap.py::_front_end``), replayed under two profiles
-(rows ``+fe``).
+(rows ``+fe``; ``cpu-clock+fe``: the concurrent profile over that capture's
+segments cut to their main thread's CPU time). Where the truth's file has the calling thread's CPU clock
+(``PRISM_STEPCLOCK_CALLS=1`` writes it since 2026-12-07), each segment also
+gets its main thread's CPU time on both sides (the capture's
+``Compute.thread_cpu_ns``): wall time above CPU time is time the thread was
+descheduled (or waited for the GIL); CPU time above the truth's is work the
+truth did not do there.
 
 Ground truth needs one core per rank, as in ``bench/accuracy.py``.
 """
@@ -41,11 +47,12 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from accuracy import CONFIGS, command, ensure_profile, job_step_ends  # noqa: E402  (bench/ is on sys.path)
+from accuracy import CONFIGS, CPU_CLOCK, command, cpu_clock_graph, ensure_profile, job_step_ends  # noqa: E402  (bench/ is on sys.path)
 from _results import result_path  # noqa: E402
 from prism.app.capture import capture_run  # noqa: E402
 from prism.app.netprofile import usable_cores  # noqa: E402
 from prism.core.graph import COLL, RECV, SEND, WAIT, ExecutionGraph  # noqa: E402
+from prism.core.trace import P2P, Collective, Compute  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.shell.launcher import launch_ranks  # noqa: E402
 from prism.rank.bootstrap import FRONT_END_ENV  # noqa: E402
@@ -78,48 +85,58 @@ def truth_split(world: int, cmd: list[str], tmp: pathlib.Path, warmup: int, time
         comm.append([per_step.get(k, 0) / 1e6 for k in range(warmup, len(ends))])
     c = float(np.mean(comm))
     per_rank_ends = [stepclock.parse(t)[0] for t in texts]
-    segs = [truth_segments(stepclock.parse_calls(t), e, warmup) for t, e in zip(texts, per_rank_ends)]
+    segs = [truth_segments(stepclock.parse_calls(t), e, warmup, stepclock.call_cpu(t))
+            for t, e in zip(texts, per_rank_ends)]
     return {"iteration_ms": float(iters.mean()), "comm_ms": c, "rest_ms": float(iters.mean()) - c,
             "segments": segs}
 
 
-def truth_segments(calls: list, ends: list[int], warmup: int) -> dict[int, list]:
-    """Per step from ``warmup``: [(gap_ns, op_after)]: the time between one
-    call's return and the next call (the first from the previous step's end,
-    the last one's op ``"end"`` up to the step's end) of one rank: its compute
-    and Python between calls, as the capture's COMPUTE segments are."""
+def truth_segments(calls: list, ends: list[int], warmup: int, cpu=None) -> dict[int, list]:
+    """Per step from ``warmup``: [(gap_ns, op_after, cpu_ns)]: the time between
+    one call's return and the next call (the first from the previous step's
+    end, the last one's op ``"end"`` up to the step's end) of one rank: its
+    compute and Python between calls, as the capture's COMPUTE segments are;
+    ``cpu_ns`` the main thread's CPU time in it (``cpu``: ``stepclock.call_cpu``
+    of the rank's file; -1 without it)."""
+    ccalls, csteps = cpu if cpu is not None else (None, None)
     out: dict[int, list] = {}
     for k in range(max(warmup, 1), len(ends)):
-        mine = [c for c in calls if c[0] == k]
+        mine = [(i, c) for i, c in enumerate(calls) if c[0] == k]
         t, segs = ends[k - 1], []
-        for _step, op, _n, _b, t0, t1, _a in mine:
-            segs.append((t0 - t, op))
-            t = t1
-        segs.append((ends[k] - t, "end"))
+        tc = csteps[k - 1] if csteps is not None else -1
+        for i, (_step, op, _n, _b, t0, t1, _a) in mine:
+            c0, c1 = ccalls[i] if ccalls is not None else (-1, -1)
+            segs.append((t0 - t, op, c0 - tc if tc >= 0 else -1))
+            t, tc = t1, c1
+        segs.append((ends[k] - t, "end", csteps[k] - tc if csteps is not None and tc >= 0 else -1))
         out[k] = segs
     return out
 
 
-def capture_segments(graph: ExecutionGraph, warmup: int) -> list[dict[int, list]]:
+def capture_segments(ranks: dict, warmup: int) -> list[dict[int, list]]:
     """The capture's side of ``truth_segments``: per rank, per step, the
-    COMPUTE time between its communication calls (COLL, SEND, RECV; waits are
-    not calls and stay inside a segment), with the op that follows."""
-    from prism.core.graph import COMPUTE
+    COMPUTE time between its communication calls (collectives, sends and
+    receives; waits are not calls and stay inside a segment), with the op
+    that follows and the main thread's CPU time in it
+    (``Compute.thread_cpu_ns``; -1 where a segment has none)."""
     out = []
-    for r in range(graph.world_size):
-        lo, hi = int(graph.rank_ptr[r]), int(graph.rank_ptr[r + 1])
+    for r in sorted(ranks):
         per: dict[int, list] = {}
-        acc: dict[int, int] = {}
-        for i in range(lo, hi):
-            k, kind = int(graph.step[i]), int(graph.kind[i])
-            if k < warmup:
+        acc: dict[int, list] = {}
+        for ev in ranks[r]:
+            k = getattr(ev, "step", None)
+            if k is None or k < warmup:
                 continue
-            if kind == COMPUTE:
-                acc[k] = acc.get(k, 0) + int(graph.dur[i])
-            elif kind in (COLL, SEND, RECV):
-                per.setdefault(k, []).append((acc.pop(k, 0), str(graph.op[i])))
+            if isinstance(ev, Compute):
+                a = acc.setdefault(k, [0, 0])
+                a[0] += ev.end_ns - ev.start_ns
+                a[1] = a[1] + ev.thread_cpu_ns if a[1] >= 0 and ev.thread_cpu_ns >= 0 else -1
+            elif isinstance(ev, (Collective, P2P)):
+                w, c = acc.pop(k, (0, 0))
+                per.setdefault(k, []).append((w, ev.op, c))
         for k in set(per) | set(acc):
-            per.setdefault(k, []).append((acc.get(k, 0), "end"))
+            w, c = acc.get(k, (0, 0))
+            per.setdefault(k, []).append((w, "end", c))
         out.append(per)
     return out
 
@@ -127,7 +144,8 @@ def capture_segments(graph: ExecutionGraph, warmup: int) -> list[dict[int, list]
 def compare_segments(truth: list[dict[int, list]], cap: list[dict[int, list]]) -> dict:
     """Segment by segment where both sides made the same number of calls in a
     step: the mean over ranks and steps of each segment's truth and captured
-    time (ms), keyed by its position in the step and the op after it."""
+    time (ms), and of their main threads' CPU time in it where both sides have
+    it (None else), keyed by its position in the step and the op after it."""
     sums: dict[int, list] = {}
     aligned = unaligned = 0
     for tr, cr in zip(truth, cap):
@@ -137,13 +155,18 @@ def compare_segments(truth: list[dict[int, list]], cap: list[dict[int, list]]) -
                 unaligned += 1
                 continue
             aligned += 1
-            for i, ((tg, op), (cg, _)) in enumerate(zip(ts, cs)):
-                acc = sums.setdefault(i, [op, 0.0, 0.0, 0])
+            for i, ((tg, op, tc), (cg, _, cc)) in enumerate(zip(ts, cs)):
+                acc = sums.setdefault(i, [op, 0.0, 0.0, 0, 0.0, 0.0, 0])
                 acc[1] += tg / 1e6
                 acc[2] += cg / 1e6
                 acc[3] += 1
-    rows = [{"index": i, "op_after": op, "truth_ms": t / n, "capture_ms": c / n, "n": n}
-            for i, (op, t, c, n) in sorted(sums.items())]
+                if tc >= 0 and cc >= 0:
+                    acc[4] += tc / 1e6
+                    acc[5] += cc / 1e6
+                    acc[6] += 1
+    rows = [{"index": i, "op_after": op, "truth_ms": t / n, "capture_ms": c / n, "n": n,
+             "truth_cpu_ms": tc / nc if nc else None, "capture_cpu_ms": cc / nc if nc else None}
+            for i, (op, t, c, n, tc, cc, nc) in sorted(sums.items())]
     return {"aligned_rank_steps": aligned, "unaligned_rank_steps": unaligned, "rows": rows}
 
 
@@ -161,13 +184,16 @@ def prism_split(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, war
             os.environ[FRONT_END_ENV] = old
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
-    graph = ExecutionGraph.from_events(read_run(d).ranks)
+    ranks = read_run(d).ranks
+    graph = ExecutionGraph.from_events(ranks)
     shutil.rmtree(d.parent, ignore_errors=True)
-    segments = capture_segments(graph, warmup)
+    segments = capture_segments(ranks, warmup)
     comm_kind = np.isin(graph.kind, (COLL, SEND, RECV, WAIT))
     out = {}
     for name, model in models.items():
-        res = replay_batch(graph, cost_model=model)
+        # ``cpu-clock``: the same profile over segments cut to their main thread's CPU time
+        g = cpu_clock_graph(ranks) if name == CPU_CLOCK else graph
+        res = replay_batch(g, cost_model=model)
         span = (res.end - res.start).astype(np.float64)
         steps = graph.step
         last = int(steps.max())
@@ -185,15 +211,22 @@ def print_segments(name: str, runs: list[dict], top: int = 8) -> None:
     for r in runs:
         for row in r["segments"]["rows"]:
             rows.setdefault(row["index"], []).append(row)
-    merged = [(i, rs[0]["op_after"], statistics.mean(x["truth_ms"] for x in rs),
-               statistics.mean(x["capture_ms"] for x in rs)) for i, rs in rows.items()]
+    def mean(rs, key):
+        vals = [x[key] for x in rs if x.get(key) is not None]
+        return statistics.mean(vals) if vals else None
+    merged = [(i, rs[0]["op_after"], mean(rs, "truth_ms"), mean(rs, "capture_ms"), mean(rs, "truth_cpu_ms"),
+               mean(rs, "capture_cpu_ms")) for i, rs in rows.items()]
     al = sum(r["segments"]["aligned_rank_steps"] for r in runs)
     un = sum(r["segments"]["unaligned_rank_steps"] for r in runs)
     tt, ct = sum(m[2] for m in merged), sum(m[3] for m in merged)
+    cpu = all(m[4] is not None and m[5] is not None for m in merged)
+    tcpu = f" (main thread on a CPU {sum(m[4] for m in merged):.2f})" if cpu else ""
+    ccpu = f" (on a CPU {sum(m[5] for m in merged):.2f})" if cpu else ""
     print(f"{name}: segments between calls, mean per rank and step ({al} rank-steps aligned, {un} not): "
-          f"truth {tt:.2f} ms, capture {ct:.2f} ms in all; the {top} that differ most:")
-    for i, op, t, c in sorted(merged, key=lambda m: -abs(m[3] - m[2]))[:top]:
-        print(f"  #{i:<4} before {op:<24} truth {t:8.3f} ms  capture {c:8.3f} ms  ({c - t:+.3f})")
+          f"truth {tt:.2f} ms{tcpu}, capture {ct:.2f} ms{ccpu} in all; the {top} that differ most:")
+    for i, op, t, c, tc, cc in sorted(merged, key=lambda m: -abs(m[3] - m[2]))[:top]:
+        on = f"   on a CPU {tc:7.3f} / {cc:7.3f} ms ({cc - tc:+.3f})" if tc is not None and cc is not None else ""
+        print(f"  #{i:<4} before {op:<24} truth {t:8.3f} ms  capture {c:8.3f} ms  ({c - t:+.3f}){on}")
 
 
 def main() -> int:
@@ -227,17 +260,19 @@ def main() -> int:
                 t = truth_split(a.world, cmd, tmp, a.warmup, a.timeout)
                 p = prism_split(a.world, cmd, tmp, models, a.warmup)
                 # the same with torch's front end counted inside each call (PRISM_FRONT_END_IN_COMM=1)
-                f = prism_split(a.world, cmd, tmp, {k: models[k] for k in ("concurrent", "one-fit")}, a.warmup,
-                                front_end=True)
-                f.pop("_segments")
+                f = prism_split(a.world, cmd, tmp, {**{k: models[k] for k in ("concurrent", "one-fit")},
+                                                    CPU_CLOCK: models["concurrent"]}, a.warmup, front_end=True)
+                fseg = f.pop("_segments")
                 p.update({f"{k}+fe": v for k, v in f.items()})
-                seg = compare_segments(t.pop("segments"), p.pop("_segments"))
-                runs.append({"truth": t, "prism": p, "segments": seg})
+                tseg = t.pop("segments")
+                seg = compare_segments(tseg, p.pop("_segments"))
+                runs.append({"truth": t, "prism": p, "segments": seg, "segments_fe": compare_segments(tseg, fseg)})
                 print(f"{name} run {i}: truth {t['iteration_ms']:.1f} ms = comm {t['comm_ms']:.1f} + rest "
                       f"{t['rest_ms']:.1f}; " + "; ".join(f"{k} {v['iteration_ms']:.1f} = {v['comm_ms']:.1f} + "
                                                           f"{v['rest_ms']:.1f}" for k, v in p.items()), flush=True)
             res["configs"].append({"config": name, "runs": runs})
             print_segments(name, runs)
+            print_segments(f"{name}+fe", [{"segments": r["segments_fe"]} for r in runs])
             pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(a.out).write_text(json.dumps(res, indent=2))
     finally:

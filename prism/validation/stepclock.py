@@ -33,10 +33,14 @@ With ``PRISM_STEPCLOCK_CALLS=1`` every communication call made through
 ``torch.distributed``'s Python functions (``all_reduce``, ``broadcast``,
 ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``,
 ``send``, ``recv``, ``isend``, ``irecv``, ...) writes ``call STEP OP GROUP_SIZE
-BYTES T0_NS T1_NS ASYNC``: how long the call held its caller (for an async call
-only its issue), bytes of its first tensor; calls C++ makes by itself (DDP's
-reducer) are not seen. No profiler: the times are the calls' own, give or take
-a microsecond (``prism.validation.stepclock.parse_calls`` reads them).
+BYTES T0_NS T1_NS ASYNC CPU0_NS CPU1_NS``: how long the call held its caller (for
+an async call only its issue), bytes of its first tensor, and the calling
+thread's CPU clock at both ends; each step line then also carries the main
+thread's CPU clock (``STEP T_NS CPU_NS``), so the compute between two calls has
+its CPU time beside its wall time, as a capture's segments do
+(``Compute.thread_cpu_ns``). Calls C++ makes by itself (DDP's reducer) are not
+seen. No profiler: the times are the calls' own, give or take a microsecond
+(``prism.validation.stepclock.parse_calls`` and ``call_cpu`` read them).
 
 With ``PRISM_STEPCLOCK_SCHED=1`` every step also writes
 ``sched STEP CPU RUN_NS RUNQUEUE_NS`` for the rank's main thread: the CPU it
@@ -91,6 +95,7 @@ def main() -> None:
     mem_step = int(os.environ.get("PRISM_STEPCLOCK_MEM_STEP", "2"))
     profile_step = int(os.environ.get("PRISM_STEPCLOCK_PROFILE_STEP", "-1"))
     sched = os.environ.get("PRISM_STEPCLOCK_SCHED") == "1"
+    calls = os.environ.get("PRISM_STEPCLOCK_CALLS") == "1"
     prof = [None]
 
     def hook(optimizer, args, kwargs) -> None:
@@ -101,7 +106,10 @@ def main() -> None:
             prof[0].stop()
             prof[0].export_chrome_trace(os.path.join(out_dir, f"profile-rank-{rank}.json"))
             prof[0] = None
-        log.write(f"{count[0]} {time.monotonic_ns()}\n")
+        if calls:
+            log.write(f"{count[0]} {time.monotonic_ns()} {time.thread_time_ns()}\n")
+        else:
+            log.write(f"{count[0]} {time.monotonic_ns()}\n")
         if sched:
             log.write(sched_line(count[0]))
         if cuda and count[0] == mem_step:
@@ -121,7 +129,7 @@ def main() -> None:
             prof[0].start()
 
     register_optimizer_step_post_hook(hook)
-    if os.environ.get("PRISM_STEPCLOCK_CALLS") == "1":
+    if calls:
         _time_calls(log, count)
     if os.environ.get("PRISM_STEPCLOCK_MODE") == "1":
         # Measures the logical-device mode's cost inside a real (non-Prism)
@@ -162,16 +170,18 @@ def _time_calls(log, count) -> None:
 
     def wrap(name, fn):
         def timed(*args, **kwargs):
+            c0 = time.thread_time_ns()
             t0 = time.monotonic_ns()
             out = fn(*args, **kwargs)
             t1 = time.monotonic_ns()
+            c1 = time.thread_time_ns()
             group = kwargs.get("group")
             try:
                 n = dist.get_world_size(group) if group is not None else dist.get_world_size()
             except Exception:  # noqa: BLE001 (a non-member's call)
                 n = -1
             is_async = bool(kwargs.get("async_op")) or name in ("isend", "irecv", "batch_isend_irecv")
-            log.write(f"call {count[0]} {name} {n} {nbytes(args, kwargs)} {t0} {t1} {int(is_async)}\n")
+            log.write(f"call {count[0]} {name} {n} {nbytes(args, kwargs)} {t0} {t1} {int(is_async)} {c0} {c1}\n")
             return out
         timed.__wrapped__ = fn
         return timed
@@ -191,9 +201,30 @@ def parse_calls(text: str) -> list[tuple[int, str, int, int, int, int, bool]]:
     out = []
     for line in text.splitlines():
         if line.startswith("call "):
-            _, step, op, n, b, t0, t1, a = line.split()
+            _, step, op, n, b, t0, t1, a = line.split()[:8]
             out.append((int(step), op, int(n), int(b), int(t0), int(t1), a == "1"))
     return out
+
+
+def call_cpu(text: str) -> tuple[list[tuple[int, int]], list[int]] | None:
+    """The calling thread's CPU clock (ns) at each ``call`` line's ends, in
+    ``parse_calls``'s order, and at each step line (the main thread's);
+    None for a file written without them (before they were logged)."""
+    calls: list[tuple[int, int]] = []
+    steps: list[int] = []
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        if parts[0] == "call":
+            if len(parts) < 10:
+                return None
+            calls.append((int(parts[8]), int(parts[9])))
+        elif parts[0][0].isdigit():
+            if len(parts) < 3:
+                return None
+            steps.append(int(parts[2]))
+    return calls, steps
 
 
 def parse(text: str) -> tuple[list[int], dict[str, list[int]]]:

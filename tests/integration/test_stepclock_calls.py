@@ -48,3 +48,18 @@ def test_calls_are_timed_per_step(tmp_path):
     assert all(0 <= t1 - t0 < 10**10 for _, _, _, _, t0, t1, _ in calls)
     # a step's calls happen before its optimizer step ends
     assert all(t1 <= ends[s] for s, _, _, _, _, t1, _ in calls)
+    # the calling thread's CPU clock at each call's ends and at each step end, in order
+    cpu = stepclock.call_cpu(text)
+    assert cpu is not None
+    ccalls, csteps = cpu
+    assert len(ccalls) == len(calls) and len(csteps) == len(ends)
+    seq = [c for pair in ccalls for c in pair]
+    assert all(0 < c0 <= c1 for c0, c1 in ccalls) and seq == sorted(seq)
+    assert csteps == sorted(csteps) and csteps[-1] >= seq[-1]
+
+
+def test_files_without_cpu_clocks_still_parse():
+    text = "call 0 all_reduce 2 1024 10 20 0\n0 30\n"
+    assert stepclock.parse_calls(text) == [(0, "all_reduce", 2, 1024, 10, 20, False)]
+    assert stepclock.call_cpu(text) is None
+    assert stepclock.call_cpu("call 0 all_reduce 2 1024 10 20 0 5 6\n0 30 7\n") == ([(5, 6)], [7])
