@@ -89,7 +89,7 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, profile: str, slots
     out: dict = {"capture_wall_s": time.monotonic() - t0}
     if keep is not None:  # the capture's graph, before the calibrations add theirs
         out["kept"] = keep_capture(d, *keep)
-    bare = predict(PredictConfig(run=d, net=profile, warmup=warmup))
+    bare = predict(PredictConfig(run=d, net=profile, warmup=warmup, calibration="off"))
     out["bare"] = {"step_ns": bare.result.iteration_times.tolist(), "mean_ns": bare.mean_iteration_ns}
     for name in VARIANTS[1:]:
         sym, pack, keep = CALIBRATIONS[name]

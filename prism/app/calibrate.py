@@ -19,15 +19,17 @@ call to the capture) and stores them under ``RUN/calibration/<name>/``:
 
 ``--symmetric`` runs one slice per class of equivalent ranks (same TP rank,
 PP stage and EP rank) and copies the representatives' durations to their
-class. ``predict`` and ``emulate`` use a stored calibration with
-``--calibration on`` (the newest) or ``--calibration NAME``; the default is
-off: on a device host's 16 CPUs it cut a polluted capture's error from 31-101%
-to 9-15% (bench/results/archive/calibration-2026-12.md) and tied with the bare
-prediction on clean captures (bench/results/calibration-2026-12-06-h100cpu.md,
-which also has why packing is the default: on clean captures packed slices stay
-within 0.2-0.6 points of the bare prediction where lone slices on an idle host
-drift 1-2 points low, on polluted ones they correct as much, at a quarter of
-the wall time).
+class. ``predict`` and ``emulate`` use the run's newest stored calibration
+by default (``--calibration auto``; ``on``: the newest, required; ``off``: the
+bare graph; or ``--calibration NAME``): on a 16-core host's CPUs it cut a
+polluted capture's error from +98..+155% to +13..+22% at world 8 and from +45%
+to about -10% at world 16, and tied with the bare prediction on clean captures
+(bench/results/calibration-2026-12-07-h100cpu.md; archive/calibration-2026-12.md has
+why packing is the default: on clean captures packed slices stay within
+0.2-0.6 points of the bare prediction where lone slices on an idle host drift
+1-2 points low, on polluted ones they correct as much, at a quarter of the
+wall time). Without a calibration, ``pollution_hint`` says when the capture's
+ranks were off a CPU for over a fifth of their compute.
 Segments the capture timed with two clocks (GPU captures) keep their
 capture timing (``prism.core.calibration``, the rule).
 """
@@ -47,6 +49,8 @@ import numpy as np
 from prism.app.errors import InconsistentTraceError, PrismError, UsageError
 from prism.core.calibration import (
     CLEAN_SHARE,
+    POLLUTED_SHARE,
+    cpu_share,
     CalibrationError,
     apply_calibration,
     expand_classes,
@@ -61,10 +65,11 @@ from prism.core.scaleout import Layout, ScaleOutError
 from prism.core.trace import Event
 
 __all__ = ["CalibrateConfig", "CalibrationResult", "CalibrationFailed", "calibrate", "calibrated_events",
-           "load_calibration", "CALIBRATION_CHOICES"]
+           "load_calibration", "CALIBRATION_CHOICES", "has_calibration",
+           "pollution_hint"]
 
 #: ``--calibration`` values besides a calibration's name.
-CALIBRATION_CHOICES = ("off", "on")
+CALIBRATION_CHOICES = ("auto", "off", "on")
 _DURATIONS = "durations.npz"
 _MANIFEST = "manifest.json"
 
@@ -163,8 +168,8 @@ class CalibrationResult:
                          "machine computes faster than the job's full one (turbo clocks, shared caches and memory "
                          "bandwidth), so the slices' figures may run short of the job's; without --no-pack the "
                          "slices run together, the machine loaded as in the job")
-        lines.append(f"stored in {self.out_dir}; use it with `prism predict RUN --calibration on` "
-                     "(or `--calibration " + m["name"] + "`)")
+        lines.append(f"stored in {self.out_dir}; `prism predict RUN` and `prism emulate RUN` use the newest "
+                     "calibration (or name it: `--calibration " + m["name"] + "`; `--calibration off`: the bare graph)")
         return "\n".join(lines)
 
 
@@ -284,7 +289,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
         raise UsageError(str(e)) from None
     name = config.name or time.strftime("%Y%m%d-%H%M%S")
     if not name or "/" in name or name in CALIBRATION_CHOICES:
-        raise UsageError(f"--name {name!r}: give a plain name (not off or on, no '/')")
+        raise UsageError(f"--name {name!r}: give a plain name (not auto, off or on, no '/')")
     out = runfolder.calibration_path(run, name)
     if (out / _MANIFEST).exists():
         raise UsageError(f"{out} already holds a calibration; choose another --name")
@@ -328,6 +333,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationResult:
                 continue
         t0 = time.perf_counter()
         outcome = emulate(EmulateConfig(run=run, sandbox=",".join(map(str, sandbox)), net=config.net,
+                                        calibration="off",
                                         name=emu_names[k], warmup=config.warmup, quiet_s=config.quiet_s,
                                         show_ranks="none", progress="off", agents=config.agents,
                                         listen=config.listen, keys=config.keys, insecure=config.insecure,
@@ -502,13 +508,22 @@ def load_calibration(run: str | os.PathLike[str], which: str = "on") -> tuple[di
     return table, manifest
 
 
+def has_calibration(run: str | os.PathLike[str]) -> bool:
+    """Whether ``run`` holds a stored calibration (``prism calibrate``)."""
+    from prism.shell import runfolder
+
+    base = runfolder.calibration_path(run, None)
+    return base.is_dir() and any((d / _MANIFEST).is_file() and (d / _DURATIONS).is_file() for d in base.iterdir())
+
+
 def calibrated_events(run: str | os.PathLike[str], ranks: Mapping[int, Sequence[Event]],
                       which: str) -> tuple[Mapping[int, Sequence[Event]], dict | None]:
-    """``ranks`` with the calibration ``which`` applied ("off": as they are)
-    and that calibration's manifest (None when off)."""
-    if which == "off":
+    """``ranks`` with the calibration ``which`` applied ("off": as they are;
+    "auto": the newest when the run has one, else as they are) and that
+    calibration's manifest (None when none is applied)."""
+    if which == "off" or (which == "auto" and not has_calibration(run)):
         return ranks, None
-    table, manifest = load_calibration(run, which)
+    table, manifest = load_calibration(run, "on" if which == "auto" else which)
     if manifest.get("world_size") != len(ranks):
         raise UsageError(f"the calibration {manifest.get('name')!r} is of a world of {manifest.get('world_size')} "
                          f"ranks but {run} has {len(ranks)}")
@@ -516,3 +531,16 @@ def calibrated_events(run: str | os.PathLike[str], ranks: Mapping[int, Sequence[
         return apply_calibration(ranks, table), manifest
     except CalibrationError as e:
         raise UsageError(str(e)) from None
+
+
+def pollution_hint(run: str | os.PathLike[str], ranks: Mapping[int, Sequence[Event]]) -> str | None:
+    """For a prediction on the bare graph: a line saying the capture's CPU
+    timing looks polluted (``prism.core.calibration.POLLUTED_SHARE``) and
+    what to do; None when it does not (or the capture has no CPU clocks)."""
+    got = cpu_share(ranks)
+    if got is None or got[0] >= POLLUTED_SHARE:
+        return None
+    share, worst, worst_rank, _, _ = got
+    return (f"the capture's CPU timing looks polluted: its ranks' main threads were on a CPU for {share:.0%} of their "
+            f"compute (rank {worst_rank}: {worst:.0%}; more ranks than free cores?), so the prediction runs long; "
+            f"`prism calibrate {run}` measures the compute again in slices, and predict and emulate then use it")

@@ -248,7 +248,7 @@ class _Runner:
 
         p = predict(PredictConfig(run=run_dir, net=point.get("model.net"), scale_dp=point.get("model.scale_dp"),
                                   warmup=point.get("campaign.warmup", 1),
-                                  calibration=point.get("model.calibration", "off"), whatif=whatif_of_point(point)))
+                                  calibration=point.get("model.calibration", "auto"), whatif=whatif_of_point(point)))
         times = p.result.iteration_times.tolist()
         out: dict[str, Any] = {"world_size": p.result.graph.world_size,
                                "iteration_ms": p.mean_iteration_ns / 1e6 if len(times) > p.config.warmup else None,
@@ -268,7 +268,7 @@ class _Runner:
                                     name=f"campaign-{point.key}-{int(time.time())}",
                                     dormant=point.get("emulate.dormant", "auto"),
                                     warmup=point.get("campaign.warmup", 1), scale_dp=point.get("model.scale_dp"),
-                                    calibration=point.get("model.calibration", "off")))
+                                    calibration=point.get("model.calibration", "auto")))
         s = res.summary
         peaks = {int(r): info["peak_allocated"] for r, info in s.get("ranks", {}).items()
                  if info.get("peak_allocated") is not None}

@@ -101,9 +101,10 @@ class EmulateConfig:
     #: against ``memory_limit_gib``: torch's allocator gets the limit less
     #: the larger of ``memory_overhead_gib`` and the pool.
     prefetch_pool_mib: int = 256
-    #: A stored slice calibration for the virtual ranks' durations: "off",
-    #: "on" (the newest) or its name (``prism.app.calibrate``).
-    calibration: str = "off"
+    #: A stored slice calibration for the virtual ranks' durations: "auto"
+    #: (the newest when the run has one, else as captured; the default),
+    #: "on" (the newest, required), "off" or its name (``prism.app.calibrate``).
+    calibration: str = "auto"
     #: Grow the capture to this data-parallel degree first (``prism.core.scaleout``).
     scale_dp: int | None = None
     #: The captured layout for ``scale_dp``, as ``Layout`` or ``"tp=2,pp=2,dp=2"`` (None: the manifest's).
@@ -363,9 +364,10 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     t_load = time.perf_counter()
     ranks = load_run_events(run)
     ranks, missing = _complete_steps(run, ranks)
-    from prism.app.calibrate import calibrated_events
+    from prism.app.calibrate import calibrated_events, pollution_hint
 
-    ranks, _ = calibrated_events(run, ranks, config.calibration)
+    ranks, calibration = calibrated_events(run, ranks, config.calibration)
+    hint = pollution_hint(run, ranks) if calibration is None and config.calibration != "off" else None
     try:
         graph = ExecutionGraph.from_events(ranks)
     except GraphError as e:
@@ -582,6 +584,10 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         # --device-path: cuda_ext's path ("kernels" or "fallback") and why, as checked before the sandboxes started
         "cuda_ext": kernels,
         "cost_model": model.name, "cost_model_choice": why, "warmup": config.warmup,
+        # the virtual ranks' compute: a stored slice calibration, or as captured (with why that may run long)
+        "calibration": None if calibration is None else {k: calibration.get(k) for k in ("name", "created_utc",
+                                                                                          "slices", "symmetric")},
+        "calibration_hint": hint,
         "predicted_iteration_ns": batch.iteration_times.tolist(),
         "predicted_mean_ns": _mean(batch.iteration_times.tolist(), config.warmup),
         "emulated_iteration_ns": job_times,
@@ -741,6 +747,12 @@ def format_summary(s: dict, out_dir: Path) -> str:
     if s.get("prefetch_pool_bytes"):
         lines.append(f"prefetch pool: {s['prefetch_pool_bytes'] / 2**20:.0f} MiB of device memory per sandbox rank "
                      "(Prism's own, outside torch's allocator; each rank's log ends with its use)")
+    cal = s.get("calibration")
+    if cal:
+        lines.append(f"virtual ranks' compute: slice calibration {cal.get('name')!r} of {cal.get('created_utc')} "
+                     f"({len(cal.get('slices') or [])} slices{', symmetric' if cal.get('symmetric') else ''})")
+    elif s.get("calibration_hint"):
+        lines.append(s["calibration_hint"])
     lines.append(f"{'':<28}{'iteration time':>16}")
     lines.append(f"{'capture prediction':<28}{_ms(s['predicted_mean_ns']):>16}")
     lines.append(f"{'emulated job':<28}{_ms(s['emulated_mean_ns']):>16}")

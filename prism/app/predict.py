@@ -49,10 +49,12 @@ class PredictConfig:
     scale_dp: int | None = None
     layout: Layout | str | None = None
     warmup: int = DEFAULT_WARMUP
-    #: A stored slice calibration (``prism.app.calibrate``): "off" (the bare
-    #: graph), "on" (the newest) or its name. Off by default: it wins on
-    #: polluted captures and ties on clean ones (bench/results/calibration-2026-12-06-h100cpu.md).
-    calibration: str = "off"
+    #: A stored slice calibration (``prism.app.calibrate``): "auto" (the
+    #: newest when the run has one, else the bare graph; the default: it wins
+    #: on polluted captures and ties on clean ones,
+    #: bench/results/calibration-2026-12-07-h100cpu.md), "on" (the newest,
+    #: required), "off" (the bare graph) or its name.
+    calibration: str = "auto"
     #: What-if knobs (``prism.core.whatif``): a straggler, throttled GPUs, slower
     #: links, a memory limit. None: the capture as it was.
     whatif: WhatIf | None = None
@@ -74,6 +76,9 @@ class Prediction:
     calibration: dict | None = None
     #: Peak memory per rank from the trace, judged against ``whatif.memory_limit_gib``.
     memory: MemoryVerdict | None = None
+    #: On the bare graph: why the capture's CPU timing may run long and what
+    #: to do (``prism.app.calibrate.pollution_hint``); None when it looks clean.
+    calibration_hint: str | None = None
 
     @property
     def oom(self) -> bool:
@@ -94,6 +99,8 @@ class Prediction:
             data["incomplete_run"] = list(self.missing)
         data["calibration"] = None if self.calibration is None else {
             k: self.calibration.get(k) for k in ("name", "created_utc", "slices", "symmetric", "rule")}
+        if self.calibration_hint:
+            data["calibration_hint"] = self.calibration_hint
         if self.config.whatif is not None:
             data["whatif"] = self.config.whatif.describe()
         if self.memory is not None and (self.memory.peaks or self.memory.limit_gib is not None):
@@ -114,6 +121,8 @@ class Prediction:
             text += (f"\ncompute durations: slice calibration {c.get('name')!r} of {c.get('created_utc')} "
                      f"({len(c.get('slices', []))} slices{', symmetric' if c.get('symmetric') else ''}; "
                      "two-clock GPU segments as captured)")
+        elif self.calibration_hint:
+            text += f"\n{self.calibration_hint}"
         if self.config.whatif is not None:
             text += "".join(f"\nwhat-if {line}" for line in self.config.whatif.describe())
         if self.memory is not None and (self.memory.peaks or self.memory.limit_gib is not None):
@@ -147,9 +156,10 @@ def predict(config: PredictConfig) -> Prediction:
         raise InconsistentTraceError(f"nothing to predict in {run}: it has no rank files ({run}/ranks is empty); "
                                      "the capture stopped before any rank wrote its trace: see its logs/")
     ranks, missing = _complete_steps(run, ranks)
-    from prism.app.calibrate import calibrated_events
+    from prism.app.calibrate import calibrated_events, pollution_hint
 
     ranks, calibration = calibrated_events(run, ranks, config.calibration)
+    hint = pollution_hint(run, ranks) if calibration is None and config.calibration != "off" else None
     try:
         model, why = resolve_profile(config.net, manifest, traced_device_kind(ranks))
     except ProfileError as e:
@@ -165,7 +175,7 @@ def predict(config: PredictConfig) -> Prediction:
         raise InconsistentTraceError(f"the trace in {run} is inconsistent: {e}") from None
     w = config.whatif or WhatIf()
     memory = check_memory(peak_memory(ranks), w.memory_limit_gib, w.memory_overhead_gib)
-    return Prediction(config, result, why, layout, missing, calibration, memory)
+    return Prediction(config, result, why, layout, missing, calibration, memory, hint)
 
 
 def _complete_steps(run, ranks: dict[int, list[Event]]) -> tuple[dict[int, list[Event]], tuple[str, ...]]:

@@ -147,28 +147,17 @@ def summary_text(run: T.Run) -> str:
 def _cpu_share(run: T.Run) -> list[str]:
     """CPU ranks (PrismTrace 1.4): how much of their compute segments' wall
     time the main thread spent on a CPU, and how many segments ran clean
-    (``prism.core.calibration.CLEAN_SHARE``): a low share means the capture's
+    (``prism.core.calibration.cpu_share``): a low share means the capture's
     timing is polluted (ranks descheduled by context switching or waiting for
     the GIL) and ``prism calibrate`` has something to fix."""
-    from prism.core.calibration import CLEAN_SHARE
+    from prism.core.calibration import CLEAN_SHARE, cpu_share
 
-    wall = cpu = n = clean = 0
-    worst: tuple[float, int] | None = None
-    for rank, events in run.ranks.items():
-        w = c = 0
-        for ev in events:
-            if type(ev) is T.Compute and ev.cpu_ns < 0 and ev.thread_cpu_ns >= 0:
-                d = ev.end_ns - ev.start_ns
-                w, c, n = w + d, c + min(ev.thread_cpu_ns, d), n + 1
-                clean += ev.thread_cpu_ns >= CLEAN_SHARE * d
-        if w:
-            wall, cpu = wall + w, cpu + c
-            if worst is None or c / w < worst[0]:
-                worst = (c / w, rank)
-    if not n or not wall:
+    got = cpu_share(run.ranks)
+    if got is None:
         return []
-    return ["", f"compute segments on a CPU (PrismTrace 1.4): the main threads used {cpu / wall:.1%} of their wall "
-                f"time (lowest: rank {worst[1]}, {worst[0]:.1%}); {clean:,} of {n:,} segments clean (on a CPU for "
+    share, worst, worst_rank, n, clean = got
+    return ["", f"compute segments on a CPU (PrismTrace 1.4): the main threads used {share:.1%} of their wall "
+                f"time (lowest: rank {worst_rank}, {worst:.1%}); {clean:,} of {n:,} segments clean (on a CPU for "
                 f"{CLEAN_SHARE:.0%} or more: `prism calibrate` keeps those)"]
 
 

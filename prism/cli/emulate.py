@@ -72,9 +72,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "staged into ahead of their calls (default: 256)")
     p.add_argument("--memory-overhead", type=float, default=None, metavar="GIB",
                    help="of --memory-limit, what the GPU holds outside torch's allocator (default: as capture)")
-    p.add_argument("--calibration", default="off", metavar="off|on|NAME",
-                   help="the virtual ranks' compute durations: off (as captured, the default; calibration "
-                        "wins on a capture with more ranks than cores), on (the newest `prism calibrate`) or its --name")
+    p.add_argument("--calibration", default="auto", metavar="auto|on|off|NAME",
+                   help="the virtual ranks' compute durations: auto (the default: the newest `prism calibrate` of "
+                        "the run if it has one, else as captured), on (the newest, required), off (as captured) "
+                        "or a calibration's --name")
 
 
 def _gpu_kw(args: argparse.Namespace) -> dict:

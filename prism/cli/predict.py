@@ -25,9 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the captured run's layout for --scale-dp (default: the manifest's, from --tp/--pp/--dp flags)")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                    help=f"steps dropped before averaging iteration times (default: {DEFAULT_WARMUP})")
-    p.add_argument("--calibration", default="off", metavar="off|on|NAME",
-                   help="compute durations: off (as captured, the default; calibration wins on a capture with more "
-                        "ranks than cores, not on every clean one), on (the newest `prism calibrate` of the run) or a calibration's --name")
+    p.add_argument("--calibration", default="auto", metavar="auto|on|off|NAME",
+                   help="compute durations: auto (the default: the newest `prism calibrate` of the run if it has "
+                        "one, else as captured), on (the newest, required), off (as captured) or a calibration's "
+                        "--name; calibration wins where the capture had more ranks than free cores and ties elsewhere")
     w = p.add_argument_group("what-if knobs (prism.core.whatif)")
     w.add_argument("--straggler", action="append", default=[], metavar="RANK:PCT",
                    help="rank RANK computes PCT%% slower (repeatable), e.g. 3:20")

@@ -48,7 +48,7 @@ from prism.core.graph import program_order
 from prism.core.scaleout import Layout
 from prism.core.trace import P2P, Collective, Compute, Event, Iteration
 
-__all__ = ["CLEAN_SHARE", "CalibrationError", "SLICE_MODES", "plan_slices", "pack_slices", "node_rounds", "symmetry_classes", "symmetric_plan",
+__all__ = ["CLEAN_SHARE", "POLLUTED_SHARE", "cpu_share", "CalibrationError", "SLICE_MODES", "plan_slices", "pack_slices", "node_rounds", "symmetry_classes", "symmetric_plan",
            "Measured", "measured_durations", "expand_classes", "apply_calibration"]
 
 #: Named ways to cut a run into slices (besides explicit ``"0,1;2,3"``).
@@ -409,3 +409,36 @@ def apply_calibration(ranks: Mapping[int, Sequence[Event]],
                 new[i] = dataclasses.replace(ev, end_ns=ev.start_ns + int(d))
         out[r] = new
     return out
+
+
+#: Below this share of their compute segments' wall time on a CPU, a CPU
+#: capture's timing counts as polluted (ranks descheduled by context
+#: switching, or waiting for the GIL): ``predict`` and ``emulate`` without a
+#: calibration say so and point to ``prism calibrate``. Clean captures on a
+#: 16-core host measured 88-99% (bench/results/accuracy-2026-12-04-h200cpu.md);
+#: eight ranks on two cores far less.
+POLLUTED_SHARE = 0.8
+
+
+def cpu_share(ranks: Mapping[int, Sequence[Event]]) -> tuple[float, float, int, int, int] | None:
+    """The CPU ranks' compute segments (PrismTrace 1.4, ``thread_cpu_ns``):
+    (share of their wall time the main threads spent on a CPU, the lowest
+    rank's share, that rank, segments, clean segments: on a CPU for
+    ``CLEAN_SHARE`` or more).
+    None where no segment has a CPU clock (GPU captures, older traces)."""
+    wall = cpu = n = clean = 0
+    worst: tuple[float, int] | None = None
+    for rank, events in ranks.items():
+        w = c = 0
+        for ev in events:
+            if type(ev) is Compute and ev.cpu_ns < 0 and ev.thread_cpu_ns >= 0:
+                d = ev.end_ns - ev.start_ns
+                w, c, n = w + d, c + min(ev.thread_cpu_ns, d), n + 1
+                clean += ev.thread_cpu_ns >= CLEAN_SHARE * d
+        if w:
+            wall, cpu = wall + w, cpu + c
+            if worst is None or c / w < worst[0]:
+                worst = (c / w, rank)
+    if not n or not wall or worst is None:
+        return None
+    return cpu / wall, worst[0], worst[1], n, clean

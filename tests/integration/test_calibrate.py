@@ -56,9 +56,11 @@ def test_calibrate_stores_durations_that_predict_and_emulate_use(run):
         assert (run / "emulation" / name / "summary.json").is_file()
     table, _ = load_calibration(run, "tp")
     assert sorted(table) == [0, 1, 2, 3]
-    bare = predict(PredictConfig(run=run, warmup=1))
+    bare = predict(PredictConfig(run=run, warmup=1, calibration="off"))
     cal = predict(PredictConfig(run=run, warmup=1, calibration="on"))
     assert cal.calibration["name"] == "tp" and bare.calibration is None
+    # the default (auto) takes the run's newest calibration
+    assert predict(PredictConfig(run=run, warmup=1)).calibration["name"] == "tp"
     for r in range(4):
         assert compute_durations(bare, r).tolist() != compute_durations(cal, r).tolist()
         assert compute_durations(cal, r).tolist() == table[r].tolist()

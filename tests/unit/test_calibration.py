@@ -8,6 +8,7 @@ Expected slices are computed from Megatron's layout by hand
 
 from __future__ import annotations
 
+import json
 import numpy as np
 import pytest
 
@@ -337,3 +338,57 @@ def test_slices_run_packed_by_default_except_through_agents():
     assert _packs(CalibrateConfig(run="r", agents=2)) is False  # one slice per node, alone on it
     assert _packs(CalibrateConfig(run="r", agents=2, pack=True)) is True
     assert _packs(CalibrateConfig(run="r", pack=False)) is False  # --no-pack
+
+
+def test_calibration_auto_uses_the_newest_when_there_is_one(tiny_run):
+    import numpy as np
+
+    from prism.app.calibrate import has_calibration
+    from prism.shell import runfolder
+
+    events = program(BARE).events
+    assert not has_calibration(tiny_run)
+    assert calibrated_events(tiny_run, events, "auto") == (events, None)  # none stored: the bare graph
+    for name, created, scale in (("old", "2026-12-01T00:00:00Z", 2), ("new", "2026-12-07T00:00:00Z", 3)):
+        d = runfolder.calibration_path(tiny_run, name)
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_text(json.dumps({"name": name, "created_utc": created, "world_size": 2,
+                                                     "slices": [[0, 1]]}))
+        np.savez(d / "durations.npz", **{f"rank-{r:06d}": np.array([x * scale for st in BARE[r] for x in st])
+                                         for r in (0, 1)})
+    assert has_calibration(tiny_run)
+    got, manifest = calibrated_events(tiny_run, events, "auto")
+    assert manifest["name"] == "new" and got != events
+    assert calibrated_events(tiny_run, events, "on")[1]["name"] == "new"
+    assert calibrated_events(tiny_run, events, "old")[1]["name"] == "old"
+    assert calibrated_events(tiny_run, events, "off") == (events, None)
+
+
+def _cpu_ranks(shares):
+    from prism.core.trace import Compute
+
+    return {r: [Compute(start_ns=i * 1000, end_ns=i * 1000 + 1000, step=0, thread_cpu_ns=int(1000 * s))
+                for i in range(4)] for r, s in enumerate(shares)}
+
+
+def test_a_polluted_capture_is_named_with_what_to_do(tmp_path):
+    from prism.app.calibrate import pollution_hint
+    from prism.core.calibration import POLLUTED_SHARE, cpu_share
+    from prism.core.trace import Compute
+
+    share, worst, worst_rank, n, clean = cpu_share(_cpu_ranks([1.0, 0.3]))
+    assert (share, worst, worst_rank, n, clean) == (pytest.approx(0.65), pytest.approx(0.3), 1, 8, 4)
+    hint = pollution_hint(tmp_path / "run", _cpu_ranks([1.0, 0.3]))
+    assert "on a CPU for 65% of their compute (rank 1: 30%" in hint and f"`prism calibrate {tmp_path / 'run'}`" in hint
+    assert pollution_hint(tmp_path, _cpu_ranks([1.0, 0.95])) is None  # clean enough
+    assert cpu_share(_cpu_ranks([POLLUTED_SHARE]))[0] == pytest.approx(POLLUTED_SHARE)
+    # GPU segments (two clocks) and traces without the CPU clock say nothing
+    gpu = {0: [Compute(start_ns=0, end_ns=1000, step=0, cpu_ns=500, gpu_ns=900, thread_cpu_ns=100)]}
+    assert cpu_share(gpu) is None and pollution_hint(tmp_path, gpu) is None
+    assert cpu_share({0: [Compute(start_ns=0, end_ns=1000, step=0)]}) is None
+
+
+def test_calibrate_refuses_the_option_words_as_names(tiny_run):
+    for word in ("auto", "off", "on"):
+        with pytest.raises(UsageError, match=f"--name '{word}': give a plain name"):
+            calibrate(CalibrateConfig(run=tiny_run, name=word, cores=2))
