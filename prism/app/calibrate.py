@@ -22,7 +22,7 @@ PP stage and EP rank) and copies the representatives' durations to their
 class. ``predict`` and ``emulate`` use the run's newest stored calibration
 by default (``--calibration auto``; ``on``: the newest, required; ``off``: the
 bare graph; or ``--calibration NAME``): on a 16-core host's CPUs it cut a
-polluted capture's error from +98..+155% to +13..+22% at world 8 and from +45%
+polluted capture's error from +105..+155% to +13..+22% at world 8 and from +45%
 to about -10% at world 16, and tied with the bare prediction on clean captures
 (bench/results/calibration-2026-12-07-h100cpu.md; archive/calibration-2026-12.md has
 why packing is the default: on clean captures packed slices stay within
