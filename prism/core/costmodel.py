@@ -11,6 +11,7 @@ op                         steps (alpha)           bytes over the link (beta)
 =========================  ======================  =============================
 all_reduce  ring           2(n-1)                  2(n-1)/n * S
 all_reduce  tree           2 ceil(log2 n)          2 * S
+all_reduce  auto           the faster of the two, per call (NCCL's tuner's way)
 all_gather (ring)          n-1                     (n-1) * S   (S = own shard)
 reduce_scatter (ring)      n-1                     (n-1)/n * S (S = full input)
 all_to_all (pairwise)      n-1                     (n-1)/n * S
@@ -71,12 +72,16 @@ from prism.core.graph import OP_CODE, OPS
 if TYPE_CHECKING:
     from prism.core.graph import ExecutionGraph
 
+#: ``auto``: per call the faster of ring and tree under this model, as NCCL's
+#: tuner picks an algorithm per call by its own alpha-beta model
+#: (``src/graph/tuning.cc``): tree for latency-bound calls in large groups,
+#: ring for bandwidth-bound ones.
 ALGORITHMS = {
-    "all_reduce": ("ring", "tree"),
-    "all_reduce_coalesced": ("ring", "tree"),
-    "barrier": ("ring", "tree"),
-    "broadcast": ("ring", "tree"),
-    "reduce": ("ring", "tree"),
+    "all_reduce": ("ring", "tree", "auto"),
+    "all_reduce_coalesced": ("ring", "tree", "auto"),
+    "barrier": ("ring", "tree", "auto"),
+    "broadcast": ("ring", "tree", "auto"),
+    "reduce": ("ring", "tree", "auto"),
 }
 _DEFAULT_ALGORITHM = "ring"
 
@@ -237,7 +242,24 @@ class CostModel:
         return ratio
 
     def _alpha_beta(self, op: np.ndarray, nbytes: np.ndarray, n: np.ndarray, spans: np.ndarray) -> np.ndarray:
-        """The alpha-beta time (float seconds) of each call, per-op parameters applied."""
+        """The alpha-beta time (float seconds) of each call, per-op parameters
+        applied; ops on ``auto`` take the faster of ring and tree per call."""
+        tree = np.zeros(len(op), bool)
+        auto = np.zeros(len(op), bool)
+        for code in np.unique(op).tolist():
+            algo = self.algorithm(OPS[code])
+            if algo == "tree":
+                tree |= op == code
+            elif algo == "auto":
+                auto |= op == code
+        t = self._alpha_beta_as(op, nbytes, n, spans, tree)
+        if auto.any():
+            t = np.where(auto, np.minimum(t, self._alpha_beta_as(op, nbytes, n, spans, tree | auto)), t)
+        return t
+
+    def _alpha_beta_as(self, op: np.ndarray, nbytes: np.ndarray, n: np.ndarray, spans: np.ndarray,
+                       tree: np.ndarray) -> np.ndarray:
+        """``_alpha_beta`` with the calls ``tree`` run as trees, the others as rings."""
         n = n.astype(np.float64)
         S = nbytes.astype(np.float64)
         bw = np.where(spans, self.inter.bandwidth, self.intra.bandwidth)
@@ -247,20 +269,17 @@ class CostModel:
         moved = np.zeros(len(op))
         for name in set(OPS[c] for c in np.unique(op).tolist()):
             m = op == OP_CODE[name]
-            nm, Sm = n[m], S[m]
-            algo = self.algorithm(name)
+            nm, Sm, tm = n[m], S[m], tree[m]
             if name in ("all_reduce", "all_reduce_coalesced", "barrier"):
                 Sm = Sm if name != "barrier" else np.zeros_like(Sm)
-                if algo == "tree":
-                    steps[m], moved[m] = 2 * log2n[m], 2 * Sm
-                else:
-                    steps[m], moved[m] = 2 * (nm - 1), 2 * (nm - 1) / nm * Sm
+                steps[m] = np.where(tm, 2 * log2n[m], 2 * (nm - 1))
+                moved[m] = np.where(tm, 2 * Sm, 2 * (nm - 1) / nm * Sm)
             elif name in ("all_gather", "all_gather_into_tensor", "gather"):
                 steps[m], moved[m] = nm - 1, (nm - 1) * Sm
             elif name in ("reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "scatter"):
                 steps[m], moved[m] = nm - 1, (nm - 1) / nm * Sm
             elif name in ("broadcast", "reduce"):
-                steps[m] = log2n[m] if algo == "tree" else nm - 1
+                steps[m] = np.where(tm, log2n[m], nm - 1)
                 moved[m] = Sm
             else:  # send / recv
                 steps[m], moved[m] = 1, Sm

@@ -36,6 +36,24 @@ def test_formulas(op, ranks, nbytes, expected_ns):
     assert M.collective_ns(op, nbytes, ranks) == expected_ns
 
 
+def test_auto_takes_the_faster_of_ring_and_tree_per_call():
+    ring = CostModel("r", 4, M.intra, M.inter, base_latency=2e-6)
+    tree = CostModel("t", 4, M.intra, M.inter, base_latency=2e-6, algorithms=(("all_reduce", "tree"),))
+    auto = CostModel("a", 4, M.intra, M.inter, base_latency=2e-6, algorithms=(("all_reduce", "auto"),))
+    world = list(range(1024))
+    for nbytes in (0, 1000, 10**6, 10**8, 10**10):
+        for ranks in (world, world[:8], world[:2], world[:4]):
+            want = min(ring.collective_ns("all_reduce", nbytes, ranks), tree.collective_ns("all_reduce", nbytes, ranks))
+            assert auto.collective_ns("all_reduce", nbytes, ranks) == want
+    # latency-bound in a large group: the tree; bandwidth-bound: the ring
+    assert auto.collective_ns("all_reduce", 1000, world) == tree.collective_ns("all_reduce", 1000, world)
+    assert auto.collective_ns("all_reduce", 10**10, world[:8]) == ring.collective_ns("all_reduce", 10**10, world[:8])
+    # other ops keep their algorithm
+    assert auto.collective_ns("broadcast", 1000, world) == ring.collective_ns("broadcast", 1000, world)
+    m = parse_profile(profile_text(extra='[algorithms]\nall_reduce = "auto"\n'), "inline")
+    assert m.algorithm("all_reduce") == "auto"
+
+
 def test_tree_all_reduce_and_p2p():
     tree = CostModel("t", 4, M.intra, M.inter, base_latency=2e-6, algorithms=(("all_reduce", "tree"),))
     # 2 ceil(log2 8) steps over the network, 2 S over the link
@@ -122,7 +140,7 @@ def profile_text(top=None, intra=None, inter=None, extra="") -> str:
     (profile_text(intra={"speed": "1"}), r"bad\.toml: unknown key 'intra\.speed'"),
     (profile_text(top={"base_latency_us": "true"}), r"key 'base_latency_us' has value True; expected a number"),
     (profile_text(extra='[algorithms]\nall_reduce = "butterfly"\n'),
-     r"bad\.toml: key 'algorithms\.all_reduce' has value 'butterfly'; expected one of \('ring', 'tree'\)"),
+     r"bad\.toml: key 'algorithms\.all_reduce' has value 'butterfly'; expected one of \('ring', 'tree', 'auto'\)"),
     (profile_text(extra='[algorithms]\nsend = "ring"\n'), r"key 'algorithms\.send': no algorithm choice"),
     ("name = \n", r"bad\.toml: not valid TOML"),
 ])
