@@ -191,7 +191,8 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
     emu = None
     if emulate_with is not None:
         t1 = time.monotonic()
-        out = emulate(EmulateConfig(run=d, sandbox="0", net=emulate_with, name="acc", warmup=warmup))
+        out = emulate(EmulateConfig(run=d, sandbox="0", net=emulate_with, name="acc", warmup=warmup,
+                                   calibration="off"))
         if not out.ok:
             raise RuntimeError(f"prism emulate failed ({out.status}): {out.message}")
         s = out.summary

@@ -51,7 +51,7 @@ from accuracy import CONFIGS, CPU_CLOCK, command, cpu_clock_graph, ensure_profil
 from _results import result_path  # noqa: E402
 from prism.app.capture import capture_run  # noqa: E402
 from prism.app.netprofile import usable_cores  # noqa: E402
-from prism.core.graph import COLL, RECV, SEND, WAIT, ExecutionGraph  # noqa: E402
+from prism.core.graph import COLL, RECV, SEND, WAIT, ExecutionGraph, program_order  # noqa: E402
 from prism.core.trace import P2P, Collective, Compute  # noqa: E402
 from prism.core.replay import replay_batch  # noqa: E402
 from prism.shell.launcher import launch_ranks  # noqa: E402
@@ -118,12 +118,16 @@ def capture_segments(ranks: dict, warmup: int) -> list[dict[int, list]]:
     COMPUTE time between its communication calls (collectives, sends and
     receives; waits are not calls and stay inside a segment), with the op
     that follows and the main thread's CPU time in it
-    (``Compute.thread_cpu_ns``; -1 where a segment has none)."""
+    (``Compute.thread_cpu_ns``; -1 where a segment has none). Walks each
+    rank in program order (an async call's record is written when it
+    completes, after the compute that overlapped it)."""
     out = []
     for r in sorted(ranks):
         per: dict[int, list] = {}
         acc: dict[int, list] = {}
-        for ev in ranks[r]:
+        for _, sub, ev in program_order(ranks[r]):
+            if sub:  # an async call's wait: not a call
+                continue
             k = getattr(ev, "step", None)
             if k is None or k < warmup:
                 continue

@@ -79,7 +79,7 @@ def main() -> int:
             line = {"result": str(p), "config": config, "pair": i, "kept": pair["kept"], "truth_ns": truth}
             for net in nets:
                 try:
-                    pred = predict(PredictConfig(run=run, net=net, warmup=warmup)).mean_iteration_ns
+                    pred = predict(PredictConfig(run=run, net=net, warmup=warmup, calibration="off")).mean_iteration_ns
                 except PrismError as e:
                     sys.exit(f"kept_replay: {run} under {net}: {e} (pass --net with a profile file)")
                 line[net] = pred

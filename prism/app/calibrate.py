@@ -488,7 +488,12 @@ def load_calibration(run: str | os.PathLike[str], which: str = "on") -> tuple[di
         if base.is_dir():
             for d in base.iterdir():
                 if (d / _MANIFEST).is_file() and (d / _DURATIONS).is_file():
-                    found.append((orjson.loads((d / _MANIFEST).read_bytes()).get("created_utc", ""), d.name, d))
+                    try:
+                        created = orjson.loads((d / _MANIFEST).read_bytes()).get("created_utc", "")
+                    except (OSError, ValueError, AttributeError) as e:
+                        raise UsageError(f"cannot read the calibration manifest {d / _MANIFEST}: {e}; remove that "
+                                         "folder or pass --calibration off (or another calibration's name)") from None
+                    found.append((created, d.name, d))
         if not found:
             raise UsageError(f"{run} has no calibration (nothing in {base}): run `prism calibrate {run}` first, or "
                              "pass --calibration off")
@@ -498,7 +503,7 @@ def load_calibration(run: str | os.PathLike[str], which: str = "on") -> tuple[di
         if not (d / _MANIFEST).is_file():
             names = sorted(p.name for p in base.iterdir() if (p / _MANIFEST).is_file()) if base.is_dir() else []
             raise UsageError(f"--calibration {which!r}: no such calibration in {base} (there are: "
-                             f"{', '.join(names) or 'none'}); give off, on or one of those names")
+                             f"{', '.join(names) or 'none'}); give auto, off, on or one of those names")
     try:
         manifest = orjson.loads((d / _MANIFEST).read_bytes())
         with np.load(d / _DURATIONS) as z:
@@ -526,7 +531,8 @@ def calibrated_events(run: str | os.PathLike[str], ranks: Mapping[int, Sequence[
     table, manifest = load_calibration(run, "on" if which == "auto" else which)
     if manifest.get("world_size") != len(ranks):
         raise UsageError(f"the calibration {manifest.get('name')!r} is of a world of {manifest.get('world_size')} "
-                         f"ranks but {run} has {len(ranks)}")
+                         f"ranks but {run} has {len(ranks)}: pass --calibration off (the bare graph) or "
+                         "calibrate again")
     try:
         return apply_calibration(ranks, table), manifest
     except CalibrationError as e:

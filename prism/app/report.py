@@ -45,6 +45,10 @@ class ReportConfig:
     ranks: str | None = None
     #: Plot only these steps, "FIRST[:LAST]" (None: the whole run).
     steps: str | None = None
+    #: The replay's compute durations, as ``predict``'s: "auto" (the run's
+    #: newest calibration if it has one), "on", "off" or a calibration's name;
+    #: unused with ``recorded`` (the capture's own timestamps).
+    calibration: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,10 @@ def report(config: ReportConfig) -> Report:
     except ValueError as e:
         raise UsageError(str(e)) from None
     ranks = load_run_events(config.run)
+    if not config.recorded:
+        from prism.app.calibrate import calibrated_events
+
+        ranks, _ = calibrated_events(config.run, ranks, config.calibration)
     try:
         tl = build_timeline(ranks, config.net, config.recorded)
     except ProfileError as e:

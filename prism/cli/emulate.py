@@ -146,7 +146,8 @@ def run_main(args: argparse.Namespace) -> int:
             return captured.exit_code
         print("prism run: 2/3 predicting", file=sys.stderr, flush=True)
         prediction = app_predict.predict(app_predict.PredictConfig(
-            run=plan.run_dir, net=args.net, warmup=args.warmup, scale_dp=args.scale_dp, layout=args.layout))
+            run=plan.run_dir, net=args.net, warmup=args.warmup, scale_dp=args.scale_dp, layout=args.layout,
+            calibration=args.calibration))
         grown = f" at dp {args.scale_dp}" if args.scale_dp else ""
         print(f"prism run: 3/3 emulating{grown} with sandbox ranks {args.sandbox}", file=sys.stderr, flush=True)
         outcome = emulate(EmulateConfig(run=plan.run_dir, sandbox=args.sandbox, net=args.net, name=args.name,

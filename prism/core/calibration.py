@@ -413,8 +413,9 @@ def apply_calibration(ranks: Mapping[int, Sequence[Event]],
 
 #: Below this share of their compute segments' wall time on a CPU, a CPU
 #: capture's timing counts as polluted (ranks descheduled by context
-#: switching, or waiting for the GIL): ``predict`` and ``emulate`` without a
-#: calibration say so and point to ``prism calibrate``. Clean captures on a
+#: switching, or waiting for the GIL): ``predict`` and ``emulate`` with no
+#: calibration to use (``--calibration auto`` and none stored) say so and
+#: point to ``prism calibrate``. Clean captures on a
 #: 16-core host measured 88-99% (bench/results/accuracy-2026-12-04-h200cpu.md);
 #: eight ranks on two cores far less.
 POLLUTED_SHARE = 0.8

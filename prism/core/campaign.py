@@ -29,7 +29,7 @@ rest keep the file's order. The file::
     [model]                       # how points are replayed (predict and emulate)
     net = ["h200_nvlink_ib400", "zero"]   # cost profile: bundled name, TOML path or "zero"
     scale_dp = [2, 4, 8]          # grow the capture to this DP size (prism.core.scaleout)
-    calibration = "off"
+    calibration = "auto"          # the run's newest `prism calibrate` if it has one (off: as captured)
 
     [whatif]                      # prism.core.whatif; predict only (emulate: memory_limit_gib only)
     straggler_rank = 0
@@ -146,7 +146,7 @@ KEYS: dict[str, dict[str, tuple[Callable[[Any], str | None], bool, Any]]] = {
                 "world_size": (_check_pos_int, False, None), "run": (_check_str, False, None),
                 "gpus": (_check_str, False, None), "quiet_s": (_check_pos, False, 30.0)},
     "model": {"net": (_check_str, False, None), "scale_dp": (_check_pos_int, False, None),
-              "calibration": (_check_str, False, "off")},
+              "calibration": (_check_str, False, "auto")},
     "whatif": {"straggler_rank": (_check_nonneg_int, False, 0), "straggler_pct": (_check_nonneg, False, 0),
                "throttle_ranks": (_check_ranks, False, "all"), "throttle_pct": (_check_pct_clock, False, 0),
                "link_slowdown": (_check_pos, False, 1.0), "link_tier": (_one_of(*LINK_TIERS), False, "all"),

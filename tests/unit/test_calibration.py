@@ -392,3 +392,23 @@ def test_calibrate_refuses_the_option_words_as_names(tiny_run):
     for word in ("auto", "off", "on"):
         with pytest.raises(UsageError, match=f"--name '{word}': give a plain name"):
             calibrate(CalibrateConfig(run=tiny_run, name=word, cores=2))
+
+
+def test_predict_names_a_polluted_capture_unless_told_off(tmp_path):
+    import dataclasses
+
+    from prism.app.capture import manifest_for
+    from prism.app.predict import PredictConfig, predict
+    from prism.core.trace import Compute
+    from prism.shell import runfolder
+
+    run = tmp_path / "run"
+    runfolder.make_run_dir(run)
+    events = {r: [dataclasses.replace(ev, thread_cpu_ns=(ev.end_ns - ev.start_ns) // 3) if isinstance(ev, Compute)
+                  else ev for ev in evs] for r, evs in program(BARE).events.items()}
+    runfolder.write_run(run, manifest_for(run, 2, ["-m", "prism.workloads.gpt", "--tp", "2"], 2, "cpu"), events)
+    p = predict(PredictConfig(run=run, net="zero", warmup=1))
+    assert p.calibration is None and "looks polluted" in p.text() and "33% of their compute" in p.text()
+    assert f"`prism calibrate {run}`" in p.text() and p.summary()["calibration_hint"] == p.calibration_hint
+    off = predict(PredictConfig(run=run, net="zero", warmup=1, calibration="off"))
+    assert off.calibration_hint is None and "polluted" not in off.text()

@@ -1,0 +1,53 @@
+"""``bench/comm_share.py``'s segment split: the capture's segments in program
+order (an async call's record comes when it completes, after the compute that
+overlapped it), with their CPU time, and the truth's from the step clock's
+call lines."""
+
+import importlib.util
+import pathlib
+import sys
+
+from prism.core.trace import P2P, Compute, Iteration
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _comm_share():
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("comm_share", ROOT / "bench" / "comm_share.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _p2p(op, issue, wait, end):
+    return P2P(op=op, gid="g", peer=1, tag=0, pseq=0, dtype="float32", shape=(4,), bytes=16, async_op=True,
+               issue_ns=issue, wait_ns=wait, end_ns=end, step=1)
+
+
+def test_capture_segments_follow_program_order_not_record_order():
+    cs = _comm_share()
+    # isend at 100, compute, irecv at 300, compute, wait on both, compute, step end; the records of the
+    # async calls are written when they complete (after the computes)
+    events = [
+        Compute(start_ns=0, end_ns=100, step=1, thread_cpu_ns=90),
+        Compute(start_ns=100, end_ns=290, step=1, thread_cpu_ns=180),
+        Compute(start_ns=300, end_ns=310, step=1, thread_cpu_ns=10),
+        _p2p("send", 100, 310, 320),
+        _p2p("recv", 300, 320, 330),
+        Compute(start_ns=330, end_ns=400, step=1, thread_cpu_ns=60),
+        Iteration(step=1, end_ns=400),
+    ]
+    (per,) = cs.capture_segments({0: events}, warmup=1)
+    assert per[1] == [(100, "send", 90), (190, "recv", 180), (80, "end", 70)]
+
+
+def test_truth_segments_pair_wall_and_cpu_gaps():
+    cs = _comm_share()
+    calls = [(1, "all_reduce", 2, 16, 150, 170, False), (1, "all_reduce", 2, 16, 250, 260, False)]
+    ends = [100, 300]
+    cpu = ([(1040, 1050), (1120, 1125)], [1000, 1150])
+    assert cs.truth_segments(calls, ends, 1, cpu) == {1: [(50, "all_reduce", 40), (80, "all_reduce", 70),
+                                                          (40, "end", 25)]}
+    assert cs.truth_segments(calls, ends, 1) == {1: [(50, "all_reduce", -1), (80, "all_reduce", -1),
+                                                     (40, "end", -1)]}
