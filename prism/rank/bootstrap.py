@@ -224,7 +224,11 @@ def _front_end(fn: Any) -> Any:
     compute segments around the call (about 0.3 ms per call on the 2-core VM,
     measured with ``bench/comm_share.py``), while the cost model's measured
     points already contain the real backend's own dispatch: the replay would
-    count it twice. Calls that C++ makes by itself (DDP's reducer, functional
+    count it twice. The backend's call starts where the front end did (its
+    issue time; in an emulation the sandbox's arrival), and in an emulation
+    the way back from a blocking call's release to the caller is Prism's
+    (dilated out), so a sandbox pays the front end once, in the profile's
+    time, as the capture's graph does. Calls that C++ makes by itself (DDP's reducer, functional
     collectives) do not pass here; their segments are cut where the backend
     is entered, as before. On the 2-core VM the effect was within its noise
     (2026-12-02); the device's CPUs will say."""
@@ -234,11 +238,18 @@ def _front_end(fn: Any) -> Any:
         rt = _rt._current
         if rt is None:
             return fn(*args, **kwargs)
-        rt.recorder.comm_enter()
+        t0 = rt.recorder.comm_enter(front_end=True)
         try:
             return fn(*args, **kwargs)
         finally:
-            rt.recorder.comm_exit(time.monotonic_ns())
+            end = time.monotonic_ns()
+            rt.recorder.comm_exit(end)
+            # Emulation: the call was released when the emulated job completes
+            # it; the way back out through Prism and torch is the real
+            # backend's in the profile's time, not more of the job's.
+            resumed = getattr(rt, "last_resumed_ns", None)
+            if resumed is not None and resumed >= t0 and getattr(rt, "hybrid", False):
+                rt.add_dilation(end - resumed)
 
     call._prism_front_end = True
     return call

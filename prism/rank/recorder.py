@@ -50,6 +50,10 @@ class RankRecorder:
         #: Iteration (0-based) that is running now.
         self.step = 0
         self._in_comm = 0
+        #: When the outermost call in progress started, where that call is
+        #: torch.distributed's Python front end (``PRISM_FRONT_END_IN_COMM``):
+        #: the backend's calls inside it start then too.
+        self._front_start: int | None = None
         self._segment_start: int | None = None
         self.closed = False
         #: GPU ranks: per-segment two-clock timing (``attach_gpu``).
@@ -131,18 +135,21 @@ class RankRecorder:
             if self._in_comm == 0:
                 self._open(t_ns)
 
-    def comm_enter(self, t_ns: int | None = None, *, settle: bool = True) -> int:
+    def comm_enter(self, t_ns: int | None = None, *, settle: bool = True, front_end: bool = False) -> int:
         """A communication call (issue or wait) starts: the segment ends.
 
         On a GPU rank the GPU's queued work is waited for first (``settle``;
         the stall monitor, which acts for the main thread at a past time,
         passes False). Returns the call's start: ``t_ns``, or when omitted
-        the time after that wait."""
+        the time after that wait; inside a ``front_end`` call (torch's
+        Python front end counted in the call) the front end's start, so the
+        backend's call starts where the compute before it ended."""
         with self._lock:
             if self._in_comm == 0:
                 t_ns = self._close_segment(t_ns, settle=settle)
+                self._front_start = t_ns if front_end else None
             elif t_ns is None:
-                t_ns = time.monotonic_ns()
+                t_ns = self._front_start if self._front_start is not None else time.monotonic_ns()
             self._in_comm += 1
             return t_ns
 
@@ -151,6 +158,7 @@ class RankRecorder:
         with self._lock:
             self._in_comm -= 1
             if self._in_comm == 0:
+                self._front_start = None
                 self._open(t_ns, after_comm=True)
 
     def script_sync(self, t_ns: int) -> None:

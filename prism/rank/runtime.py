@@ -150,6 +150,10 @@ class RankRuntime:
         #: sandbox's reach watcher its stream's (``add_dilation``).
         self.dilation_ns = 0
         self._dilation_lock = threading.Lock()
+        #: When the main thread last came back from a blocking wait
+        #: (``waited``; emulation only): the front-end wrapper dilates out
+        #: the way from there back to the caller.
+        self.last_resumed_ns: int | None = None
         self.hybrid = bool(getattr(welcome, "hybrid", False))
         self._slot_lock = threading.Lock()
         self._holds_slot = False
@@ -239,6 +243,7 @@ class RankRuntime:
         what it waited past the release is Prism's, not the job's."""
         if not self.hybrid or not release_mono_ns:
             return
+        self.last_resumed_ns = resumed_ns
         late = resumed_ns - max(release_mono_ns, wait_start_ns)
         if late > 0:
             self.add_dilation(late)

@@ -83,6 +83,27 @@ def test_compute_segments_exclude_communication(rt):
     assert [e["step"] for e in rt.client.events() if e["k"] == "iter"] == [0]
 
 
+def test_a_call_inside_the_front_end_starts_where_the_front_end_did(rt):
+    # PRISM_FRONT_END_IN_COMM: the wrapper's call starts at 2_000; the backend's
+    # nested call (issue, then its wait) starts there too, not when it is reached
+    r = rt.recorder
+    r.start_segment(1_000)
+    assert r.comm_enter(2_000, front_end=True) == 2_000
+    assert r.comm_enter() == 2_000
+    r.comm_exit(2_600)
+    assert r.comm_enter() == 2_000
+    r.comm_exit(2_900)
+    r.comm_exit(3_000)
+    # an ordinary call after it: nested calls take their own time again
+    assert r.comm_enter(4_000) == 4_000
+    assert r.comm_enter() > 4_000
+    r.comm_exit(4_500)
+    r.comm_exit(5_000)
+    r.finish(6_000, "ok")
+    comp = [(e["start_ns"], e["end_ns"]) for e in rt.client.events() if e["k"] == "compute"]
+    assert comp[-3:] == [(1_000, 2_000), (3_000, 4_000), (5_000, 6_000)]
+
+
 def test_the_next_step_opens_after_prisms_step_end_work(rt):
     # the sample and the batch's send happen between the step's end and the
     # next segment: Prism's time, not the next step's compute
