@@ -54,6 +54,24 @@ def test_auto_takes_the_faster_of_ring_and_tree_per_call():
     assert m.algorithm("all_reduce") == "auto"
 
 
+def test_auto_with_per_op_parameters_and_measured_points():
+    from prism.core.costmodel import OpParams
+
+    per_op = (("all_reduce", OpParams(base_latency=5e-6, latency=2e-6, bandwidth=2e9)),)
+    kw = dict(base_latency=2e-6, per_op=per_op)
+    ring, tree, auto = (CostModel(a, 4, M.intra, M.inter, algorithms=(("all_reduce", a),), **kw)
+                        for a in ("ring", "tree", "auto"))
+    for nbytes in (0, 1000, 10**6, 10**9):
+        for ranks in (list(range(4)), list(range(64))):  # inside a node (per-op parameters) and across nodes
+            want = min(ring.collective_ns("all_reduce", nbytes, ranks), tree.collective_ns("all_reduce", nbytes, ranks))
+            assert auto.collective_ns("all_reduce", nbytes, ranks) == want
+    # measured points scale auto's own model by measured / modelled at their sizes
+    measured = (("all_reduce", 4, (1000, 10**6), (1e-4, 1e-3)),)
+    m_auto = CostModel("a", 4, M.intra, M.inter, algorithms=(("all_reduce", "auto"),), measured=measured, **kw)
+    assert m_auto.collective_ns("all_reduce", 1000, list(range(4))) == 100_000
+    assert m_auto.collective_ns("all_reduce", 10**6, list(range(4))) == 1_000_000
+
+
 def test_tree_all_reduce_and_p2p():
     tree = CostModel("t", 4, M.intra, M.inter, base_latency=2e-6, algorithms=(("all_reduce", "tree"),))
     # 2 ceil(log2 8) steps over the network, 2 S over the link
