@@ -32,7 +32,6 @@ Ground truth needs one core per rank, as in ``bench/accuracy.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -48,7 +47,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from accuracy import CONFIGS, CPU_CLOCK, command, cpu_clock_graph, ensure_profile, job_step_ends  # noqa: E402  (bench/ is on sys.path)
-from _results import result_path  # noqa: E402
+from _results import result_path, write_json  # noqa: E402
 from prism.app.capture import capture_run  # noqa: E402
 from prism.app.netprofile import usable_cores  # noqa: E402
 from prism.core.graph import COLL, RECV, SEND, WAIT, ExecutionGraph, program_order  # noqa: E402
@@ -271,14 +270,17 @@ def main() -> int:
                 tseg = t.pop("segments")
                 seg = compare_segments(tseg, p.pop("_segments"))
                 runs.append({"truth": t, "prism": p, "segments": seg, "segments_fe": compare_segments(tseg, fseg)})
+                # each finished run is kept at once: a device call cut by its time bound keeps what it measured
+                res["in_progress"] = {"config": name, "runs": runs}
+                write_json(a.out, res, say=False)
                 print(f"{name} run {i}: truth {t['iteration_ms']:.1f} ms = comm {t['comm_ms']:.1f} + rest "
                       f"{t['rest_ms']:.1f}; " + "; ".join(f"{k} {v['iteration_ms']:.1f} = {v['comm_ms']:.1f} + "
                                                           f"{v['rest_ms']:.1f}" for k, v in p.items()), flush=True)
             res["configs"].append({"config": name, "runs": runs})
+            res.pop("in_progress", None)
             print_segments(name, runs)
             print_segments(f"{name}+fe", [{"segments": r["segments_fe"]} for r in runs])
-            pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            pathlib.Path(a.out).write_text(json.dumps(res, indent=2))
+            write_json(a.out, res, say=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n{'config':<18} {'side':<12} {'iteration ms':>13} {'comm ms':>9} {'rest ms':>9}")
