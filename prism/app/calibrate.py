@@ -66,7 +66,7 @@ from prism.core.trace import Event
 
 __all__ = ["CalibrateConfig", "CalibrationResult", "CalibrationFailed", "calibrate", "calibrated_events",
            "load_calibration", "CALIBRATION_CHOICES", "has_calibration",
-           "pollution_hint"]
+           "pollution_hint", "events_for_replay"]
 
 #: ``--calibration`` values besides a calibration's name.
 CALIBRATION_CHOICES = ("auto", "off", "on")
@@ -485,15 +485,13 @@ def load_calibration(run: str | os.PathLike[str], which: str = "on") -> tuple[di
     base = runfolder.calibration_path(run, None)
     if which == "on":
         found = []
-        if base.is_dir():
-            for d in base.iterdir():
-                if (d / _MANIFEST).is_file() and (d / _DURATIONS).is_file():
-                    try:
-                        created = orjson.loads((d / _MANIFEST).read_bytes()).get("created_utc", "")
-                    except (OSError, ValueError, AttributeError) as e:
-                        raise UsageError(f"cannot read the calibration manifest {d / _MANIFEST}: {e}; remove that "
-                                         "folder or pass --calibration off (or another calibration's name)") from None
-                    found.append((created, d.name, d))
+        for d in _stored(run):
+            try:
+                created = orjson.loads((d / _MANIFEST).read_bytes()).get("created_utc", "")
+            except (OSError, ValueError, AttributeError) as e:
+                raise UsageError(f"cannot read the calibration manifest {d / _MANIFEST}: {e}; remove that "
+                                 "folder or pass --calibration off (or another calibration's name)") from None
+            found.append((created, d.name, d))
         if not found:
             raise UsageError(f"{run} has no calibration (nothing in {base}): run `prism calibrate {run}` first, or "
                              "pass --calibration off")
@@ -513,12 +511,18 @@ def load_calibration(run: str | os.PathLike[str], which: str = "on") -> tuple[di
     return table, manifest
 
 
-def has_calibration(run: str | os.PathLike[str]) -> bool:
-    """Whether ``run`` holds a stored calibration (``prism calibrate``)."""
+def _stored(run: str | os.PathLike[str]) -> list[Path]:
+    """The folders of ``run``'s stored calibrations (a manifest and durations each)."""
     from prism.shell import runfolder
 
     base = runfolder.calibration_path(run, None)
-    return base.is_dir() and any((d / _MANIFEST).is_file() and (d / _DURATIONS).is_file() for d in base.iterdir())
+    return [d for d in base.iterdir() if (d / _MANIFEST).is_file() and (d / _DURATIONS).is_file()] \
+        if base.is_dir() else []
+
+
+def has_calibration(run: str | os.PathLike[str]) -> bool:
+    """Whether ``run`` holds a stored calibration (``prism calibrate``)."""
+    return bool(_stored(run))
 
 
 def calibrated_events(run: str | os.PathLike[str], ranks: Mapping[int, Sequence[Event]],
@@ -537,6 +541,15 @@ def calibrated_events(run: str | os.PathLike[str], ranks: Mapping[int, Sequence[
         return apply_calibration(ranks, table), manifest
     except CalibrationError as e:
         raise UsageError(str(e)) from None
+
+
+def events_for_replay(run: str | os.PathLike[str], ranks: Mapping[int, Sequence[Event]],
+                      which: str) -> tuple[Mapping[int, Sequence[Event]], dict | None, str | None]:
+    """``calibrated_events`` and, where no calibration was applied though one
+    could have been ("auto" and none stored), ``pollution_hint``'s line."""
+    ranks, manifest = calibrated_events(run, ranks, which)
+    hint = pollution_hint(run, ranks) if manifest is None and which != "off" else None
+    return ranks, manifest, hint
 
 
 def pollution_hint(run: str | os.PathLike[str], ranks: Mapping[int, Sequence[Event]]) -> str | None:

@@ -364,10 +364,9 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     t_load = time.perf_counter()
     ranks = load_run_events(run)
     ranks, missing = _complete_steps(run, ranks)
-    from prism.app.calibrate import calibrated_events, pollution_hint
+    from prism.app.calibrate import events_for_replay
 
-    ranks, calibration = calibrated_events(run, ranks, config.calibration)
-    hint = pollution_hint(run, ranks) if calibration is None and config.calibration != "off" else None
+    ranks, calibration, hint = events_for_replay(run, ranks, config.calibration)
     try:
         graph = ExecutionGraph.from_events(ranks)
     except GraphError as e:

@@ -156,10 +156,9 @@ def predict(config: PredictConfig) -> Prediction:
         raise InconsistentTraceError(f"nothing to predict in {run}: it has no rank files ({run}/ranks is empty); "
                                      "the capture stopped before any rank wrote its trace: see its logs/")
     ranks, missing = _complete_steps(run, ranks)
-    from prism.app.calibrate import calibrated_events, pollution_hint
+    from prism.app.calibrate import events_for_replay
 
-    ranks, calibration = calibrated_events(run, ranks, config.calibration)
-    hint = pollution_hint(run, ranks) if calibration is None and config.calibration != "off" else None
+    ranks, calibration, hint = events_for_replay(run, ranks, config.calibration)
     try:
         model, why = resolve_profile(config.net, manifest, traced_device_kind(ranks))
     except ProfileError as e:

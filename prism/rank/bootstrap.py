@@ -247,8 +247,8 @@ def _front_end(fn: Any) -> Any:
             # Emulation: the call was released when the emulated job completes
             # it; the way back out through Prism and torch is the real
             # backend's in the profile's time, not more of the job's.
-            resumed = getattr(rt, "last_resumed_ns", None)
-            if resumed is not None and resumed >= t0 and getattr(rt, "hybrid", False):
+            resumed = rt.last_resumed_ns
+            if rt.hybrid and resumed is not None and resumed >= t0:
                 rt.add_dilation(end - resumed)
 
     call._prism_front_end = True
