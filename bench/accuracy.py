@@ -83,6 +83,7 @@ from prism.core.costmodel import parse_profile  # noqa: E402
 from prism.core.netfit import Point, fit_per_op, fit_points, profile_toml  # noqa: E402
 from prism.core.payloads import RecordPlan  # noqa: E402
 from prism.app.emulate import EmulateConfig, emulate  # noqa: E402
+from prism.app.commtime import CommtimeConfig, comm_model, commtime  # noqa: E402
 
 #: Model size: an iteration of about 50-200 ms per rank on one core.
 MODEL = ["--hidden", "128", "--layers", "2", "--heads", "4", "--seq-len", "64", "--batch", "4",
@@ -156,13 +157,21 @@ def cpu_clock_graph(ranks: dict) -> ExecutionGraph:
         for r, evs in ranks.items()})
 
 
+#: The prediction with each collective and message timed in situ (``prism commtime``; ``--in-situ``).
+IN_SITU = "in-situ"
+
+
 def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots: int, warmup: int,
-              emulate_with: str | None, keep: tuple[str, str] | None = None):
+              emulate_with: str | None, keep: tuple[str, str] | None = None, in_situ: str | None = None):
     """Capture (rank 0 recorded), predict under each of ``models``, emulate with
     sandbox 0 under the profile file ``emulate_with`` (None: no emulation);
     ``keep``: (folder, name) keeps the capture's graph there
-    (``prism.validation.keep``). Returns the predictions, the capture's wall
-    time and CPU share, the emulation's figures and the kept folder's name."""
+    (``prism.validation.keep``); ``in_situ``: the name of the model in
+    ``models`` that ``prism commtime`` runs the capture's calls for real over
+    (its unmeasured calls priced by it): adds the ``in-situ`` prediction,
+    and the emulation's virtual ranks take those times (``--comm measured``).
+    Returns the predictions, the capture's wall time and CPU share, the
+    emulation's figures and the kept folder's name."""
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
     t0 = time.monotonic()
     status = capture_run(d, world, cmd, slots=slots, show_ranks=(), progress="off",
@@ -180,6 +189,18 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
     graph = ExecutionGraph.from_events(ranks)
     cpu_graph = None
     preds = {}
+    insitu = None
+    if in_situ is not None:
+        t1 = time.monotonic()
+        try:
+            ct = commtime(CommtimeConfig(run=str(d), net=emulate_with, calibration="off"))
+        except Exception as e:  # noqa: BLE001  (one pair's column lost, not the whole call's measurements)
+            print(f"in-situ timing failed, this pair has no in-situ column: {e}", flush=True)
+            insitu = {"error": str(e)}
+        else:
+            insitu = {"wall_s": time.monotonic() - t1, "skeleton_iteration_ms": ct.manifest["skeleton_iteration_ms"],
+                      "summary": ct.rows}
+            models = {**models, IN_SITU: comm_model(d, "measured", models[in_situ])}
     for name, model in models.items():
         g = graph
         if name == CPU_CLOCK:  # each CPU segment cut to its main thread's CPU time (PrismTrace 1.4)
@@ -192,7 +213,8 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
     if emulate_with is not None:
         t1 = time.monotonic()
         out = emulate(EmulateConfig(run=d, sandbox="0", net=emulate_with, name="acc", warmup=warmup,
-                                   calibration="off"))
+                                   calibration="off",
+                                   comm="measured" if insitu is not None and "error" not in insitu else "model"))
         if not out.ok:
             raise RuntimeError(f"prism emulate failed ({out.status}): {out.message}")
         s = out.summary
@@ -200,7 +222,7 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
                "sandbox_step_ns": s["ranks"]["0"]["iteration_ns"], "sandbox_mean_ns": s["ranks"]["0"]["mean_iteration_ns"],
                "sandbox_wall_step_ns": s["ranks"]["0"]["wall_iteration_ns"],
                "prism_overhead_ns": s["ranks"]["0"]["prism_overhead_ns"], "wall_s": time.monotonic() - t1,
-               "turnaround_p50_ns": s["pacing"]["turnaround_p50_ns"]}
+               "turnaround_p50_ns": s["pacing"]["turnaround_p50_ns"], "in_situ": insitu}
     shutil.rmtree(d.parent, ignore_errors=True)
     return preds, wall, emu, kept
 
@@ -282,6 +304,9 @@ def main() -> int:
     ap.add_argument("--no-emulate", action="store_true", help="capture and predict only")
     ap.add_argument("--emulate-profile", default="concurrent",
                     help="which profile the emulation's virtual ranks use (concurrent, measured, per-op, one-fit)")
+    ap.add_argument("--in-situ", action="store_true",
+                    help="after each capture, `prism commtime` runs its calls for real (a skeleton job): an "
+                         "`in-situ` prediction column, and the emulation's virtual ranks take those times")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per ground-truth run")
     ap.add_argument("--pin", action="store_true", help="rank r on one CPU, in the truth, the capture and the "
                     "emulation alike (PRISM_PIN_CPUS=1: prism/rank/forkserver.py)")
@@ -327,19 +352,22 @@ def main() -> int:
         "slots": cores, "pinned": a.pin, "configs": [],
     }
     rows = []
+    cols_of = [*models, *([IN_SITU] if a.in_situ else [])]
+    out["in_situ"] = a.in_situ
     try:
         for name in names:
             cmd = command(CONFIGS[a.world][name], a.steps)
-            truth, pred, emu_job, emu_sb, pairs = [], {k: [] for k in models}, [], [], []
+            truth, pred, emu_job, emu_sb, pairs = [], {k: [] for k in cols_of}, [], [], []
             for i in range(a.runs):
                 times, twall, ends = run_truth(a.world, cmd, tmp, a.timeout)
                 t_mean = mean_iteration(ends, a.warmup)
                 keep = (a.keep_runs, f"{name}-{i}") if a.keep_runs else None
                 preds, (pwall, cpu_share), emu, kept = run_prism(a.world, cmd, tmp, models, cores, a.warmup,
-                                                                 emulate_with, keep)
+                                                                 emulate_with, keep,
+                                                                 reported if a.in_situ else None)
                 truth.append(t_mean)
-                for k, (_, m) in preds.items():
-                    pred[k].append(m)
+                for k in pred:
+                    pred[k].append(preds[k][1] if k in preds else float("nan"))
                 if emu is not None:
                     emu_job.append(emu["job_mean_ns"])
                     emu_sb.append(emu["sandbox_mean_ns"])
@@ -369,10 +397,10 @@ def main() -> int:
     print()
     print(f"accuracy: world {a.world}, {a.runs} interleaved truth/prism pairs, {a.steps} steps ({a.warmup} warm-up); "
           f"{date}, {socket.gethostname()} ({cores} cores); median paired error (signed median), 95% CI")
-    cols = [*models, *(["emulated job", "emulated sandbox"] if emulate_with else [])]
+    cols = [*cols_of, *(["emulated job", "emulated sandbox"] if emulate_with else [])]
     print(f"{'config':<18} {'truth ms':>9} {'noise CV':>9} " + " ".join(f"{c:>26}" for c in cols))
     for r in rows:
-        cells = [r["predicted"][k] for k in models] + ([r["emulated_job"], r["emulated_sandbox"]] if emulate_with else [])
+        cells = [r["predicted"][k] for k in cols_of] + ([r["emulated_job"], r["emulated_sandbox"]] if emulate_with else [])
         print(f"{r['config']:<18} {r['truth_mean_ms']:>9.1f} {r['noise_floor_cv']:>9.1%} " + " ".join(
             f"{c['mean_ms']:>7.1f} {c['median_error']:>6.1%} ({c['median_signed_error']:+.1%}) "
             f"{c['error_ci95'][0]:.0%}-{c['error_ci95'][1]:.0%}".rjust(26) for c in cells))

@@ -28,6 +28,8 @@
 #   SMI=0    do not sample the GPUs' clocks into $OUT/r/smi.csv (nccl-accuracy*)
 #   PROBE=1  nccl-accuracy*: sample the CPU's single-thread speed beside the runs
 #   TESTS    gpu-tests: the test files (run with -m gpu); TG its bound in s (default 200)
+#   INSITU=1 emulate-accuracy*: after each capture `prism commtime` times its calls for real (bench/accuracy.py
+#            --in-situ): an in-situ prediction column, and the emulation's virtual ranks take those times
 #   KEEP=1   emulate-accuracy*, calibration: keep each capture's graph under $R/keep-* (no payloads;
 #            bench/accuracy.py --keep-runs), for replaying the CPU captures offline against their truths
 set -u
@@ -135,12 +137,12 @@ suite_cpu_accuracy() {  # gloo on the host's cores: profile, truth vs Prism at w
 
 suite_emulate_accuracy() {  # gloo on the host's cores: truth vs predicted (three profiles) vs emulated, world 8
   x "$R/accuracy-world8.txt" ${T8:-540} python3 bench/accuracy.py --world 8 --runs ${RUNS:-3} --steps 10 \
-    ${KEEP:+--keep-runs "$R/keep-accuracy8"} --out "$R/accuracy-world8.json"
+    ${KEEP:+--keep-runs "$R/keep-accuracy8"} ${INSITU:+--in-situ} --out "$R/accuracy-world8.json"
 }
 
 suite_emulate_accuracy_16() {  # the same at world 16 (GPT in two layouts, the MoE)
   x "$R/accuracy-world16.txt" ${T16:-540} python3 bench/accuracy.py --world 16 --runs ${RUNS:-3} --steps 10 \
-    --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} ${KEEP:+--keep-runs "$R/keep-accuracy16"} \
+    --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} ${KEEP:+--keep-runs "$R/keep-accuracy16"} ${INSITU:+--in-situ} \
     --out "$R/accuracy-world16.json"
 }
 

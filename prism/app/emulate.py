@@ -105,6 +105,9 @@ class EmulateConfig:
     #: (the newest when the run has one, else as captured; the default),
     #: "on" (the newest, required), "off" or its name (``prism.app.calibrate``).
     calibration: str = "auto"
+    #: The virtual ranks' communication times: "model" (the cost profile's),
+    #: "measured" (the newest ``prism commtime`` of the run) or its name.
+    comm: str = "model"
     #: Grow the capture to this data-parallel degree first (``prism.core.scaleout``).
     scale_dp: int | None = None
     #: The captured layout for ``scale_dp``, as ``Layout`` or ``"tp=2,pp=2,dp=2"`` (None: the manifest's).
@@ -415,6 +418,14 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         model, why = resolve_profile(config.net, manifest, device_kind)
     except ProfileError as e:
         raise UsageError(str(e)) from None
+    if config.comm != "model":
+        from prism.app.commtime import comm_model
+
+        if plan is not None:
+            raise UsageError(f"--comm {config.comm}: in-situ communication times are of the captured graph only; "
+                             "with --scale-dp use --comm model")
+        model = comm_model(run, config.comm, model)
+        why = f"in-situ communication times ({model.label}); the rest from {why}"
     if config.prefetch_pool_mib <= 0:
         raise UsageError(f"--prefetch-pool must be a positive number of MiB, got {config.prefetch_pool_mib}")
     t_setup = time.perf_counter()

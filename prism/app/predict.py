@@ -55,6 +55,9 @@ class PredictConfig:
     #: bench/results/calibration-2026-12-07-h100cpu.md), "on" (the newest,
     #: required), "off" (the bare graph) or its name.
     calibration: str = "auto"
+    #: Communication times: "model" (the cost profile's), "measured" (the
+    #: newest ``prism commtime`` of the run) or a measurement's name.
+    comm: str = "model"
     #: What-if knobs (``prism.core.whatif``): a straggler, throttled GPUs, slower
     #: links, a memory limit. None: the capture as it was.
     whatif: WhatIf | None = None
@@ -163,6 +166,14 @@ def predict(config: PredictConfig) -> Prediction:
         model, why = resolve_profile(config.net, manifest, traced_device_kind(ranks))
     except ProfileError as e:
         raise UsageError(str(e)) from None
+    if config.comm != "model":
+        from prism.app.commtime import comm_model
+
+        if config.scale_dp is not None or config.whatif is not None:
+            raise UsageError(f"--comm {config.comm}: in-situ communication times are of the captured graph only; "
+                             "with --scale-dp or what-if knobs use --comm model")
+        model = comm_model(run, config.comm, model)
+        why = f"in-situ communication times ({model.label}); the rest from {why}"
     try:
         result = predict_events(ranks, model, scale_dp=config.scale_dp, layout=layout, whatif=config.whatif)
         result.iteration_times  # noqa: B018  (computed here, so a bad trace fails here, not while printing)

@@ -73,6 +73,12 @@ def _build_calibrate(p: argparse.ArgumentParser) -> None:
     calibrate.add_arguments(p)
 
 
+def _build_commtime(p: argparse.ArgumentParser) -> None:
+    from prism.cli import commtime
+
+    commtime.add_arguments(p)
+
+
 def _build_run(p: argparse.ArgumentParser) -> None:
     from prism.cli import emulate
 
@@ -146,6 +152,8 @@ _COMMANDS: tuple[_Command, ...] = (
     _Command("predict", "predict iteration time and breakdown from a captured run", build=_build_predict),
     _Command("calibrate", "run the ranks slice by slice against the bare graph and store their measured durations",
              build=_build_calibrate),
+    _Command("commtime", "run a CPU capture's calls for real on this host (a skeleton job) and store their times",
+             build=_build_commtime),
     _Command("report", "write timelines (Perfetto, Gantt plot, Chakra ET) for a run", build=_build_report),
     _Command("netprofile", "measure the local backend (gloo) and fit a communication cost profile", build=_build_netprofile),
     _Command("emulate", "run chosen sandbox ranks for real against the captured run's virtual ranks",

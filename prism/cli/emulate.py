@@ -76,11 +76,15 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the virtual ranks' compute durations: auto (the default: the newest `prism calibrate` of "
                         "the run if it has one, else as captured), on (the newest, required), off (as captured) "
                         "or a calibration's --name")
+    p.add_argument("--comm", default="model", metavar="model|measured|NAME",
+                   help="communication times: model (the default: the cost profile's), measured (the newest "
+                        "`prism commtime RUN`: the capture's own calls run for real on a CPU host) or a "
+                        "measurement's --name; the captured graph only (not with --scale-dp)")
 
 
 def _gpu_kw(args: argparse.Namespace) -> dict:
     kw = {"gpus": args.gpus, "memory_limit_gib": args.memory_limit, "device_path": args.device_path,
-          "calibration": args.calibration, "prefetch_pool_mib": args.prefetch_pool}
+          "calibration": args.calibration, "prefetch_pool_mib": args.prefetch_pool, "comm": args.comm}
     if args.memory_overhead is not None:
         kw["memory_overhead_gib"] = args.memory_overhead
     return kw
@@ -144,10 +148,15 @@ def run_main(args: argparse.Namespace) -> int:
         print(captured.text(), file=sys.stderr)
         if not captured.ok:
             return captured.exit_code
+        if args.comm == "measured":
+            from prism.app.commtime import CommtimeConfig, commtime
+
+            print("prism run: timing the capture's calls in situ (--comm measured)", file=sys.stderr, flush=True)
+            print(commtime(CommtimeConfig(run=str(plan.run_dir), net=args.net)).format(), file=sys.stderr)
         print("prism run: 2/3 predicting", file=sys.stderr, flush=True)
         prediction = app_predict.predict(app_predict.PredictConfig(
             run=plan.run_dir, net=args.net, warmup=args.warmup, scale_dp=args.scale_dp, layout=args.layout,
-            calibration=args.calibration))
+            calibration=args.calibration, comm=args.comm))
         grown = f" at dp {args.scale_dp}" if args.scale_dp else ""
         print(f"prism run: 3/3 emulating{grown} with sandbox ranks {args.sandbox}", file=sys.stderr, flush=True)
         outcome = emulate(EmulateConfig(run=plan.run_dir, sandbox=args.sandbox, net=args.net, name=args.name,

@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute durations: auto (the default: the newest `prism calibrate` of the run if it has "
                         "one, else as captured), on (the newest, required), off (as captured) or a calibration's "
                         "--name; calibration wins where the capture had more ranks than free cores and ties elsewhere")
+    p.add_argument("--comm", default="model", metavar="model|measured|NAME",
+                   help="communication times: model (the default: the cost profile's), measured (the newest "
+                        "`prism commtime RUN`: the capture's own calls run for real on a CPU host) or a "
+                        "measurement's --name; the captured graph only (not with --scale-dp)")
     w = p.add_argument_group("what-if knobs (prism.core.whatif)")
     w.add_argument("--straggler", action="append", default=[], metavar="RANK:PCT",
                    help="rank RANK computes PCT%% slower (repeatable), e.g. 3:20")
@@ -61,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"prism predict: {e}", file=sys.stderr)
         return 2
     config = PredictConfig(run=args.run, net=args.net, scale_dp=args.scale_dp, layout=args.layout,
-                           warmup=args.warmup, calibration=args.calibration, whatif=whatif)
+                           warmup=args.warmup, calibration=args.calibration, comm=args.comm, whatif=whatif)
     try:
         prediction = predict(config)
     except PrismError as e:

@@ -1,0 +1,386 @@
+"""``prism commtime RUN``: a CPU capture's communication, run for real on this host.
+
+    python -m prism commtime RUN [--name NAME] [--net PROFILE] [--passes 2]
+    python -m prism predict RUN --comm measured        # (or emulate) price calls with what it measured
+
+Runs RUN's graph as a skeleton job (``prism.core.commtimes``): one process per
+rank over gloo (``OMP_NUM_THREADS=1``), each walking its rank's program with
+every compute segment a busy loop of its recorded duration (calibrated where
+the run has a calibration, as predict's default) and every call the real
+``torch.distributed`` call on scratch tensors of the recorded op, size and
+group, async calls waited where the program waited. The program runs
+``passes`` times (the first pass sets up gloo's connections and is not
+kept); from the last, each collective instance's and message's time is stored
+under ``RUN/commtime/NAME/`` and ``--comm measured`` (or ``--comm NAME``)
+makes predict, emulate and report use them in place of the cost model's for
+that graph. What the skeleton measures is the job's own traffic at the
+moment it happens, with the other ranks computing or talking beside it: the
+contention that a profile timed outside the job (one group alone, or all
+groups of a size at once) leaves out or overstates.
+
+Limits: CPU captures (gloo) with one core per rank here (more ranks than
+cores would time the host's scheduling, and the command refuses); the graph
+measured only (a scaled-out or what-if world falls back to the model, and
+``--comm measured`` then says so); all_to_all's splits taken even; a
+gather/scatter/reduce/broadcast rooted at the group's first rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from prism.app.errors import UsageError
+from prism.core.commtimes import CommTimesError, MeasuredComm, graph_fingerprint, measured_costs, rank_program
+from prism.core.graph import COLL, ITER, OPS, RECV, SEND, ExecutionGraph
+
+__all__ = ["CommtimeConfig", "CommtimeResult", "commtime", "stored_commtimes", "comm_model", "COMM_CHOICES"]
+
+COMMTIME_DIR = "commtime"
+_MANIFEST = "manifest.json"
+_TIMES = "times.npz"
+#: ``--comm``'s named choices (anything else is a stored measurement's name).
+COMM_CHOICES = ("model", "measured")
+
+
+@dataclass(frozen=True)
+class CommtimeConfig:
+    run: str
+    name: str | None = None
+    #: the cost profile the summary compares with (as predict's --net)
+    net: str | None = None
+    passes: int = 2
+    timeout: float = 600.0
+    calibration: str = "auto"
+    #: most ranks allowed (default: this machine's usable cores)
+    cores: int | None = None
+
+
+@dataclass
+class CommtimeResult:
+    path: pathlib.Path
+    manifest: dict
+    rows: list[dict] = field(default_factory=list)
+
+    def format(self) -> str:
+        m = self.manifest
+        lines = [f"prism commtime: {m['world_size']} ranks, pass {m['passes']} of {m['passes']} kept, "
+                 f"{m['instances_measured']}/{m['instances']} collective instances and "
+                 f"{m['messages_measured']}/{m['messages']} messages measured in {m['seconds']:.1f} s",
+                 f"skeleton iteration (recorded compute, real calls): {m['skeleton_iteration_ms']:.2f} ms "
+                 f"(mean of steps {m['skeleton_steps']})",
+                 f"{'op':<24} {'group':>5} {'calls':>6} {'measured ms':>12} {'model ms':>10} {'ratio':>7}"]
+        for r in self.rows:
+            ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+            lines.append(f"{r['op']:<24} {r['group_size']:>5} {r['count']:>6} {r['measured_ms']:>12.3f} "
+                         f"{r['model_ms']:>10.3f} {ratio:>7}")
+        lines.append(f"stored in {self.path}; use it with `prism predict {m['run']} --comm measured` "
+                     f"(or --comm {m['name']}); model: {m['model']}")
+        return "\n".join(lines)
+
+
+def commtime_path(run: str | os.PathLike[str], name: str | None) -> pathlib.Path:
+    base = pathlib.Path(run) / COMMTIME_DIR
+    return base if name is None else base / name
+
+
+def _graph_of(run: str, calibration: str) -> tuple[ExecutionGraph, Any, Any]:
+    from prism.app.calibrate import events_for_replay
+    from prism.app.predict import _complete_steps, load_run_events, load_run_manifest, traced_device_kind
+
+    ranks = load_run_events(run)
+    if not ranks:
+        raise UsageError(f"{run} has no rank files: nothing to measure")
+    ranks, _missing = _complete_steps(run, ranks)
+    ranks, _cal, _hint = events_for_replay(run, ranks, calibration)
+    return ExecutionGraph.from_events(ranks), load_run_manifest(run), traced_device_kind(ranks)
+
+
+def stored_commtimes(run: str | os.PathLike[str]) -> list[pathlib.Path]:
+    base = commtime_path(run, None)
+    return sorted((d for d in base.iterdir() if (d / _MANIFEST).is_file() and (d / _TIMES).is_file()),
+                  key=lambda d: (json.loads((d / _MANIFEST).read_text()).get("created_utc", ""), d.name)) \
+        if base.is_dir() else []
+
+
+def comm_model(run: str | os.PathLike[str], which: str, base: Any) -> Any:
+    """The cost model predict/emulate use: ``base`` for "model"; for
+    "measured" (the newest) or a stored measurement's name, a ``MeasuredComm``
+    over ``base``."""
+    if which in (None, "", "model"):
+        return base
+    found = stored_commtimes(run)
+    if which == "measured":
+        if not found:
+            raise UsageError(f"--comm measured: {run} has no in-situ communication times (nothing in "
+                             f"{commtime_path(run, None)}); run `prism commtime {run}` first, or use --comm model")
+        d = found[-1]
+    else:
+        d = commtime_path(run, which)
+        if d not in found:
+            names = ", ".join(p.name for p in found) or "none"
+            raise UsageError(f"--comm {which!r}: no such measurement in {commtime_path(run, None)} (there are: "
+                             f"{names}); give model, measured or one of those names")
+    try:
+        manifest = json.loads((d / _MANIFEST).read_text())
+        with np.load(d / _TIMES) as z:
+            arrays = {"inst_ns": z["inst_ns"], "msg_ns": z["msg_ns"]}
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"cannot read the communication times in {d}: {e}; remove that folder or measure again") \
+            from None
+    return MeasuredComm.of(base, arrays, manifest["fingerprint"], manifest.get("name", d.name))
+
+
+def _summary(graph: ExecutionGraph, inst: np.ndarray, msg: np.ndarray, model: Any) -> list[dict]:
+    modelled_i = model.instance_costs(graph) if graph.n_instances else np.zeros(0, np.int64)
+    modelled_m = model.message_costs(graph) if graph.n_messages else np.zeros(0, np.int64)
+    rows: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for i in range(graph.n_instances):
+        if inst[i] >= 0:
+            key = (OPS[int(graph.inst_op[i])], int(graph.group_size[graph.inst_group[i]]))
+            rows.setdefault(key, []).append((int(inst[i]), int(modelled_i[i])))
+    for j in range(graph.n_messages):
+        if msg[j] >= 0:
+            rows.setdefault(("send/recv", 2), []).append((int(msg[j]), int(modelled_m[j])))
+    out = []
+    for (op, n), vals in sorted(rows.items()):
+        meas = statistics.median(v[0] for v in vals) / 1e6
+        mod = statistics.median(v[1] for v in vals) / 1e6
+        out.append({"op": op, "group_size": n, "count": len(vals), "measured_ms": meas, "model_ms": mod,
+                    "ratio": (meas / mod) if mod > 0 else None})
+    return out
+
+
+def commtime(config: CommtimeConfig) -> CommtimeResult:
+    """Measure and store ``config.run``'s communication times (see the module docstring)."""
+    from prism.app.netprofile import usable_cores
+    from prism.app.predict import resolve_profile
+    from prism.workloads.harness import WorldError, run_world
+
+    run = config.run
+    if config.passes < 1:
+        raise UsageError(f"--passes must be at least 1, got {config.passes}")
+    if not pathlib.Path(run).is_dir():
+        raise UsageError(f"{run}: no such run directory")
+    graph, manifest, device_kind = _graph_of(run, config.calibration)
+    if device_kind not in (None, "cpu"):
+        raise UsageError(f"{run} was captured on {device_kind}: in-situ communication times need a CPU (gloo) "
+                         "capture; a GPU job's calls need one GPU per rank (not built)")
+    world = graph.world_size
+    cores = config.cores or usable_cores()
+    if world > cores:
+        raise UsageError(f"{run} has {world} ranks but this machine gives {cores} cores: the skeleton runs one "
+                         "process per rank and would time the host's scheduling, not the calls; run it on a "
+                         f"machine with {world} cores (or pass --cores to override)")
+    try:
+        model, why = resolve_profile(config.net, manifest, device_kind)
+    except Exception as e:  # ProfileError
+        raise UsageError(str(e)) from None
+    name = config.name or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    if name in COMM_CHOICES or "/" in name or name.startswith("."):
+        raise UsageError(f"--name {name!r} is reserved or not a folder name; pick another")
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="prism-commtime-") as tmp:
+        d = pathlib.Path(tmp)
+        (d / "groups.json").write_text(json.dumps([list(g.ranks) for g in graph.groups]))
+        for r in range(world):
+            (d / f"program-{r}.json").write_text(json.dumps(rank_program(graph, r)))
+        env = {"OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+        try:
+            run_world(["-m", "prism.app.commtime", "--worker", str(d), str(config.passes)], world,
+                      timeout=config.timeout, env=env)
+        except WorldError as e:
+            raise UsageError(f"the skeleton job of {run} failed: {e}") from None
+        start = np.full(len(graph.kind), -1, np.int64)
+        end = np.full(len(graph.kind), -1, np.int64)
+        iters: list[list[int]] = []
+        for r in range(world):
+            got = json.loads((d / f"times-{r}.json").read_text())
+            nodes = np.asarray(got["node"], np.int64)
+            start[nodes] = got["start"]
+            end[nodes] = got["end"]
+            iters.append(got["iters"])
+    seconds = time.monotonic() - t0
+    inst, msg = measured_costs(graph, start, end)
+    steps = min((len(x) for x in iters), default=0)
+    ends = np.max(np.array([x[:steps] for x in iters], np.int64), axis=0) if steps else np.zeros(0, np.int64)
+    warm = 1 if steps > 2 else 0
+    skel = float(np.mean(np.diff(ends[warm:]))) / 1e6 if steps - warm >= 2 else float("nan")
+    out = commtime_path(run, name)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / _TIMES, inst_ns=inst, msg_ns=msg, start_ns=start, end_ns=end)
+    meta = {
+        "name": name, "run": str(run), "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "world_size": world, "passes": config.passes, "fingerprint": graph_fingerprint(graph),
+        "instances": int(graph.n_instances), "instances_measured": int(np.sum(inst >= 0)),
+        "messages": int(graph.n_messages), "messages_measured": int(np.sum(msg >= 0)),
+        "seconds": seconds, "skeleton_iteration_ms": skel, "skeleton_steps": f"{warm + 1}..{steps - 1}",
+        "calibration": config.calibration, "model": model.name, "model_choice": why,
+        "host": os.uname().nodename, "cores": cores,
+        "command": f"python -m prism commtime {run} --name {name} --passes {config.passes}",
+    }
+    rows = _summary(graph, inst, msg, model)
+    meta["summary"] = rows
+    (out / _MANIFEST).write_text(json.dumps(meta, indent=1))
+    return CommtimeResult(out, meta, rows)
+
+
+# --- the skeleton's rank ---------------------------------------------------------------
+
+
+def _worker(argv: Sequence[str]) -> None:
+    """One rank of the skeleton job (under ``run_world``): ``DIR PASSES``."""
+    import torch
+    import torch.distributed as dist
+
+    d, passes = pathlib.Path(argv[0]), int(argv[1])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = json.loads((d / "groups.json").read_text())
+    program = json.loads((d / f"program-{rank}.json").read_text())
+    pgs: list[Any] = []
+    for ranks in groups:
+        if ranks == list(range(world)):
+            pgs.append(dist.group.WORLD)
+        else:
+            pg = dist.new_group(ranks)  # every rank calls it, in the same order
+            pgs.append(pg if rank in ranks else None)
+    cache: dict[tuple, list] = {}
+    in_use: dict[tuple, int] = {}
+
+    def scratch(key: tuple, elems: int, k: int) -> Any:
+        bufs = cache.setdefault(key, [])
+        while len(bufs) <= k:
+            bufs.append(torch.zeros(max(1, elems)))
+        return bufs[k]
+
+    mono = time.monotonic_ns
+    start: dict[int, int] = {}
+    end: dict[int, int] = {}
+    pending: dict[int, tuple[Any, tuple]] = {}
+
+    def poll() -> None:
+        if not pending:
+            return
+        now = mono()
+        for n in [n for n, (w, _) in pending.items() if w.is_completed()]:
+            end[n] = now
+            _, key = pending.pop(n)
+            in_use[key] -= 1
+
+    def issue(item: list) -> tuple[Any, tuple]:
+        kind, node = item[0], item[1]
+        if kind == "coll":
+            _, _, op, gi, nbytes, _dtype, is_async = item
+            ranks = groups[gi]
+            pg, n, e = pgs[gi], len(ranks), max(1, nbytes // 4)
+            key = (op, gi, e)
+            k = in_use.get(key, 0)
+            in_use[key] = k + 1
+            a = bool(is_async)
+            if op in ("all_reduce", "all_reduce_coalesced"):
+                w = dist.all_reduce(scratch(key, e, k), group=pg, async_op=a)
+            elif op == "barrier":
+                w = dist.barrier(group=pg, async_op=a)
+            elif op == "broadcast":
+                w = dist.broadcast(scratch(key, e, k), src=ranks[0], group=pg, async_op=a)
+            elif op == "reduce":
+                w = dist.reduce(scratch(key, e, k), dst=ranks[0], group=pg, async_op=a)
+            elif op in ("all_gather", "all_gather_into_tensor"):
+                w = dist.all_gather_into_tensor(scratch(key + ("o",), e * n, k), scratch(key, e, k), group=pg,
+                                                async_op=a)
+            elif op in ("reduce_scatter", "reduce_scatter_tensor"):
+                e2 = max(n, e - e % n)
+                w = dist.reduce_scatter_tensor(scratch(key + ("o",), e2 // n, k), scratch(key + ("i",), e2, k),
+                                               group=pg, async_op=a)
+            elif op in ("all_to_all", "all_to_all_single"):
+                e2 = max(n, e - e % n)
+                w = dist.all_to_all_single(scratch(key + ("o",), e2, k), scratch(key + ("i",), e2, k), group=pg,
+                                           async_op=a)
+            elif op == "gather":
+                lst = [scratch(key + ("g", i), e, k) for i in range(n)] if rank == ranks[0] else None
+                w = dist.gather(scratch(key, e, k), gather_list=lst, dst=ranks[0], group=pg, async_op=a)
+            elif op == "scatter":
+                lst = [scratch(key + ("s", i), e, k) for i in range(n)] if rank == ranks[0] else None
+                w = dist.scatter(scratch(key, e, k), scatter_list=lst, src=ranks[0], group=pg, async_op=a)
+            else:
+                raise ValueError(f"skeleton: op {op!r} (node {node}) is not supported")
+            return w, key
+        _, _, peer, gi, nbytes, tag, is_async = item
+        e = max(1, nbytes // 4)
+        key = (kind, peer, e)
+        k = in_use.get(key, 0)
+        in_use[key] = k + 1
+        t = scratch(key, e, k)
+        pg = pgs[gi]
+        if kind == "send":
+            w = dist.isend(t, dst=peer, group=pg, tag=tag) if is_async else dist.send(t, dst=peer, group=pg, tag=tag)
+        else:
+            w = dist.irecv(t, src=peer, group=pg, tag=tag) if is_async else dist.recv(t, src=peer, group=pg, tag=tag)
+        return w, key
+
+    iters: list[int] = []
+    for p in range(passes):
+        dist.barrier()
+        start.clear()
+        end.clear()
+        iters.clear()
+        for item in program:
+            kind, node = item[0], item[1]
+            if kind == "c":
+                until = mono() + item[2]
+                while mono() < until:
+                    poll()
+            elif kind in ("coll", "send", "recv"):
+                poll()
+                start[node] = mono()
+                w, key = issue(item)
+                async_ = item[-1]
+                if async_ and w is not None:
+                    pending[node] = (w, key)
+                else:
+                    end[node] = mono()
+                    in_use[key] -= 1
+                poll()
+            elif kind == "wait":
+                of = item[2]
+                if of in pending:
+                    w, key = pending.pop(of)
+                    w.wait()
+                    end[of] = mono()
+                    in_use[key] -= 1
+                poll()
+            elif kind == "iter":
+                poll()
+                iters.append(mono())
+        for n, (w, key) in list(pending.items()):  # waited nowhere: finish them
+            w.wait()
+            end[n] = mono()
+            in_use[key] -= 1
+        pending.clear()
+    dist.barrier()
+    nodes = sorted(start)
+    (d / f"times-{rank}.json").write_text(json.dumps(
+        {"node": nodes, "start": [start[n] for n in nodes], "end": [end.get(n, -1) for n in nodes], "iters": iters}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2:])
+    else:
+        sys.exit("run `python -m prism commtime RUN` (this module's --worker is the skeleton's rank)")

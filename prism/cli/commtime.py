@@ -1,0 +1,39 @@
+"""``python -m prism commtime RUN``: argument parsing and printing over ``prism.app.commtime``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from prism.app.errors import PrismError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="run directory of a CPU (gloo) `prism capture`")
+    p.add_argument("--name", default=None, help="stored in RUN/commtime/NAME (default: the date and time)")
+    p.add_argument("--net", default=None, metavar="PROFILE",
+                   help="the cost profile the summary compares with, as for `prism predict`")
+    p.add_argument("--passes", type=int, default=2,
+                   help="times the program runs; the last is kept (default 2: the first sets up gloo's connections)")
+    p.add_argument("--calibration", default="auto", metavar="auto|on|off|NAME",
+                   help="the compute durations the skeleton spins for, as for `prism predict` (default auto)")
+    p.add_argument("--cores", type=int, default=None,
+                   help="most ranks allowed (default: this machine's usable cores; one core per rank)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds the skeleton job may take (default 600)")
+    p.add_argument("--json", action="store_true", help="print the measurement's manifest as JSON")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from prism.app.commtime import CommtimeConfig, commtime
+
+    config = CommtimeConfig(run=args.run, name=args.name, net=args.net, passes=args.passes, timeout=args.timeout,
+                            calibration=args.calibration, cores=args.cores)
+    try:
+        result = commtime(config)
+    except PrismError as e:
+        print(f"prism commtime: {e}", file=sys.stderr)
+        return e.exit_code
+    print(json.dumps(result.manifest, indent=1) if args.json else result.format())
+    return 0
