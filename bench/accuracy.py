@@ -179,7 +179,6 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
     wall = time.monotonic() - t0
-    kept = keep_capture(d, *keep) if keep is not None else None
     ranks = read_run(d).ranks
     segs = [ev for evs in ranks.values() for ev in evs if isinstance(ev, Compute) and ev.thread_cpu_ns >= 0]
     seg_wall = sum(ev.end_ns - ev.start_ns for ev in segs)
@@ -201,6 +200,7 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
             insitu = {"wall_s": time.monotonic() - t1, "skeleton_iteration_ms": ct.manifest["skeleton_iteration_ms"],
                       "summary": ct.rows}
             models = {**models, IN_SITU: comm_model(d, "measured", models[in_situ])}
+    kept = keep_capture(d, *keep) if keep is not None else None  # with its in-situ times (RUN/commtime)
     for name, model in models.items():
         g = graph
         if name == CPU_CLOCK:  # each CPU segment cut to its main thread's CPU time (PrismTrace 1.4)
