@@ -114,10 +114,11 @@ def stored_commtimes(run: str | os.PathLike[str]) -> list[pathlib.Path]:
         if base.is_dir() else []
 
 
-def comm_model(run: str | os.PathLike[str], which: str, base: Any) -> Any:
+def comm_model(run: str | os.PathLike[str], which: str, base: Any, graph: ExecutionGraph | None = None) -> Any:
     """The cost model predict/emulate use: ``base`` for "model"; for
     "measured" (the newest) or a stored measurement's name, a ``MeasuredComm``
-    over ``base``."""
+    over ``base`` (checked against ``graph`` when given: ``UsageError`` if it
+    was measured on another)."""
     if which in (None, "", "model"):
         return base
     found = stored_commtimes(run)
@@ -139,7 +140,12 @@ def comm_model(run: str | os.PathLike[str], which: str, base: Any) -> Any:
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"cannot read the communication times in {d}: {e}; remove that folder or measure again") \
             from None
-    return MeasuredComm.of(base, arrays, manifest["fingerprint"], manifest.get("name", d.name))
+    got = MeasuredComm.of(base, arrays, manifest["fingerprint"], manifest.get("name", d.name))
+    if graph is not None and graph_fingerprint(graph) != got.fingerprint:
+        raise UsageError(f"--comm {which}: the communication times in {d} were measured on another graph (a "
+                         "re-capture, other steps or another layout): run `prism commtime "
+                         f"{run}` again, or use --comm model")
+    return got
 
 
 def _summary(graph: ExecutionGraph, inst: np.ndarray, msg: np.ndarray, model: Any) -> list[dict]:
@@ -242,20 +248,30 @@ def commtime(config: CommtimeConfig) -> CommtimeResult:
 
 
 def _worker(argv: Sequence[str]) -> None:
-    """One rank of the skeleton job (under ``run_world``): ``DIR PASSES``."""
+    """One rank of the skeleton job (under ``run_world``): ``DIR PASSES``.
+
+    Sends go out as ``isend`` whatever the program did (Prism's sends are
+    eager; a blocking gloo send waits for its receive, which could deadlock a
+    program Prism ran) and are finished at their wait or the pass's end. An
+    async op's completion is stamped by its future's callback (gloo's thread:
+    in time while this thread blocks in another call) and by polling in the
+    busy loops (in time while this thread holds the GIL), the earlier kept."""
     import torch
     import torch.distributed as dist
 
     d, passes = pathlib.Path(argv[0]), int(argv[1])
     torch.set_num_threads(1)
+    sys.setswitchinterval(0.0002)  # a completion callback waits for the GIL at most this long
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = json.loads((d / "groups.json").read_text())
     program = json.loads((d / f"program-{rank}.json").read_text())
     pgs: list[Any] = []
+    world_used = False
     for ranks in groups:
-        if ranks == list(range(world)):
-            pgs.append(dist.group.WORLD)
+        if ranks == list(range(world)) and not world_used:
+            pgs.append(dist.group.WORLD)  # the first world-sized group; any other gets its own communicator
+            world_used = True
         else:
             pg = dist.new_group(ranks)  # every rank calls it, in the same order
             pgs.append(pg if rank in ranks else None)
@@ -271,16 +287,30 @@ def _worker(argv: Sequence[str]) -> None:
     mono = time.monotonic_ns
     start: dict[int, int] = {}
     end: dict[int, int] = {}
+    done_at: dict[int, int] = {}  # completion stamps from futures' callbacks
     pending: dict[int, tuple[Any, tuple]] = {}
+
+    def stamp(node: int, _fut: Any = None) -> None:
+        done_at.setdefault(node, mono())
+
+    def track(node: int, w: Any, key: tuple) -> None:
+        pending[node] = (w, key)
+        try:
+            w.get_future().then(lambda f, n=node: stamp(n))
+        except (RuntimeError, AttributeError, NotImplementedError):
+            pass  # no future for this work (gloo's p2p): polling stamps it
+
+    def finish(node: int, now: int) -> None:
+        end[node] = min(now, done_at.get(node, now))
+        _, key = pending.pop(node)
+        in_use[key] -= 1
 
     def poll() -> None:
         if not pending:
             return
         now = mono()
         for n in [n for n, (w, _) in pending.items() if w.is_completed()]:
-            end[n] = now
-            _, key = pending.pop(n)
-            in_use[key] -= 1
+            finish(n, now)
 
     def issue(item: list) -> tuple[Any, tuple]:
         kind, node = item[0], item[1]
@@ -314,9 +344,10 @@ def _worker(argv: Sequence[str]) -> None:
             elif op == "gather":
                 lst = [scratch(key + ("g", i), e, k) for i in range(n)] if rank == ranks[0] else None
                 w = dist.gather(scratch(key, e, k), gather_list=lst, dst=ranks[0], group=pg, async_op=a)
-            elif op == "scatter":
-                lst = [scratch(key + ("s", i), e, k) for i in range(n)] if rank == ranks[0] else None
-                w = dist.scatter(scratch(key, e, k), scatter_list=lst, src=ranks[0], group=pg, async_op=a)
+            elif op == "scatter":  # the recorded bytes are the root's whole list: a chunk each
+                c = max(1, e // n)
+                lst = [scratch(key + ("s", i), c, k) for i in range(n)] if rank == ranks[0] else None
+                w = dist.scatter(scratch(key, c, k), scatter_list=lst, src=ranks[0], group=pg, async_op=a)
             else:
                 raise ValueError(f"skeleton: op {op!r} (node {node}) is not supported")
             return w, key
@@ -328,16 +359,18 @@ def _worker(argv: Sequence[str]) -> None:
         t = scratch(key, e, k)
         pg = pgs[gi]
         if kind == "send":
-            w = dist.isend(t, dst=peer, group=pg, tag=tag) if is_async else dist.send(t, dst=peer, group=pg, tag=tag)
-        else:
-            w = dist.irecv(t, src=peer, group=pg, tag=tag) if is_async else dist.recv(t, src=peer, group=pg, tag=tag)
-        return w, key
+            return dist.isend(t, dst=peer, group=pg, tag=tag), key
+        if is_async:
+            return dist.irecv(t, src=peer, group=pg, tag=tag), key
+        dist.recv(t, src=peer, group=pg, tag=tag)
+        return None, key
 
     iters: list[int] = []
-    for p in range(passes):
+    for _ in range(passes):
         dist.barrier()
         start.clear()
         end.clear()
+        done_at.clear()
         iters.clear()
         for item in program:
             kind, node = item[0], item[1]
@@ -349,29 +382,26 @@ def _worker(argv: Sequence[str]) -> None:
                 poll()
                 start[node] = mono()
                 w, key = issue(item)
-                async_ = item[-1]
-                if async_ and w is not None:
-                    pending[node] = (w, key)
+                if w is not None and (item[-1] or kind == "send"):
+                    track(node, w, key)
                 else:
+                    if w is not None:
+                        w.wait()
                     end[node] = mono()
                     in_use[key] -= 1
                 poll()
             elif kind == "wait":
                 of = item[2]
                 if of in pending:
-                    w, key = pending.pop(of)
-                    w.wait()
-                    end[of] = mono()
-                    in_use[key] -= 1
+                    pending[of][0].wait()
+                    finish(of, mono())
                 poll()
             elif kind == "iter":
                 poll()
                 iters.append(mono())
-        for n, (w, key) in list(pending.items()):  # waited nowhere: finish them
-            w.wait()
-            end[n] = mono()
-            in_use[key] -= 1
-        pending.clear()
+        for n in list(pending):  # waited nowhere (a blocking send, eager here): finish them
+            pending[n][0].wait()
+            finish(n, mono())
     dist.barrier()
     nodes = sorted(start)
     (d / f"times-{rank}.json").write_text(json.dumps(

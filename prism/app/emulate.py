@@ -424,7 +424,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         if plan is not None:
             raise UsageError(f"--comm {config.comm}: in-situ communication times are of the captured graph only; "
                              "with --scale-dp use --comm model")
-        model = comm_model(run, config.comm, model)
+        model = comm_model(run, config.comm, model, graph)
         why = f"in-situ communication times ({model.label}); the rest from {why}"
     if config.prefetch_pool_mib <= 0:
         raise UsageError(f"--prefetch-pool must be a positive number of MiB, got {config.prefetch_pool_mib}")

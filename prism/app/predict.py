@@ -134,6 +134,8 @@ class Prediction:
 
 
 def predict(config: PredictConfig) -> Prediction:
+    from prism.core.commtimes import CommTimesError
+
     """Predict the run ``config.run``. Raises ``UsageError`` for options or a
     run that cannot be read, ``InconsistentTraceError`` for a trace whose
     records contradict each other."""
@@ -169,9 +171,9 @@ def predict(config: PredictConfig) -> Prediction:
     if config.comm != "model":
         from prism.app.commtime import comm_model
 
-        if config.scale_dp is not None or config.whatif is not None:
-            raise UsageError(f"--comm {config.comm}: in-situ communication times are of the captured graph only; "
-                             "with --scale-dp or what-if knobs use --comm model")
+        if config.scale_dp is not None or (config.whatif is not None and config.whatif.link is not None):
+            raise UsageError(f"--comm {config.comm}: in-situ communication times are of the captured graph and "
+                             "its links only; with --scale-dp or --link-slowdown use --comm model")
         model = comm_model(run, config.comm, model)
         why = f"in-situ communication times ({model.label}); the rest from {why}"
     try:
@@ -183,6 +185,8 @@ def predict(config: PredictConfig) -> Prediction:
         raise UsageError(f"cannot scale {run} to dp {config.scale_dp}: {e}") from None
     except (GraphError, ReplayError) as e:
         raise InconsistentTraceError(f"the trace in {run} is inconsistent: {e}") from None
+    except CommTimesError as e:
+        raise UsageError(str(e)) from None
     w = config.whatif or WhatIf()
     memory = check_memory(peak_memory(ranks), w.memory_limit_gib, w.memory_overhead_gib)
     return Prediction(config, result, why, layout, missing, calibration, memory, hint)
