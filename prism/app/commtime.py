@@ -12,17 +12,18 @@ group, async calls waited where the program waited. The program runs
 ``passes`` times (the first pass sets up gloo's connections and is not
 kept); from the last, each collective instance's and message's time is stored
 under ``RUN/commtime/NAME/`` and ``--comm measured`` (or ``--comm NAME``)
-makes predict, emulate and report use them in place of the cost model's for
-that graph. What the skeleton measures is the job's own traffic at the
+makes predict and emulate use them in place of the cost model's for that
+graph. What the skeleton measures is the job's own traffic at the
 moment it happens, with the other ranks computing or talking beside it: the
 contention that a profile timed outside the job (one group alone, or all
 groups of a size at once) leaves out or overstates.
 
 Limits: CPU captures (gloo) with one core per rank here (more ranks than
 cores would time the host's scheduling, and the command refuses); the graph
-measured only (a scaled-out or what-if world falls back to the model, and
-``--comm measured`` then says so); all_to_all's splits taken even; a
-gather/scatter/reduce/broadcast rooted at the group's first rank.
+measured only (``--comm measured`` refuses a scaled-out world and
+``--link-slowdown``: use ``--comm model`` there); all_to_all's splits taken
+even; a gather/scatter/reduce/broadcast rooted at the group's first rank;
+sends eager (``isend``), as Prism's are.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from prism.app.errors import UsageError
+from prism.app.errors import InconsistentTraceError, UsageError
 from prism.core.commtimes import CommTimesError, MeasuredComm, graph_fingerprint, measured_costs, rank_program
-from prism.core.graph import COLL, ITER, OPS, RECV, SEND, ExecutionGraph
+from prism.core.graph import OPS, ExecutionGraph, GraphError
 
 __all__ = ["CommtimeConfig", "CommtimeResult", "commtime", "stored_commtimes", "comm_model", "COMM_CHOICES"]
 
@@ -104,7 +105,11 @@ def _graph_of(run: str, calibration: str) -> tuple[ExecutionGraph, Any, Any]:
         raise UsageError(f"{run} has no rank files: nothing to measure")
     ranks, _missing = _complete_steps(run, ranks)
     ranks, _cal, _hint = events_for_replay(run, ranks, calibration)
-    return ExecutionGraph.from_events(ranks), load_run_manifest(run), traced_device_kind(ranks)
+    try:
+        graph = ExecutionGraph.from_events(ranks)
+    except GraphError as e:
+        raise InconsistentTraceError(f"the trace in {run} is inconsistent: {e}") from None
+    return graph, load_run_manifest(run), traced_device_kind(ranks)
 
 
 def stored_commtimes(run: str | os.PathLike[str]) -> list[pathlib.Path]:
@@ -179,6 +184,9 @@ def commtime(config: CommtimeConfig) -> CommtimeResult:
         raise UsageError(f"--passes must be at least 1, got {config.passes}")
     if not pathlib.Path(run).is_dir():
         raise UsageError(f"{run}: no such run directory")
+    if config.name is not None and (config.name in COMM_CHOICES or "/" in config.name or config.name.startswith(".")
+                                    or not config.name):
+        raise UsageError(f"--name {config.name!r} is reserved or not a folder name; pick another")
     graph, manifest, device_kind = _graph_of(run, config.calibration)
     if device_kind not in (None, "cpu"):
         raise UsageError(f"{run} was captured on {device_kind}: in-situ communication times need a CPU (gloo) "
@@ -194,8 +202,11 @@ def commtime(config: CommtimeConfig) -> CommtimeResult:
     except Exception as e:  # ProfileError
         raise UsageError(str(e)) from None
     name = config.name or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    if name in COMM_CHOICES or "/" in name or name.startswith("."):
-        raise UsageError(f"--name {name!r} is reserved or not a folder name; pick another")
+    if config.name is None:  # two in one second: -2, -3, ...
+        k, base_name = 1, name
+        while commtime_path(run, name).exists():
+            k += 1
+            name = f"{base_name}-{k}"
     root = str(pathlib.Path(__file__).resolve().parents[2])
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="prism-commtime-") as tmp:

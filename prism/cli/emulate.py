@@ -135,6 +135,19 @@ def run_main(args: argparse.Namespace) -> int:
     from prism.app import predict as app_predict
     from prism.app.emulate import EmulateConfig, emulate
 
+    if args.comm != "model" and (args.comm != "measured" or args.scale_dp is not None or args.gpus):
+        print(f"prism run: --comm {args.comm}: a fresh capture has no stored measurement; --comm measured times its "
+              "calls in situ after capturing, for a CPU capture of the world as captured (not with --scale-dp or "
+              "--gpus)", file=sys.stderr)
+        return 2
+    if args.comm == "measured":
+        from prism.app.netprofile import usable_cores
+
+        if args.world_size > usable_cores():
+            print(f"prism run: --comm measured runs one process per rank after the capture; {args.world_size} ranks "
+                  f"need {args.world_size} cores and this machine gives {usable_cores()} (use --comm model)",
+                  file=sys.stderr)
+            return 2
     try:
         plan = app_capture.plan_capture(app_capture.CaptureConfig(
             world_size=args.world_size, command=args.command, out=args.out or app_capture.default_out("run"),

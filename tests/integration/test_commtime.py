@@ -74,3 +74,11 @@ def test_commtime_refuses_more_ranks_than_cores(tmp_path: Path, run: Path):
     assert p.returncode == 2 and "2 ranks" in p.stderr and "cores" in p.stderr
     p = _prism("commtime", str(tmp_path / "absent"), cwd=tmp_path)
     assert p.returncode == 2 and "no such run directory" in p.stderr
+
+
+def test_prism_run_refuses_comm_it_cannot_honour_before_capturing(tmp_path: Path):
+    p = _prism("run", "-n", "2", "--sandbox", "0", "--comm", "mine", "--", *GPT, cwd=tmp_path)
+    assert p.returncode == 2 and "fresh capture" in p.stderr
+    p = _prism("run", "-n", "64", "--sandbox", "0", "--comm", "measured", "--", *GPT, cwd=tmp_path)
+    assert p.returncode == 2 and "cores" in p.stderr
+    assert not any(tmp_path.iterdir())  # nothing was captured
