@@ -137,7 +137,7 @@ suite_cpu_accuracy() {  # gloo on the host's cores: profile, truth vs Prism at w
 
 suite_emulate_accuracy() {  # gloo on the host's cores: truth vs predicted (three profiles) vs emulated, world 8
   x "$R/accuracy-world8.txt" ${T8:-540} python3 bench/accuracy.py --world 8 --runs ${RUNS:-3} --steps 10 \
-    ${KEEP:+--keep-runs "$R/keep-accuracy8"} ${INSITU:+--in-situ} --out "$R/accuracy-world8.json"
+    ${CONFIGS8:+--configs $CONFIGS8} ${KEEP:+--keep-runs "$R/keep-accuracy8"} ${INSITU:+--in-situ} --out "$R/accuracy-world8.json"
 }
 
 suite_emulate_accuracy_16() {  # the same at world 16 (GPT in two layouts, the MoE)
