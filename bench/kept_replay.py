@@ -52,6 +52,9 @@ def main() -> int:
     ap.add_argument("results", nargs="+", help="accuracy or calibration JSON files whose pairs name a kept capture")
     ap.add_argument("--kept", default=None, help="the --keep-runs folder (default: keep/ beside each JSON)")
     ap.add_argument("--net", default=None, help="comma-separated profiles (default: the benchmark's own)")
+    ap.add_argument("--comm", default="model", choices=("model", "measured", "both"),
+                    help="communication times: the profiles' (model), the kept capture's in-situ ones "
+                         "(measured: `prism commtime`, kept by accuracy.py --in-situ), or both side by side")
     ap.add_argument("--json", default=None, help="write every pair's figures here")
     a = ap.parse_args()
 
@@ -77,16 +80,22 @@ def main() -> int:
                          "--kept with the --keep-runs folder")
             truth = float(pair["truth_mean_ns"])
             line = {"result": str(p), "config": config, "pair": i, "kept": pair["kept"], "truth_ns": truth}
+            comms = ["model", "measured"] if a.comm == "both" else [a.comm]
             for net in nets:
-                try:
-                    pred = predict(PredictConfig(run=run, net=net, warmup=warmup, calibration="off")).mean_iteration_ns
-                except PrismError as e:
-                    sys.exit(f"kept_replay: {run} under {net}: {e} (pass --net with a profile file)")
-                line[net] = pred
-                rows.setdefault((config, net), []).append((truth, pred))
+                for comm in comms:
+                    key = net if comm == "model" else f"{net}+in-situ"
+                    try:
+                        pred = predict(PredictConfig(run=run, net=net, warmup=warmup, calibration="off",
+                                                     comm=comm)).mean_iteration_ns
+                    except PrismError as e:
+                        sys.exit(f"kept_replay: {run} under {net} (--comm {comm}): {e} (pass --net with a profile "
+                                 "file; --comm measured needs a capture kept by accuracy.py --in-situ)")
+                    line[key] = pred
+                    rows.setdefault((config, key), []).append((truth, pred))
+            keys = [k for k in line if k not in ("result", "config", "pair", "kept", "truth_ns")]
             out.append(line)
             print(f"{config} pair {i}: truth {truth / 1e6:.1f} ms, " + ", ".join(
-                f"{pathlib.Path(n).stem} {line[n] / 1e6:.1f} ({line[n] / truth - 1:+.1%})" for n in nets), flush=True)
+                f"{pathlib.Path(n).name} {line[n] / 1e6:.1f} ({line[n] / truth - 1:+.1%})" for n in keys), flush=True)
     if not out:
         sys.exit("kept_replay: no pair names a kept capture (run the benchmark with --keep-runs DIR)")
     print()
