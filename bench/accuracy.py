@@ -159,6 +159,8 @@ def cpu_clock_graph(ranks: dict) -> ExecutionGraph:
 
 #: The prediction with each collective and message timed in situ (``prism commtime``; ``--in-situ``).
 IN_SITU = "in-situ"
+#: The same over compute segments cut to their main thread's CPU time (as ``cpu-clock``).
+IN_SITU_CPU = "cpu-clock+in-situ"
 
 
 def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots: int, warmup: int,
@@ -200,10 +202,11 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
             insitu = {"wall_s": time.monotonic() - t1, "skeleton_iteration_ms": ct.manifest["skeleton_iteration_ms"],
                       "summary": ct.rows}
             models = {**models, IN_SITU: comm_model(d, "measured", models[in_situ])}
+            models[IN_SITU_CPU] = models[IN_SITU]  # the same times over the segments' main-thread CPU time
     kept = keep_capture(d, *keep) if keep is not None else None  # with its in-situ times (RUN/commtime)
     for name, model in models.items():
         g = graph
-        if name == CPU_CLOCK:  # each CPU segment cut to its main thread's CPU time (PrismTrace 1.4)
+        if name in (CPU_CLOCK, IN_SITU_CPU):  # each CPU segment cut to its main thread's CPU time (PrismTrace 1.4)
             if cpu_graph is None:
                 cpu_graph = cpu_clock_graph(ranks)
             g = cpu_graph
@@ -352,7 +355,7 @@ def main() -> int:
         "slots": cores, "pinned": a.pin, "configs": [],
     }
     rows = []
-    cols_of = [*models, *([IN_SITU] if a.in_situ else [])]
+    cols_of = [*models, *([IN_SITU, IN_SITU_CPU] if a.in_situ else [])]
     out["in_situ"] = a.in_situ
     try:
         for name in names:
