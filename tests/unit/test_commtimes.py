@@ -12,14 +12,15 @@ from prism.core.graph import ExecutionGraph
 from prism.core.replay import replay_batch
 
 
-def _graph() -> ExecutionGraph:
+def _graph(durations: tuple[int, int, int, int] = (100, 300, 50, 50)) -> ExecutionGraph:
+    a, b, c, d = durations
     p = Program(2)
-    p.compute(0, 100)
-    p.compute(1, 300)
+    p.compute(0, a)
+    p.compute(1, b)
     p.coll("world", nbytes=4096)
     p.coll("world", op="all_to_all_single", nbytes=1024, async_on=(0, 1))
-    p.compute(0, 50)
-    p.compute(1, 50)
+    p.compute(0, c)
+    p.compute(1, d)
     p.wait(0)
     p.wait(1)
     p.send(0, 1, nbytes=8192, tag=3)
@@ -90,18 +91,7 @@ def test_measured_comm_replaces_measured_entries_only_and_only_for_its_graph():
 
 def test_fingerprint_follows_the_communication_not_the_durations():
     g = _graph()
-    p = Program(2)
-    p.compute(0, 999)  # other durations, same calls
-    p.compute(1, 1)
-    p.coll("world", nbytes=4096)
-    p.coll("world", op="all_to_all_single", nbytes=1024, async_on=(0, 1))
-    p.compute(0, 5)
-    p.compute(1, 5)
-    p.wait(0)
-    p.wait(1)
-    p.send(0, 1, nbytes=8192, tag=3)
-    p.end_step()
-    assert graph_fingerprint(ExecutionGraph.from_events(p.events)) == graph_fingerprint(g)
+    assert graph_fingerprint(_graph((999, 1, 5, 5))) == graph_fingerprint(g)  # other durations, same calls
     q = Program(2)
     q.coll("world", nbytes=2048)
     q.end_step()
