@@ -9,8 +9,9 @@ every compute segment a busy loop of its recorded duration (calibrated where
 the run has a calibration, as predict's default) and every call the real
 ``torch.distributed`` call on scratch tensors of the recorded op, size and
 group, async calls waited where the program waited. The program runs
-``passes`` times (the first pass sets up gloo's connections and is not
-kept); from the last, each collective instance's and message's time is stored
+``passes`` times (the first of several sets up gloo's connections and is
+not kept); each collective instance's and message's time, the mean over the
+passes kept, is stored
 under ``RUN/commtime/NAME/`` and ``--comm measured`` (or ``--comm NAME``)
 makes predict and emulate use them in place of the cost model's for that
 graph. What the skeleton measures is the job's own traffic at the
@@ -43,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from prism.app.errors import InconsistentTraceError, UsageError
-from prism.core.commtimes import CommTimesError, MeasuredComm, graph_fingerprint, measured_costs, rank_program
+from prism.core.commtimes import MeasuredComm, graph_fingerprint, mean_costs, measured_costs, rank_program
 from prism.core.graph import OPS, ExecutionGraph, GraphError
 
 __all__ = ["CommtimeConfig", "CommtimeResult", "commtime", "stored_commtimes", "comm_model", "COMM_CHOICES"]
@@ -76,7 +77,7 @@ class CommtimeResult:
 
     def format(self) -> str:
         m = self.manifest
-        lines = [f"prism commtime: {m['world_size']} ranks, pass {m['passes']} of {m['passes']} kept, "
+        lines = [f"prism commtime: {m['world_size']} ranks, {m['passes_kept']} of {m['passes']} passes kept (mean), "
                  f"{m['instances_measured']}/{m['instances']} collective instances and "
                  f"{m['messages_measured']}/{m['messages']} messages measured in {m['seconds']:.1f} s",
                  f"skeleton iteration (recorded compute, real calls): {m['skeleton_iteration_ms']:.2f} ms "
@@ -221,27 +222,32 @@ def commtime(config: CommtimeConfig) -> CommtimeResult:
                       timeout=config.timeout, env=env)
         except WorldError as e:
             raise UsageError(f"the skeleton job of {run} failed: {e}") from None
+        got = [json.loads((d / f"times-{r}.json").read_text())["passes"] for r in range(world)]
+    seconds = time.monotonic() - t0
+    per_pass, skels = [], []
+    for k in range(min(len(g) for g in got)):
         start = np.full(len(graph.kind), -1, np.int64)
         end = np.full(len(graph.kind), -1, np.int64)
         iters: list[list[int]] = []
         for r in range(world):
-            got = json.loads((d / f"times-{r}.json").read_text())
-            nodes = np.asarray(got["node"], np.int64)
-            start[nodes] = got["start"]
-            end[nodes] = got["end"]
-            iters.append(got["iters"])
-    seconds = time.monotonic() - t0
-    inst, msg = measured_costs(graph, start, end)
-    steps = min((len(x) for x in iters), default=0)
-    ends = np.max(np.array([x[:steps] for x in iters], np.int64), axis=0) if steps else np.zeros(0, np.int64)
-    warm = 1 if steps > 2 else 0
-    skel = float(np.mean(np.diff(ends[warm:]))) / 1e6 if steps - warm >= 2 else float("nan")
+            nodes = np.asarray(got[r][k]["node"], np.int64)
+            start[nodes] = got[r][k]["start"]
+            end[nodes] = got[r][k]["end"]
+            iters.append(got[r][k]["iters"])
+        per_pass.append(measured_costs(graph, start, end))
+        steps = min((len(x) for x in iters), default=0)
+        ends = np.max(np.array([x[:steps] for x in iters], np.int64), axis=0) if steps else np.zeros(0, np.int64)
+        warm = 1 if steps > 2 else 0
+        skels.append(float(np.mean(np.diff(ends[warm:]))) / 1e6 if steps - warm >= 2 else float("nan"))
+    inst, msg = mean_costs(per_pass)
+    skel = float(np.mean(skels)) if skels else float("nan")
     out = commtime_path(run, name)
     out.mkdir(parents=True, exist_ok=True)
-    np.savez(out / _TIMES, inst_ns=inst, msg_ns=msg, start_ns=start, end_ns=end)
+    np.savez(out / _TIMES, inst_ns=inst, msg_ns=msg, start_ns=start, end_ns=end)  # the last kept pass's stamps
     meta = {
         "name": name, "run": str(run), "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "world_size": world, "passes": config.passes, "fingerprint": graph_fingerprint(graph),
+        "world_size": world, "passes": config.passes, "passes_kept": len(per_pass),
+        "fingerprint": graph_fingerprint(graph),
         "instances": int(graph.n_instances), "instances_measured": int(np.sum(inst >= 0)),
         "messages": int(graph.n_messages), "messages_measured": int(np.sum(msg >= 0)),
         "seconds": seconds, "skeleton_iteration_ms": skel, "skeleton_steps": f"{warm + 1}..{steps - 1}",
@@ -377,12 +383,13 @@ def _worker(argv: Sequence[str]) -> None:
         return None, key
 
     iters: list[int] = []
-    for _ in range(passes):
+    kept: list[dict] = []
+    for p in range(passes):
         dist.barrier()
         start.clear()
         end.clear()
         done_at.clear()
-        iters.clear()
+        iters = []
         for item in program:
             kind, node = item[0], item[1]
             if kind == "c":
@@ -413,10 +420,12 @@ def _worker(argv: Sequence[str]) -> None:
         for n in list(pending):  # waited nowhere (a blocking send, eager here): finish them
             pending[n][0].wait()
             finish(n, mono())
+        if p > 0 or passes == 1:  # the first of several sets gloo's connections up: not kept
+            nodes = sorted(start)
+            kept.append({"node": nodes, "start": [start[n] for n in nodes], "end": [end.get(n, -1) for n in nodes],
+                         "iters": iters})
     dist.barrier()
-    nodes = sorted(start)
-    (d / f"times-{rank}.json").write_text(json.dumps(
-        {"node": nodes, "start": [start[n] for n in nodes], "end": [end.get(n, -1) for n in nodes], "iters": iters}))
+    (d / f"times-{rank}.json").write_text(json.dumps({"passes": kept}))
     dist.destroy_process_group()
 
 

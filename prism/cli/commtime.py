@@ -15,7 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--net", default=None, metavar="PROFILE",
                    help="the cost profile the summary compares with, as for `prism predict`")
     p.add_argument("--passes", type=int, default=2,
-                   help="times the program runs; the last is kept (default 2: the first sets up gloo's connections)")
+                   help="times the program runs; every pass but the first is kept and each call's time is their mean "
+                        "(default 2: the first sets up gloo's connections; more passes, less of one pass's noise)")
     p.add_argument("--calibration", default="auto", metavar="auto|on|off|NAME",
                    help="the compute durations the skeleton spins for, as for `prism predict` (default auto)")
     p.add_argument("--cores", type=int, default=None,

@@ -34,7 +34,7 @@ import numpy as np
 
 from prism.core.graph import COLL, COMPUTE, ITER, OPS, RECV, SEND, WAIT, ExecutionGraph
 
-__all__ = ["CommTimesError", "rank_program", "measured_costs", "graph_fingerprint", "MeasuredComm"]
+__all__ = ["CommTimesError", "rank_program", "measured_costs", "mean_costs", "graph_fingerprint", "MeasuredComm"]
 
 
 class CommTimesError(ValueError):
@@ -124,6 +124,23 @@ def measured_costs(graph: ExecutionGraph, start_ns: np.ndarray, end_ns: np.ndarr
         ok = (start[graph.msg_send] >= 0) & (start[graph.msg_recv] >= 0) & (e >= 0)
         msg[ok] = np.maximum(e[ok] - s[ok], 0)
     return inst, msg
+
+
+def mean_costs(per_pass: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per instance and per message, the mean of ``measured_costs`` over
+    several passes of the skeleton, over the passes that measured it (-1 where
+    none did)."""
+    if not per_pass:
+        raise CommTimesError("no pass of the skeleton was kept")
+
+    def mean(arrays: list[np.ndarray]) -> np.ndarray:
+        a = np.stack(arrays).astype(np.float64)
+        ok = a >= 0
+        n = ok.sum(axis=0)
+        total = np.where(ok, a, 0.0).sum(axis=0)
+        return np.where(n > 0, np.rint(total / np.maximum(n, 1)), -1).astype(np.int64)
+
+    return mean([p[0] for p in per_pass]), mean([p[1] for p in per_pass])
 
 
 @dataclass(frozen=True, eq=False)

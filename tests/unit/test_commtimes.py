@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tests.support.helpers_graph import Program
 
-from prism.core.commtimes import CommTimesError, MeasuredComm, graph_fingerprint, measured_costs, rank_program
+from prism.core.commtimes import CommTimesError, MeasuredComm, graph_fingerprint, mean_costs, measured_costs, rank_program
 from prism.core.costmodel import CostModel, Link
 from prism.core.graph import ExecutionGraph
 from prism.core.replay import replay_batch
@@ -96,3 +96,12 @@ def test_fingerprint_follows_the_communication_not_the_durations():
     q.coll("world", nbytes=2048)
     q.end_step()
     assert graph_fingerprint(ExecutionGraph.from_events(q.events)) != graph_fingerprint(g)
+
+
+def test_mean_costs_average_the_passes_that_measured_each_entry():
+    a = (np.array([100, -1, 30], np.int64), np.array([-1], np.int64))
+    b = (np.array([300, -1, -1], np.int64), np.array([-1], np.int64))
+    inst, msg = mean_costs([a, b])
+    assert inst.tolist() == [200, -1, 30] and msg.tolist() == [-1]
+    with pytest.raises(CommTimesError, match="no pass"):
+        mean_costs([])
