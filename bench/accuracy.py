@@ -194,7 +194,7 @@ def run_prism(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, slots
     if in_situ is not None:
         t1 = time.monotonic()
         try:
-            ct = commtime(CommtimeConfig(run=str(d), net=emulate_with, calibration="off", timeout=120))
+            ct = commtime(CommtimeConfig(run=str(d), net=emulate_with, calibration="off", timeout=120, passes=3))
         except Exception as e:  # noqa: BLE001  (one pair's column lost, not the whole call's measurements)
             print(f"in-situ timing failed, this pair has no in-situ column: {e}", flush=True)
             insitu = {"error": str(e)}
