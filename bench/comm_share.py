@@ -60,8 +60,9 @@ from prism.validation import stepclock  # noqa: E402
 from prism.validation.truthrun import STEPCLOCK  # noqa: E402
 
 
-def truth_split(world: int, cmd: list[str], tmp: pathlib.Path, warmup: int, timeout: float) -> dict:
-    """Per rank: mean iteration, communication and rest per step (ms), over steps after ``warmup``."""
+def truth_texts(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float) -> list[str]:
+    """Run the plain job under the step clock with every call timed
+    (``PRISM_STEPCLOCK_CALLS=1``); each rank's step-clock file."""
     d = pathlib.Path(tempfile.mkdtemp(prefix="truth-", dir=tmp))
     h = launch_ranks(world, None, d, [STEPCLOCK, *cmd], show_ranks=(),
                      env={"PRISM_STEPCLOCK_DIR": str(d), "OMP_NUM_THREADS": "1", "PRISM_STEPCLOCK_CALLS": "1"})
@@ -73,6 +74,12 @@ def truth_split(world: int, cmd: list[str], tmp: pathlib.Path, warmup: int, time
         raise RuntimeError(f"ground-truth run failed (exit codes {codes}); logs in {d / 'logs'}")
     texts = [(d / f"rank-{r}.txt").read_text() for r in range(world)]
     shutil.rmtree(d, ignore_errors=True)
+    return texts
+
+
+def truth_split(world: int, cmd: list[str], tmp: pathlib.Path, warmup: int, timeout: float) -> dict:
+    """Per rank: mean iteration, communication and rest per step (ms), over steps after ``warmup``."""
+    texts = truth_texts(world, cmd, tmp, timeout)
     ends = job_step_ends([stepclock.parse(t)[0] for t in texts])
     iters = np.diff(ends)[warmup - 1:] / 1e6  # step k's time: end(k) - end(k-1), k >= warmup
     comm = []

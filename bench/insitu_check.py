@@ -18,7 +18,6 @@ their issue). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import platform
 import shutil
@@ -34,28 +33,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from accuracy import CONFIGS, command  # noqa: E402  (bench/ is on sys.path)
+from comm_share import truth_texts  # noqa: E402
 from _results import result_path, write_json  # noqa: E402
 from prism.app.capture import capture_run  # noqa: E402
 from prism.app.commtime import CommtimeConfig, commtime  # noqa: E402
 from prism.core.graph import COLL, ExecutionGraph  # noqa: E402
-from prism.shell.launcher import launch_ranks  # noqa: E402
 from prism.shell.runfolder import read_run  # noqa: E402
 from prism.validation import stepclock  # noqa: E402
-from prism.validation.truthrun import STEPCLOCK  # noqa: E402
 
 
 def truth_costs(cmd: list[str], tmp: pathlib.Path, warmup: int, timeout: float) -> tuple[list[float], float]:
-    d = pathlib.Path(tempfile.mkdtemp(prefix="truth-", dir=tmp))
-    h = launch_ranks(2, None, d, [STEPCLOCK, *cmd], show_ranks=(),
-                     env={"PRISM_STEPCLOCK_DIR": str(d), "OMP_NUM_THREADS": "1", "PRISM_STEPCLOCK_CALLS": "1"})
-    try:
-        codes = h.wait(timeout=timeout)
-    finally:
-        h.close()
-    if any(c != 0 for c in codes):
-        raise RuntimeError(f"ground-truth run failed (exit codes {codes}); logs in {d / 'logs'}")
-    texts = [(d / f"rank-{r}.txt").read_text() for r in range(2)]
-    shutil.rmtree(d, ignore_errors=True)
+    texts = truth_texts(2, cmd, tmp, timeout)
     calls = [[c for c in stepclock.parse_calls(t) if not c[6] and c[2] == 2] for t in texts]
     if len(calls[0]) != len(calls[1]) or any(a[1] != b[1] for a, b in zip(*calls)):
         raise RuntimeError("the two ranks' blocking calls do not pair up by order (not a world-2 collective job?)")

@@ -76,10 +76,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the virtual ranks' compute durations: auto (the default: the newest `prism calibrate` of "
                         "the run if it has one, else as captured), on (the newest, required), off (as captured) "
                         "or a calibration's --name")
-    p.add_argument("--comm", default="model", metavar="model|measured|NAME",
-                   help="communication times: model (the default: the cost profile's), measured (the newest "
-                        "`prism commtime RUN`: the capture's own calls run for real on a CPU host) or a "
-                        "measurement's --name; the captured graph only (not with --scale-dp)")
+    from prism.cli.commtime import add_comm_argument
+
+    add_comm_argument(p)
 
 
 def _gpu_kw(args: argparse.Namespace) -> dict:

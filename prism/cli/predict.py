@@ -29,10 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute durations: auto (the default: the newest `prism calibrate` of the run if it has "
                         "one, else as captured), on (the newest, required), off (as captured) or a calibration's "
                         "--name; calibration wins where the capture had more ranks than free cores and ties elsewhere")
-    p.add_argument("--comm", default="model", metavar="model|measured|NAME",
-                   help="communication times: model (the default: the cost profile's), measured (the newest "
-                        "`prism commtime RUN`: the capture's own calls run for real on a CPU host) or a "
-                        "measurement's --name; the captured graph only (not with --scale-dp)")
+    from prism.cli.commtime import add_comm_argument
+
+    add_comm_argument(p)
     w = p.add_argument_group("what-if knobs (prism.core.whatif)")
     w.add_argument("--straggler", action="append", default=[], metavar="RANK:PCT",
                    help="rank RANK computes PCT%% slower (repeatable), e.g. 3:20")
