@@ -49,6 +49,10 @@ class ReportConfig:
     #: newest calibration if it has one), "on", "off" or a calibration's name;
     #: unused with ``recorded`` (the capture's own timestamps).
     calibration: str = "auto"
+    #: Communication times, as ``predict``'s ``--comm``: "model" (the cost
+    #: profile's), "measured" (the run's newest ``prism commtime``) or a
+    #: measurement's name.
+    comm: str = "model"
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ def report(config: ReportConfig) -> Report:
 
         ranks, _ = calibrated_events(config.run, ranks, config.calibration)
     try:
-        tl = build_timeline(ranks, config.net, config.recorded)
+        tl = build_timeline(ranks, config.net, config.recorded, comm=config.comm, run=config.run)
     except ProfileError as e:
         raise UsageError(str(e)) from None
     except (GraphError, ReplayError, ValueError) as e:
@@ -156,10 +160,19 @@ def clock_offsets(ranks: Mapping[int, Sequence[Event]]) -> list[int]:
     return out
 
 
-def build_timeline(ranks: Mapping[int, Sequence[Event]], net: str, recorded: bool) -> Timeline:
-    """The graph of ``ranks`` on the predicted (or recorded) clock."""
+def build_timeline(ranks: Mapping[int, Sequence[Event]], net: str, recorded: bool, comm: str = "model",
+                   run: str | os.PathLike[str] | None = None) -> Timeline:
+    """The graph of ``ranks`` on the predicted (or recorded) clock; ``comm``
+    other than "model" takes the in-situ communication times stored in
+    ``run`` (``prism commtime``) over the profile's."""
     model = load_profile(net)
     graph = ExecutionGraph.from_events(ranks)
+    if comm != "model":
+        from prism.app.commtime import comm_model
+
+        if run is None:
+            raise ValueError("build_timeline: comm other than 'model' needs the run directory")
+        model = comm_model(run, comm, model, graph)
     if recorded:
         return recorded_timeline(graph, clock_offsets(ranks), Costs.of(graph, cost_model=model))
     return predicted_timeline(replay_batch(graph, cost_model=model))

@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_comm_argument(p: argparse.ArgumentParser) -> None:
-    """``--comm`` of predict, emulate and run: the cost model's times or a stored in-situ measurement."""
+    """``--comm`` of predict, emulate, run and report: the cost model's times or a stored in-situ measurement."""
     p.add_argument("--comm", default="model", metavar="model|measured|NAME",
                    help="communication times: model (the default: the cost profile's), measured (the newest "
                         "`prism commtime RUN`: the capture's own calls run for real on a CPU host) or a "

@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", default="auto", metavar="auto|on|off|NAME",
                    help="the replay's compute durations, as predict's: auto (the default: the run's newest "
                         "`prism calibrate` if it has one), on, off (as captured) or a calibration's --name")
+    from prism.cli.commtime import add_comm_argument
+
+    add_comm_argument(p)
     p.add_argument("--ranks", metavar="LIST",
                    help="Perfetto trace: only these ranks, e.g. 0-7,64 (default: all; a viewer struggles with "
                         "thousands)")
@@ -38,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     config = ReportConfig(run=args.run, perfetto=args.perfetto, plot=args.plot, chakra=args.chakra,
                           chakra_prefix=args.chakra_prefix, net=args.net, recorded=args.recorded, ranks=args.ranks,
-                          steps=args.steps, calibration=args.calibration)
+                          steps=args.steps, calibration=args.calibration, comm=args.comm)
     try:
         done = report(config)
     except PrismError as e:

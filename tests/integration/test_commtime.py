@@ -69,6 +69,21 @@ def test_emulate_takes_the_measured_times_for_its_virtual_ranks(run: Path):
     assert "in-situ" in s["cost_model"]
 
 
+def test_report_draws_the_measured_timeline(run: Path):
+    if not (run / "commtime").is_dir():
+        assert _prism("commtime", str(run), cwd=run.parent).returncode == 0
+    traces = {}
+    for comm in ("model", "measured"):
+        out = run.parent / f"tl-{comm}.json"
+        p = _prism("report", str(run), "--perfetto", str(out), "--comm", comm, cwd=run.parent)
+        assert p.returncode == 0, p.stderr[-3000:]
+        traces[comm] = json.loads(out.read_text())["traceEvents"]
+    ends = {c: max(e.get("ts", 0) + e.get("dur", 0) for e in evs) for c, evs in traces.items()}
+    assert ends["model"] != ends["measured"]  # the collectives take the measured times, so the timeline moves
+    p = _prism("report", str(run), "--perfetto", str(run.parent / "x.json"), "--comm", "nope", cwd=run.parent)
+    assert p.returncode == 2 and "there are:" in p.stderr
+
+
 def test_commtime_refuses_more_ranks_than_cores(tmp_path: Path, run: Path):
     p = _prism("commtime", str(run), "--cores", "1", cwd=run.parent)
     assert p.returncode == 2 and "2 ranks" in p.stderr and "cores" in p.stderr
