@@ -33,9 +33,11 @@ import datetime
 import json
 import os
 import pathlib
+import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -272,13 +274,19 @@ def _worker(argv: Sequence[str]) -> None:
     program Prism ran) and are finished at their wait or the pass's end. An
     async op's completion is stamped by its future's callback (gloo's thread:
     in time while this thread blocks in another call) and by polling in the
-    busy loops (in time while this thread holds the GIL), the earlier kept."""
+    busy loops (in time while this thread holds the GIL), the earlier kept.
+    Gloo's p2p works have no future and report completion only once waited
+    on (``is_completed`` stays false until ``wait``), so each is handed to a
+    waiter thread that waits on it at once and stamps its return: a receive's
+    completion is when its data came, not when the program got to its wait
+    (which, counted in, made every message as long as the compute between
+    the ``irecv`` and its wait)."""
     import torch
     import torch.distributed as dist
 
     d, passes = pathlib.Path(argv[0]), int(argv[1])
     torch.set_num_threads(1)
-    sys.setswitchinterval(0.0002)  # a completion callback waits for the GIL at most this long
+    sys.setswitchinterval(0.00002)  # a completion callback or waiter waits for the GIL at most this long
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = json.loads((d / "groups.json").read_text())
@@ -302,31 +310,77 @@ def _worker(argv: Sequence[str]) -> None:
         return bufs[k]
 
     mono = time.monotonic_ns
+    yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))  # both let other threads have the GIL
     start: dict[int, int] = {}
     end: dict[int, int] = {}
     done_at: dict[int, int] = {}  # completion stamps from futures' callbacks
     pending: dict[int, tuple[Any, tuple]] = {}
 
+    waited: dict[int, threading.Event] = {}  # works a waiter thread waits on: set when they returned
+    failed: dict[int, BaseException] = {}
+    handed = queue.SimpleQueue()
+    busy = [0, 0]  # works handed over and not returned; waiter threads
+    busy_lock = threading.Lock()
+
     def stamp(node: int, _fut: Any = None) -> None:
         done_at.setdefault(node, mono())
+
+    def waiter() -> None:
+        while True:
+            node, w = handed.get()
+            try:
+                w.wait()
+            except BaseException as e:  # noqa: BLE001 (raised in the main thread at the work's wait)
+                failed[node] = e
+            stamp(node)
+            with busy_lock:
+                busy[0] -= 1
+            waited[node].set()
+
+    def hand_over(node: int, w: Any) -> None:
+        waited[node] = threading.Event()
+        with busy_lock:
+            busy[0] += 1
+            more = busy[0] > busy[1]  # every waiter is blocked on an earlier work: one more
+            if more:
+                busy[1] += 1
+        if more:
+            threading.Thread(target=waiter, name=f"prism-skeleton-waiter-{busy[1]}", daemon=True).start()
+        handed.put((node, w))
 
     def track(node: int, w: Any, key: tuple) -> None:
         pending[node] = (w, key)
         try:
             w.get_future().then(lambda f, n=node: stamp(n))
         except (RuntimeError, AttributeError, NotImplementedError):
-            pass  # no future for this work (gloo's p2p): polling stamps it
+            hand_over(node, w)  # no future for this work (gloo's p2p): a waiter thread stamps it
+
+    def complete(node: int) -> bool:
+        ev = waited.get(node)
+        return ev.is_set() if ev is not None else pending[node][0].is_completed()
+
+    def wait_for(node: int) -> None:
+        ev = waited.get(node)
+        if ev is None:
+            pending[node][0].wait()
+            return
+        ev.wait()
+        if node in failed:
+            raise failed.pop(node)
 
     def finish(node: int, now: int) -> None:
+        if node in failed:
+            raise failed.pop(node)
         end[node] = min(now, done_at.get(node, now))
         _, key = pending.pop(node)
+        waited.pop(node, None)
         in_use[key] -= 1
 
     def poll() -> None:
         if not pending:
             return
         now = mono()
-        for n in [n for n, (w, _) in pending.items() if w.is_completed()]:
+        for n in [n for n in pending if complete(n)]:
             finish(n, now)
 
     def issue(item: list) -> tuple[Any, tuple]:
@@ -396,6 +450,8 @@ def _worker(argv: Sequence[str]) -> None:
                 until = mono() + item[2]
                 while mono() < until:
                     poll()
+                    if busy[0]:  # a waiter to run: this core is its (the OS would let it wait a tick or more)
+                        yield_cpu()
             elif kind in ("coll", "send", "recv"):
                 poll()
                 start[node] = mono()
@@ -411,14 +467,14 @@ def _worker(argv: Sequence[str]) -> None:
             elif kind == "wait":
                 of = item[2]
                 if of in pending:
-                    pending[of][0].wait()
+                    wait_for(of)
                     finish(of, mono())
                 poll()
             elif kind == "iter":
                 poll()
                 iters.append(mono())
         for n in list(pending):  # waited nowhere (a blocking send, eager here): finish them
-            pending[n][0].wait()
+            wait_for(n)
             finish(n, mono())
         if p > 0 or passes == 1:  # the first of several sets gloo's connections up: not kept
             nodes = sorted(start)
