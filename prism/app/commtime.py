@@ -255,6 +255,8 @@ def commtime(config: CommtimeConfig) -> CommtimeResult:
         "seconds": seconds, "skeleton_iteration_ms": skel, "skeleton_steps": f"{warm + 1}..{steps - 1}",
         "calibration": config.calibration, "model": model.name, "model_choice": why,
         "host": os.uname().nodename, "cores": cores,
+        "skeleton_compute": os.environ.get("PRISM_SKELETON_COMPUTE", "spin"),
+        "skeleton_callbacks": os.environ.get("PRISM_SKELETON_CALLBACKS", "1") != "0",
         "command": f"python -m prism commtime {run} --name {name} --passes {config.passes}",
     }
     rows = _summary(graph, inst, msg, model)
@@ -311,6 +313,12 @@ def _worker(argv: Sequence[str]) -> None:
 
     mono = time.monotonic_ns
     yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))  # both let other threads have the GIL
+    # Diagnostics (bench/insitu_variants.py): how a compute segment is spent, "spin" (the default: a busy
+    # loop, the core held as the program's compute holds it), "yield" (a busy loop that yields the core at
+    # every turn) or "sleep" (the core left free: comm without compute beside it); and whether async
+    # collectives are stamped by their futures' callbacks (PRISM_SKELETON_CALLBACKS=0: by polling only).
+    compute_mode = os.environ.get("PRISM_SKELETON_COMPUTE", "spin")
+    callbacks = os.environ.get("PRISM_SKELETON_CALLBACKS", "1") != "0"
     start: dict[int, int] = {}
     end: dict[int, int] = {}
     done_at: dict[int, int] = {}  # completion stamps from futures' callbacks
@@ -351,6 +359,8 @@ def _worker(argv: Sequence[str]) -> None:
     def track(node: int, w: Any, key: tuple) -> None:
         pending[node] = (w, key)
         try:
+            if not callbacks:
+                raise RuntimeError("callbacks off")
             w.get_future().then(lambda f, n=node: stamp(n))
         except (RuntimeError, AttributeError, NotImplementedError):
             hand_over(node, w)  # no future for this work (gloo's p2p): a waiter thread stamps it
@@ -448,10 +458,16 @@ def _worker(argv: Sequence[str]) -> None:
             kind, node = item[0], item[1]
             if kind == "c":
                 until = mono() + item[2]
-                while mono() < until:
-                    poll()
-                    if busy[0]:  # a waiter to run: this core is its (the OS would let it wait a tick or more)
-                        yield_cpu()
+                if compute_mode == "sleep":
+                    while (left := until - mono()) > 0:
+                        poll()
+                        time.sleep(min(left, 50_000) / 1e9)
+                else:
+                    every = compute_mode == "yield"
+                    while mono() < until:
+                        poll()
+                        if every or busy[0]:  # a waiter to run: this core is its (else the OS lets it wait a tick)
+                            yield_cpu()
             elif kind in ("coll", "send", "recv"):
                 poll()
                 start[node] = mono()
