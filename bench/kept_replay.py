@@ -52,9 +52,11 @@ def main() -> int:
     ap.add_argument("results", nargs="+", help="accuracy or calibration JSON files whose pairs name a kept capture")
     ap.add_argument("--kept", default=None, help="the --keep-runs folder (default: keep/ beside each JSON)")
     ap.add_argument("--net", default=None, help="comma-separated profiles (default: the benchmark's own)")
-    ap.add_argument("--comm", default="model", choices=("model", "measured", "both"),
-                    help="communication times: the profiles' (model), the kept capture's in-situ ones "
-                         "(measured: `prism commtime`, kept by accuracy.py --in-situ), or both side by side")
+    ap.add_argument("--comm", default="model", metavar="model|measured|both|NAME[,NAME...]",
+                    help="communication times: the profiles' (model), the kept capture's newest in-situ ones "
+                         "(measured: `prism commtime`, kept by accuracy.py --in-situ), both side by side, or a "
+                         "comma-separated list of those and stored measurements' names (e.g. "
+                         "model,spin,sleep: `prism commtime RUN --name sleep` with PRISM_SKELETON_COMPUTE=sleep)")
     ap.add_argument("--json", default=None, help="write every pair's figures here")
     a = ap.parse_args()
 
@@ -80,10 +82,10 @@ def main() -> int:
                          "--kept with the --keep-runs folder")
             truth = float(pair["truth_mean_ns"])
             line = {"result": str(p), "config": config, "pair": i, "kept": pair["kept"], "truth_ns": truth}
-            comms = ["model", "measured"] if a.comm == "both" else [a.comm]
+            comms = ["model", "measured"] if a.comm == "both" else a.comm.split(",")
             for net in nets:
                 for comm in comms:
-                    key = net if comm == "model" else f"{net}+in-situ"
+                    key = net if comm == "model" else f"{net}+in-situ" if comm == "measured" else f"{net}+{comm}"
                     try:
                         pred = predict(PredictConfig(run=run, net=net, warmup=warmup, calibration="off",
                                                      comm=comm)).mean_iteration_ns
