@@ -291,6 +291,13 @@ suite_comm_share() {  # CPU truth vs replay split into communication and the res
     --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} --out "$R/comm_share-world16.json"
 }
 
+suite_insitu_check() {  # per blocking collective: the real job's cost beside the skeleton's (prism commtime) and the profile's, world 16 and 8
+  x "$R/insitu_check-world16.txt" ${T16:-250} python3 bench/insitu_check.py --world 16 --runs ${RUNS:-1} --steps 10 \
+    --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} --out "$R/insitu_check-world16.json"
+  x "$R/insitu_check-world8.txt" ${T8:-250} python3 bench/insitu_check.py --world 8 --runs ${RUNS:-1} --steps 10 \
+    ${CONFIGS8:+--configs $CONFIGS8} --out "$R/insitu_check-world8.json"
+}
+
 suite_truth_segments() {  # a truth step under the profiler, cut at its calls, beside a capture's
   local s
   for s in ${SEGS:-pp2 fsdp2}; do
@@ -362,7 +369,7 @@ suite_campaigns() {  # the GPU example campaigns (bench/campaigns: dp_oom, moe_e
 }
 
 SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
-emulate-accuracy-16 comm-share calibration gpu-sandbox sandbox-ab truth-segments
+emulate-accuracy-16 comm-share insitu-check calibration gpu-sandbox sandbox-ab truth-segments
 truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale campaigns scale-gpu cpu-pin"
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then

@@ -1,23 +1,25 @@
 """Does `prism commtime` measure what the real job's calls cost? Per call, truth against skeleton.
 
-    python bench/insitu_check.py [--configs gpt-tp2,gpt-dp2] [--runs 2] [--steps 10] [--out FILE.json]
+    python bench/insitu_check.py [--world 2] [--configs gpt-tp2,gpt-dp2] [--runs 2] [--steps 10] [--out FILE.json]
+    python bench/insitu_check.py --world 16 --configs gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2 --runs 1   # a 16-core host
 
-World 2 (every collective of the bundled GPT's world-2 layouts is on the one
-group of both ranks, so the truth's calls pair up by their order on each
-rank). Per run: the plain torch.distributed job over gloo under the step clock
-with ``PRISM_STEPCLOCK_CALLS=1`` (each blocking call's entry and return on the
-host's monotonic clock), then a Prism capture of the same command and
-``prism commtime`` of it. Per blocking collective instance after the warm-up
-both sides give the same quantity, the median member's return less the last
-member's entry (what the replay adds to the last arrival), and the cost
-profile gives its modelled time: per config, the median and mean of each over
-the instances (async calls are left out: the truth's step clock sees only
-their issue). Prints a table and writes JSON.
+Per run: the plain torch.distributed job over gloo under the step clock with
+``PRISM_STEPCLOCK_CALLS=1`` (each blocking call's entry and return on the
+host's monotonic clock, and its group's ranks), then a Prism capture of the
+same command and ``prism commtime`` of it. A group's blocking calls pair up
+across its members by their order. Per blocking collective instance after the
+warm-up both sides give the same quantity, the median member's return less the
+last member's entry (what the replay adds to the last arrival), and the cost
+profile gives its modelled time: per config and per (op, group size), the
+median and mean of each over the instances (async calls are left out: the
+truth's step clock sees only their issue). Prints a table and writes JSON.
+Configs: ``bench/accuracy.py``'s for the world.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import platform
 import shutil
@@ -37,25 +39,51 @@ from comm_share import truth_texts  # noqa: E402
 from _results import result_path, write_json  # noqa: E402
 from prism.app.capture import capture_run  # noqa: E402
 from prism.app.commtime import CommtimeConfig, commtime  # noqa: E402
-from prism.core.graph import COLL, ExecutionGraph  # noqa: E402
+from prism.core.graph import COLL, OPS as C_OPS, ExecutionGraph  # noqa: E402
 from prism.shell.runfolder import read_run  # noqa: E402
 from prism.validation import stepclock  # noqa: E402
 
 
-def truth_costs(cmd: list[str], tmp: pathlib.Path, warmup: int, timeout: float) -> tuple[list[float], float]:
-    texts = truth_texts(2, cmd, tmp, timeout)
-    calls = [[c for c in stepclock.parse_calls(t) if not c[6] and c[2] == 2] for t in texts]
-    if len(calls[0]) != len(calls[1]) or any(a[1] != b[1] for a, b in zip(*calls)):
-        raise RuntimeError("the two ranks' blocking calls do not pair up by order (not a world-2 collective job?)")
-    costs = [(statistics.median([a[5], b[5]]) - max(a[4], b[4])) / 1e6
-             for a, b in zip(*calls) if a[0] >= warmup]
+def truth_costs(world: int, cmd: list[str], tmp: pathlib.Path, warmup: int,
+                timeout: float) -> tuple[dict[str, list[float]], float]:
+    """Per "op/group size", the cost (ms) of each blocking collective instance
+    of the real job after the warm-up; and its mean iteration (ms)."""
+    texts = truth_texts(world, cmd, tmp, timeout)
+    per_group: dict[tuple[int, ...], dict[int, list]] = {}  # group -> rank -> its blocking calls there, in order
+    for r, t in enumerate(texts):
+        calls, groups = stepclock.parse_calls(t), stepclock.parse_call_groups(t)
+        for c, g in zip(calls, groups):
+            if c[6]:
+                continue
+            if g is None:
+                if world != 2:
+                    raise RuntimeError("the step clock logged no group for a call (an older stepclock?); "
+                                       "only world 2 pairs calls without them")
+                g = (0, 1)
+            per_group.setdefault(g, {}).setdefault(r, []).append(c)
+    out: dict[str, list[float]] = {}
+    for g, by_rank in per_group.items():
+        seqs = [by_rank.get(r, []) for r in g]
+        if len({len(x) for x in seqs}) != 1:
+            raise RuntimeError(f"group {g}: its members made {[len(x) for x in seqs]} blocking calls; they do not "
+                               "pair up by order")
+        for calls in zip(*seqs):
+            if len({c[1] for c in calls}) != 1:
+                raise RuntimeError(f"group {g}: calls {[c[1] for c in calls]} at one position; they do not pair up")
+            if calls[0][0] < warmup:
+                continue
+            cost = statistics.median([c[5] for c in calls]) - max(c[4] for c in calls)
+            out.setdefault(f"{calls[0][1]}/{len(g)}", []).append(cost / 1e6)
     ends = np.max(np.array([stepclock.parse(t)[0] for t in texts]), axis=0)
-    return costs, float(np.mean(np.diff(ends[warmup - 1:]))) / 1e6
+    return out, float(np.mean(np.diff(ends[warmup - 1:]))) / 1e6
 
 
-def skeleton_costs(cmd: list[str], tmp: pathlib.Path, warmup: int, net: str | None) -> tuple[list[float], list[float], dict]:
+def skeleton_costs(world: int, cmd: list[str], tmp: pathlib.Path, warmup: int,
+                   net: str | None) -> tuple[dict[str, list[float]], dict[str, list[float]], dict]:
+    """Per "op/group size", the skeleton's and the profile's cost (ms) of each
+    blocking collective instance of a fresh capture after the warm-up."""
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
-    status = capture_run(d, 2, cmd, slots=2, show_ranks=(), progress="off").exit_code
+    status = capture_run(d, world, cmd, slots=world, show_ranks=(), progress="off").exit_code
     if status != 0:
         raise RuntimeError(f"prism capture failed with status {status}; logs in {d / 'logs'}")
     ct = commtime(CommtimeConfig(run=str(d), net=net, calibration="off", timeout=120))
@@ -67,10 +95,15 @@ def skeleton_costs(cmd: list[str], tmp: pathlib.Path, warmup: int, net: str | No
     modelled = model.instance_costs(g)
     first = g.inst_nodes[g.inst_ptr[:-1]]
     keep = (g.step[first] >= warmup) & ~g.is_async[first] & (g.kind[first] == COLL) & (inst >= 0)
-    out = ([float(x) / 1e6 for x in inst[keep]], [float(x) / 1e6 for x in modelled[keep]],
-           {"skeleton_iteration_ms": ct.manifest["skeleton_iteration_ms"], "profile": model.name})
+    skel: dict[str, list[float]] = {}
+    mod: dict[str, list[float]] = {}
+    for i in np.flatnonzero(keep):
+        key = f"{C_OPS[int(g.inst_op[i])]}/{int(g.group_size[g.inst_group[i]])}"
+        skel.setdefault(key, []).append(float(inst[i]) / 1e6)
+        mod.setdefault(key, []).append(float(modelled[i]) / 1e6)
+    info = {"skeleton_iteration_ms": ct.manifest["skeleton_iteration_ms"], "profile": model.name}
     shutil.rmtree(d.parent, ignore_errors=True)
-    return out
+    return skel, mod, info
 
 
 def _stats(x: list[float]) -> dict:
@@ -80,7 +113,9 @@ def _stats(x: list[float]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="gpt-tp2,gpt-dp2")
+    ap.add_argument("--world", type=int, default=2, help="ranks per run (at most the core count); default 2")
+    ap.add_argument("--configs", default=None, help="comma-separated (default at world 2: gpt-tp2,gpt-dp2; "
+                                                    "else all of accuracy.py's for the world)")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -88,43 +123,59 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--out", default=str(result_path("insitu_check")))
     a = ap.parse_args()
-    names = a.configs.split(",")
-    unknown = [n for n in names if n not in CONFIGS[2]]
+    if a.world not in CONFIGS:
+        sys.exit(f"--world must be one of {sorted(CONFIGS)}")
+    if a.world > (os.cpu_count() or 1):
+        sys.exit(f"--world {a.world} needs {a.world} cores (one per rank, for the truth and the skeleton); this "
+                 f"host has {os.cpu_count()}")
+    names = (a.configs or ("gpt-tp2,gpt-dp2" if a.world == 2 else ",".join(CONFIGS[a.world]))).split(",")
+    unknown = [n for n in names if n not in CONFIGS[a.world]]
     if unknown:
-        sys.exit(f"unknown config {unknown[0]!r}; known at world 2: {', '.join(CONFIGS[2])}")
+        sys.exit(f"unknown config {unknown[0]!r}; known at world {a.world}: {', '.join(CONFIGS[a.world])}")
     import torch
 
     out: dict = {"benchmark": "insitu_check", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "command": "python " + " ".join(sys.argv),
-                 "machine": {"platform": platform.platform(), "host": socket.gethostname()},
+                 "machine": {"platform": platform.platform(), "host": socket.gethostname(), "cpus": os.cpu_count()},
                  "versions": {"python": platform.python_version(), "torch": torch.__version__},
-                 "steps": a.steps, "warmup": a.warmup, "configs": []}
+                 "world": a.world, "steps": a.steps, "warmup": a.warmup, "configs": []}
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="prism-insitu-"))
     try:
         for name in names:
-            cmd = command(CONFIGS[2][name], a.steps)
+            cmd = command(CONFIGS[a.world][name], a.steps)
             row = {"config": name, "runs": []}
-            for i in range(a.runs):
-                t, t_iter = truth_costs(cmd, tmp, a.warmup, a.timeout)
-                s, m, info = skeleton_costs(cmd, tmp, a.warmup, a.net)
-                run = {"truth": _stats(t), "skeleton": _stats(s), "model": _stats(m), "truth_iteration_ms": t_iter,
-                       **info}
-                row["runs"].append(run)
-                print(f"{name} run {i}: per blocking collective, median / mean ms: truth {run['truth']['median_ms']:.3f}"
-                      f" / {run['truth']['mean_ms']:.3f} ({len(t)}), skeleton {run['skeleton']['median_ms']:.3f} / "
-                      f"{run['skeleton']['mean_ms']:.3f} ({len(s)}), model {run['model']['median_ms']:.3f} / "
-                      f"{run['model']['mean_ms']:.3f} [{info['profile']}]", flush=True)
             out["configs"].append(row)
-            write_json(a.out, out)
+            for i in range(a.runs):
+                t, t_iter = truth_costs(a.world, cmd, tmp, a.warmup, a.timeout)
+                s, m, info = skeleton_costs(a.world, cmd, tmp, a.warmup, a.net)
+                keys = sorted(set(t) | set(s))
+                run = {"truth_iteration_ms": t_iter, **info,
+                       "calls": {k: {"truth": _stats(t.get(k, [])), "skeleton": _stats(s.get(k, [])),
+                                     "model": _stats(m.get(k, []))} for k in keys}}
+                row["runs"].append(run)
+                for k in keys:
+                    c = run["calls"][k]
+                    print(f"{name} run {i} {k}: per blocking collective, median / mean ms (count): truth "
+                          f"{c['truth']['median_ms']:.3f} / {c['truth']['mean_ms']:.3f} ({c['truth']['n']}), skeleton "
+                          f"{c['skeleton']['median_ms']:.3f} / {c['skeleton']['mean_ms']:.3f} ({c['skeleton']['n']}), "
+                          f"model {c['model']['median_ms']:.3f} / {c['model']['mean_ms']:.3f} [{info['profile']}]",
+                          flush=True)
+                print(f"{name} run {i}: truth iteration {t_iter:.2f} ms, skeleton {info['skeleton_iteration_ms']:.2f}",
+                      flush=True)
+                write_json(a.out, out, say=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print(f"{'config':<10} {'truth med/mean':>16} {'skeleton med/mean':>18} {'model med/mean':>16}")
+    print(f"{'config':<18} {'call':<22} {'truth med/mean':>16} {'skeleton med/mean':>18} {'model med/mean':>16}")
     for row in out["configs"]:
-        def cell(k):
-            return "{:.3f}/{:.3f}".format(statistics.median(r[k]["median_ms"] for r in row["runs"]),
-                                          statistics.median(r[k]["mean_ms"] for r in row["runs"]))
-        print(f"{row['config']:<10} {cell('truth'):>16} {cell('skeleton'):>18} {cell('model'):>16}")
+        for k in sorted({k for r in row["runs"] for k in r["calls"]}):
+            def cell(side, k=k, row=row):
+                got = [r["calls"][k][side] for r in row["runs"] if k in r["calls"] and r["calls"][k][side]["n"]]
+                if not got:
+                    return "-"
+                return "{:.3f}/{:.3f}".format(statistics.median(g["median_ms"] for g in got),
+                                              statistics.median(g["mean_ms"] for g in got))
+            print(f"{row['config']:<18} {k:<22} {cell('truth'):>16} {cell('skeleton'):>18} {cell('model'):>16}")
     write_json(a.out, out)
     return 0
 

@@ -35,7 +35,9 @@ With ``PRISM_STEPCLOCK_CALLS=1`` every communication call made through
 ``send``, ``recv``, ``isend``, ``irecv``, ...) writes ``call STEP OP GROUP_SIZE
 BYTES T0_NS T1_NS ASYNC CPU0_NS CPU1_NS``: how long the call held its caller (for
 an async call only its issue), bytes of its first tensor, and the calling
-thread's CPU clock at both ends; each step line then also carries the main
+thread's CPU clock at both ends, then the group's global ranks (``0,1``; ``-``
+where unknown), so calls of one group pair up across ranks by their order
+(``parse_call_groups``); each step line then also carries the main
 thread's CPU clock (``STEP T_NS CPU_NS``), so the compute between two calls has
 its CPU time beside its wall time, as a capture's segments do
 (``Compute.thread_cpu_ns``). Calls C++ makes by itself (DDP's reducer) are not
@@ -181,7 +183,13 @@ def _time_calls(log, count) -> None:
             except Exception:  # noqa: BLE001 (a non-member's call)
                 n = -1
             is_async = bool(kwargs.get("async_op")) or name in ("isend", "irecv", "batch_isend_irecv")
-            log.write(f"call {count[0]} {name} {n} {nbytes(args, kwargs)} {t0} {t1} {int(is_async)} {c0} {c1}\n")
+            try:
+                members = ",".join(map(str, c10d.get_process_group_ranks(group if group is not None
+                                                                         else c10d.GroupMember.WORLD)))
+            except Exception:  # noqa: BLE001 (a non-member's call, or an older torch)
+                members = "-"
+            log.write(f"call {count[0]} {name} {n} {nbytes(args, kwargs)} {t0} {t1} {int(is_async)} {c0} {c1} "
+                      f"{members}\n")
             return out
         timed.__wrapped__ = fn
         return timed
@@ -203,6 +211,19 @@ def parse_calls(text: str) -> list[tuple[int, str, int, int, int, int, bool]]:
         if line.startswith("call "):
             _, step, op, n, b, t0, t1, a = line.split()[:8]
             out.append((int(step), op, int(n), int(b), int(t0), int(t1), a == "1"))
+    return out
+
+
+def parse_call_groups(text: str) -> list[tuple[int, ...] | None]:
+    """The group (its global ranks) of each ``call`` line, in ``parse_calls``'s
+    order; None where the line has none (files written before they were
+    logged, or a call whose group was unknown)."""
+    out: list[tuple[int, ...] | None] = []
+    for line in text.splitlines():
+        if line.startswith("call "):
+            parts = line.split()
+            out.append(tuple(int(r) for r in parts[10].split(",")) if len(parts) > 10 and parts[10] != "-"
+                       else None)
     return out
 
 

@@ -56,6 +56,7 @@ def test_calls_are_timed_per_step(tmp_path):
     seq = [c for pair in ccalls for c in pair]
     assert all(0 < c0 <= c1 for c0, c1 in ccalls) and seq == sorted(seq)
     assert csteps == sorted(csteps) and csteps[-1] >= seq[-1]
+    assert stepclock.parse_call_groups(text) == [(0, 1)] * len(calls)  # each call's group: both ranks
 
 
 def test_files_without_cpu_clocks_still_parse():
@@ -63,3 +64,7 @@ def test_files_without_cpu_clocks_still_parse():
     assert stepclock.parse_calls(text) == [(0, "all_reduce", 2, 1024, 10, 20, False)]
     assert stepclock.call_cpu(text) is None
     assert stepclock.call_cpu("call 0 all_reduce 2 1024 10 20 0 5 6\n0 30 7\n") == ([(5, 6)], [7])
+    assert stepclock.parse_call_groups(text) == [None]
+    text = "call 0 all_reduce 2 1024 10 20 0 5 6 2,3\ncall 0 barrier 4 0 21 22 0 7 8 -\n0 30 9\n"
+    assert stepclock.parse_call_groups(text) == [(2, 3), None]
+    assert stepclock.call_cpu(text) == ([(5, 6), (7, 8)], [9])
