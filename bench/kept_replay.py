@@ -82,7 +82,8 @@ def main() -> int:
                          "--kept with the --keep-runs folder")
             truth = float(pair["truth_mean_ns"])
             line = {"result": str(p), "config": config, "pair": i, "kept": pair["kept"], "truth_ns": truth}
-            comms = ["model", "measured"] if a.comm == "both" else a.comm.split(",")
+            comms = [c for part in a.comm.split(",") if part.strip()
+                     for c in (("model", "measured") if part.strip() == "both" else (part.strip(),))]
             for net in nets:
                 for comm in comms:
                     key = net if comm == "model" else f"{net}+in-situ" if comm == "measured" else f"{net}+{comm}"
@@ -91,7 +92,8 @@ def main() -> int:
                                                      comm=comm)).mean_iteration_ns
                     except PrismError as e:
                         sys.exit(f"kept_replay: {run} under {net} (--comm {comm}): {e} (pass --net with a profile "
-                                 "file; --comm measured needs a capture kept by accuracy.py --in-situ)")
+                                 "file; in-situ times need a capture kept by accuracy.py --in-situ, or one timed "
+                                 "with `prism commtime RUN --name NAME`)")
                     line[key] = pred
                     rows.setdefault((config, key), []).append((truth, pred))
             keys = [k for k in line if k not in ("result", "config", "pair", "kept", "truth_ns")]

@@ -190,6 +190,15 @@ def commtime(config: CommtimeConfig) -> CommtimeResult:
     if config.name is not None and (config.name in COMM_CHOICES or "/" in config.name or config.name.startswith(".")
                                     or not config.name):
         raise UsageError(f"--name {config.name!r} is reserved or not a folder name; pick another")
+    bad = {k: v for k, v, ok in (("PRISM_SKELETON_COMPUTE", os.environ.get("PRISM_SKELETON_COMPUTE", "spin"),
+                                  ("spin", "yield", "sleep")),
+                                 ("PRISM_SKELETON_CALLBACKS", os.environ.get("PRISM_SKELETON_CALLBACKS", "1"),
+                                  ("0", "1")))
+           if v not in ok}
+    if bad:
+        raise UsageError("unknown skeleton diagnostics: " + ", ".join(f"{k}={v!r}" for k, v in bad.items())
+                         + " (PRISM_SKELETON_COMPUTE takes spin, yield or sleep; PRISM_SKELETON_CALLBACKS 0 or 1); "
+                           "unset them for the default")
     graph, manifest, device_kind = _graph_of(run, config.calibration)
     if device_kind not in (None, "cpu"):
         raise UsageError(f"{run} was captured on {device_kind}: in-situ communication times need a CPU (gloo) "
@@ -338,12 +347,13 @@ def _worker(argv: Sequence[str]) -> None:
             node, w = handed.get()
             try:
                 w.wait()
-            except BaseException as e:  # noqa: BLE001 (raised in the main thread at the work's wait)
+            except BaseException as e:  # noqa: BLE001 (raised in the main thread when it next polls or waits on it)
                 failed[node] = e
-            stamp(node)
-            with busy_lock:
-                busy[0] -= 1
-            waited[node].set()
+            finally:  # whatever happened, the main thread must not wait for this work for ever
+                stamp(node)
+                with busy_lock:
+                    busy[0] -= 1
+                waited[node].set()
 
     def hand_over(node: int, w: Any) -> None:
         waited[node] = threading.Event()
@@ -356,11 +366,11 @@ def _worker(argv: Sequence[str]) -> None:
             threading.Thread(target=waiter, name=f"prism-skeleton-waiter-{busy[1]}", daemon=True).start()
         handed.put((node, w))
 
-    def track(node: int, w: Any, key: tuple) -> None:
+    def track(node: int, w: Any, key: tuple, kind: str) -> None:
         pending[node] = (w, key)
+        if not callbacks and kind == "coll":
+            return  # stamped by polling (is_completed) only
         try:
-            if not callbacks:
-                raise RuntimeError("callbacks off")
             w.get_future().then(lambda f, n=node: stamp(n))
         except (RuntimeError, AttributeError, NotImplementedError):
             hand_over(node, w)  # no future for this work (gloo's p2p): a waiter thread stamps it
@@ -473,7 +483,7 @@ def _worker(argv: Sequence[str]) -> None:
                 start[node] = mono()
                 w, key = issue(item)
                 if w is not None and (item[-1] or kind == "send"):
-                    track(node, w, key)
+                    track(node, w, key, kind)
                 else:
                     if w is not None:
                         w.wait()

@@ -168,7 +168,7 @@ def predict(config: PredictConfig) -> Prediction:
         model, why = resolve_profile(config.net, manifest, traced_device_kind(ranks))
     except ProfileError as e:
         raise UsageError(str(e)) from None
-    if config.comm != "model":
+    if config.comm not in (None, "", "model"):
         from prism.app.commtime import comm_model
 
         if config.scale_dp is not None or (config.whatif is not None and config.whatif.link is not None):

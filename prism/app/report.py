@@ -39,7 +39,10 @@ class ReportConfig:
     plot: str | None = None
     chakra: str | None = None
     chakra_prefix: str = "prism"
-    net: str = DEFAULT_PROFILE
+    #: The cost profile (None: ``DEFAULT_PROFILE``; with ``comm`` other than
+    #: "model", the profile predict would choose for the run, so that report
+    #: draws what ``predict --comm`` predicts).
+    net: str | None = None
     recorded: bool = False
     #: Perfetto trace: only these ranks, e.g. "0-7,64" (None: all).
     ranks: str | None = None
@@ -160,19 +163,22 @@ def clock_offsets(ranks: Mapping[int, Sequence[Event]]) -> list[int]:
     return out
 
 
-def build_timeline(ranks: Mapping[int, Sequence[Event]], net: str, recorded: bool, comm: str = "model",
+def build_timeline(ranks: Mapping[int, Sequence[Event]], net: str | None, recorded: bool, comm: str = "model",
                    run: str | os.PathLike[str] | None = None) -> Timeline:
     """The graph of ``ranks`` on the predicted (or recorded) clock; ``comm``
     other than "model" takes the in-situ communication times stored in
     ``run`` (``prism commtime``) over the profile's."""
-    model = load_profile(net)
     graph = ExecutionGraph.from_events(ranks)
     if comm != "model":
         from prism.app.commtime import comm_model
+        from prism.app.predict import load_run_manifest, resolve_profile, traced_device_kind
 
         if run is None:
             raise ValueError("build_timeline: comm other than 'model' needs the run directory")
-        model = comm_model(run, comm, model, graph)
+        base, _ = resolve_profile(net, load_run_manifest(run), traced_device_kind(ranks))
+        model = comm_model(run, comm, base, graph)
+    else:
+        model = load_profile(net if net is not None else DEFAULT_PROFILE)
     if recorded:
         return recorded_timeline(graph, clock_offsets(ranks), Costs.of(graph, cost_model=model))
     return predicted_timeline(replay_batch(graph, cost_model=model))

@@ -18,9 +18,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="write a per-rank Gantt chart and breakdown (needs matplotlib)")
     p.add_argument("--chakra", metavar="DIR", help="write Chakra execution traces DIR/PREFIX.RANK.et (needs protobuf)")
     p.add_argument("--chakra-prefix", default="prism", metavar="PREFIX", help="file name prefix of the Chakra traces")
-    p.add_argument("--net", default=DEFAULT_PROFILE, metavar="PROFILE",
+    p.add_argument("--net", default=None, metavar="PROFILE",
                    help=f"communication cost profile for the replay: a TOML path, a bundled name, or 'zero' "
-                        f"(default: {DEFAULT_PROFILE}); with --recorded it only splits held time into "
+                        f"(default: {DEFAULT_PROFILE}; with --comm measured, the profile predict picks for the "
+                        "run, pricing what was not measured); with --recorded it only splits held time into "
                         "transfer and waiting")
     p.add_argument("--recorded", action="store_true",
                    help="use the recorded timestamps instead of the replay's predicted times")

@@ -125,6 +125,12 @@ def test_commtime_refuses_more_ranks_than_cores(tmp_path: Path, run: Path):
     assert p.returncode == 2 and "2 ranks" in p.stderr and "cores" in p.stderr
     p = _prism("commtime", str(tmp_path / "absent"), cwd=tmp_path)
     assert p.returncode == 2 and "no such run directory" in p.stderr
+    os.environ["PRISM_SKELETON_COMPUTE"] = "sleeep"
+    try:
+        p = _prism("commtime", str(run), cwd=run.parent)
+    finally:
+        del os.environ["PRISM_SKELETON_COMPUTE"]
+    assert p.returncode == 2 and "PRISM_SKELETON_COMPUTE='sleeep'" in p.stderr and "spin, yield or sleep" in p.stderr
 
 
 def test_prism_run_refuses_comm_it_cannot_honour_before_capturing(tmp_path: Path):
