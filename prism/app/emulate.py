@@ -44,6 +44,7 @@ import gc
 import os
 import re
 import resource
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -108,6 +109,9 @@ class EmulateConfig:
     #: The virtual ranks' communication times: "model" (the cost profile's),
     #: "measured" (the newest ``prism commtime`` of the run) or its name.
     comm: str = "model"
+    #: Sandbox members of one group run their all_reduces among themselves,
+    #: for real (gloo; ``prism.rank.pruned``), the virtual part folded in.
+    pruned: bool = False
     #: Grow the capture to this data-parallel degree first (``prism.core.scaleout``).
     scale_dp: int | None = None
     #: The captured layout for ``scale_dp``, as ``Layout`` or ``"tp=2,pp=2,dp=2"`` (None: the manifest's).
@@ -358,6 +362,12 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         raise UsageError(f"--dormant {config.dormant!r}: choose simulate, offline or auto")
     if config.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {config.warmup}")
+    if config.pruned and config.agents:
+        raise UsageError("--pruned: the sandbox members meet through file stores in the run folder, so they must "
+                         "run on this host; leave out --agents (pruned collectives across nodes are not built)")
+    if config.pruned and manifest.device_kind == "cuda":
+        raise UsageError("--pruned runs the sandbox members' all_reduces among themselves with gloo on CPU "
+                         "tensors; the NCCL counterpart for GPU sandboxes is not built: leave out --pruned")
     cmd = list(config.command) if config.command else list(manifest.command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -467,6 +477,13 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
     out = run / "emulation" / name
     if (out / runfolder.RANKS_DIR).exists() and any((out / runfolder.RANKS_DIR).iterdir()):
         raise UsageError(f"{out} already holds an emulation; choose another --name")
+    if config.pruned:
+        from prism.rank.envnames import PRUNED_ENV
+
+        stores = out / "pruned"  # the members' communicators meet through file stores here
+        shutil.rmtree(stores, ignore_errors=True)
+        stores.mkdir(parents=True)
+        env[PRUNED_ENV] = str(stores.resolve())
     show = () if config.show_ranks == "none" else config.show_ranks
     endpoint = default_endpoint(out)
 
@@ -606,6 +623,7 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         "groups": {"in_graph": len(graph.groups), "with_sandbox": groups_with_sandbox,
                    "instantiated": len(emu.stats.groups_created)},
         "calls": {"recorded": emu.stats.recorded_calls, "compensated": emu.stats.compensated_calls,
+                  "pruned": emu.stats.pruned_calls,
                   "on_device": emu.stats.device_calls, "sends_on_device": emu.stats.device_sends,
                   "reached_on_gpu": emu.stats.reached_calls,
                   "released_before_reach": emu.stats.early_releases, "early_release_off": emu.stats.early_off,
@@ -753,6 +771,8 @@ def format_summary(s: dict, out_dir: Path) -> str:
                  + (f" ({c['on_device']} of them on the sandbox's GPU, no host round trip)" if c.get("on_device") else "")
                  + (f"; {c['sends_on_device']} sends to virtual ranks kept on the GPU" if c.get("sends_on_device")
                     else "")
+                 + (f"; {c['pruned']} all_reduces run by the sandbox members among themselves (--pruned)"
+                    if c.get("pruned") else "")
                  + f"; {c['deliveries']} results released")
     if s.get("prefetch_pool_bytes"):
         lines.append(f"prefetch pool: {s['prefetch_pool_bytes'] / 2**20:.0f} MiB of device memory per sandbox rank "

@@ -76,6 +76,10 @@ def report(config: ReportConfig) -> Report:
     except ValueError as e:
         raise UsageError(str(e)) from None
     ranks = load_run_events(config.run)
+    if config.comm not in (None, "", "model"):  # measured on the steps every rank finished, as predict cuts them
+        from prism.app.predict import _complete_steps
+
+        ranks, _ = _complete_steps(config.run, ranks)
     if not config.recorded:
         from prism.app.calibrate import calibrated_events
 
@@ -169,7 +173,7 @@ def build_timeline(ranks: Mapping[int, Sequence[Event]], net: str | None, record
     other than "model" takes the in-situ communication times stored in
     ``run`` (``prism commtime``) over the profile's."""
     graph = ExecutionGraph.from_events(ranks)
-    if comm != "model":
+    if comm not in (None, "", "model"):
         from prism.app.commtime import comm_model
         from prism.app.predict import load_run_manifest, resolve_profile, traced_device_kind
 

@@ -54,6 +54,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="steps dropped before averaging (default: 1)")
     p.add_argument("--no-recording", action="store_true",
                    help="ignore the capture's recorded payloads: every virtual contribution is compensated")
+    p.add_argument("--pruned", action="store_true",
+                   help="sandbox ranks of one group run their all_reduces among themselves for real (gloo on CPU "
+                        "tensors), the virtual members' part folded in (the leftmost compensates); those calls are "
+                        "compensated, not answered from the recording")
     p.add_argument("--show-ranks", default="none", help="sandbox ranks whose output reaches the console: all, none "
                                                         "or a list (failing ranks always show their last lines)")
     p.add_argument("--progress", default="auto", choices=("auto", "on", "off"))
@@ -83,7 +87,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _gpu_kw(args: argparse.Namespace) -> dict:
     kw = {"gpus": args.gpus, "memory_limit_gib": args.memory_limit, "device_path": args.device_path,
-          "calibration": args.calibration, "prefetch_pool_mib": args.prefetch_pool, "comm": args.comm}
+          "calibration": args.calibration, "prefetch_pool_mib": args.prefetch_pool, "comm": args.comm,
+          "pruned": getattr(args, "pruned", False)}
     if args.memory_overhead is not None:
         kw["memory_overhead_gib"] = args.memory_overhead
     return kw

@@ -23,7 +23,7 @@ from prism.core import codec
 
 #: 2: results carry ``release_ns`` (emulation: when the call completes).
 #: 9: a rank on another host syncs its clock (``ClockProbe``, ``ClockEcho``, ``ClockOffset``).
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 #: Largest message (all frames together) a peer may send. Tensors staged
 #: through the coordinator in phase 1 are gradient buckets and activations:
 #: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
@@ -139,6 +139,12 @@ class CollectiveArrive:
     #: from its prefetch pool (``prism.rank.devicepath.RecordedFeed``), not
     #: compensated ones (protocol 7).
     recorded: bool = False
+    #: Emulation, a sandbox among other sandbox members of its group
+    #: (``prism emulate --pruned``): the members run the call among
+    #: themselves for real and the leftmost folds the virtual members'
+    #: contribution in (``prism.rank.pruned``); no payloads, and the reply
+    #: carries only the release (protocol 10).
+    pruned: bool = False
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
 
 

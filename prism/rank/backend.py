@@ -64,7 +64,7 @@ from torch._C._distributed_c10d import ReduceOp
 
 from prism.core import payloads as PL, protocol, trace
 from prism.core.matcher import wait_key_coll, wait_key_p2p
-from prism.rank import devicepath
+from prism.rank import devicepath, pruned
 from prism.rank import runtime as _rt
 
 # torch.frombuffer on the coordinator's read-only frames (see _from_payload).
@@ -224,6 +224,9 @@ class _Op:
         self.torch_future = _PrismFuture(self, devices=devices)
         #: Builds the trace events once the op completed: f(op) -> events.
         self.finish_events: Callable[[_Op], list[Any]] = lambda op: []
+        #: Run before the op completes (a pruned call: the members' real
+        #: collective finished and the virtual part folded in, ``prism.rank.pruned``).
+        self.before_done: Callable[[], None] | None = None
         _rt.current().track(self)
 
     @property
@@ -276,6 +279,12 @@ class _Op:
             rt.before_complete(self)
         except BaseException as e:  # no slot to be had: the coordinator failed
             error = error or e
+        if error is None and self.before_done is not None:
+            try:
+                self.before_done()
+            except BaseException as e:  # noqa: BLE001 (the members' real call failed: the program's error)
+                error = PrismRankError(f"{self.what}: the sandbox members' own collective failed: {e}")
+            arrived = max(arrived, time.monotonic_ns())
         if error is None and payloads is not None:
             gpu = rt.recorder.gpu
             if gpu is not None:
@@ -490,6 +499,9 @@ class PrismProcessGroup(dist.ProcessGroup):
             if on_device:
                 return self._on_device(rt, op, seq, reduce_name, premul, dtype, inputs, outputs, result, root,
                                        in_splits, out_splits, async_op, t0)
+            ours = pruned.members(op, reduce_name, dtype, self.global_ranks, rt.rank, inputs) if rt.hybrid else None
+            if ours is not None:
+                return self._pruned(rt, op, seq, reduce_name, premul, dtype, inputs, async_op, t0, ours)
             hosts = [_host(t) for t in inputs]
             msg = protocol.CollectiveArrive(
                 rank=rt.rank,
@@ -539,6 +551,47 @@ class PrismProcessGroup(dist.ProcessGroup):
             return self._issued(PrismWork(pending))
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
+
+    def _pruned(self, rt: Any, op: str, seq: int, reduce_name: str, premul: float | None, dtype: str,
+                inputs: Sequence[torch.Tensor], async_op: bool, t0: int, ours: tuple[int, ...]) -> PrismWork:
+        """An all_reduce among two or more sandbox members (``prism.rank.pruned``):
+        they run it among themselves for real, the virtual members' part is
+        folded in, and the result is the program's once the emulated release
+        has come as well."""
+        (t,) = inputs
+        ref = f"coll:{self.gid}:{seq}"
+        limit = rt.recorder.small_tensor_limit
+        in_values = _value_events(ref, "in", [t], limit)  # before the real call overwrites it
+        nbytes = t.numel() * t.element_size()
+        work = pruned.start(self.gid, ours, rt.rank, t, reduce_name)
+        msg = protocol.CollectiveArrive(
+            rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
+            in_shapes=(_shape(t),), out_shapes=(_shape(t),), premul=premul, async_op=async_op,
+            issue_ns=rt.emu_ns(t0), pruned=True)
+        what = f"{op} on group {self.gid} (seq {seq})"
+        pending = _Op(what, [t], [t], t0, not async_op, rt.recorder.step)
+        pending.wait_key = wait_key_coll(self.gid, seq)
+        size = self._size
+
+        def real_then_fold() -> None:
+            work.wait()
+            with torch.no_grad():
+                pruned.fold(t, reduce_name, premul, size, len(ours))
+
+        pending.before_done = real_then_fold
+
+        def finish(p: _Op) -> list[Any]:
+            ev = trace.Collective(
+                gid=msg.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype, in_shapes=msg.in_shapes,
+                out_shapes=msg.out_shapes, bytes=nbytes, root=-1, premul=premul, async_op=async_op,
+                issue_ns=p.issue_ns, wait_ns=p.wait_ns or p.end_ns, end_ns=p.end_ns, step=p.step)
+            return [ev, *in_values, *_value_events(ref, "out", p.outputs, limit)]
+
+        pending.finish_events = finish
+        fut = rt.client.future(("coll", self.gid, seq))
+        rt.send_call(msg)
+        rt.on_done(fut, lambda f: _complete_from_future(pending, f))
+        return self._issued(PrismWork(pending))
 
     def _on_device(self, rt: Any, op: str, seq: int, reduce_name: str, premul: float | None, dtype: str,
                    inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],

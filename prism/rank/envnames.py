@@ -27,3 +27,7 @@ NODE_RANKS_ENV = "PRISM_NODE_RANKS"
 #: writes ``rank-N.prof``, a ``cProfile`` of its main thread, as it ends
 #: (``python -m pstats`` reads it).
 PROFILE_RANK_ENV = "PRISM_PROFILE_RANK"
+#: ``prism emulate --pruned``: a folder the sandbox ranks share; an
+#: all_reduce among two or more of them runs among them for real (gloo), its
+#: communicator set up through a file store there (``prism.rank.pruned``).
+PRUNED_ENV = "PRISM_PRUNED_DIR"

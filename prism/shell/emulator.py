@@ -119,6 +119,8 @@ class EmulationStats:
     device_calls: int = 0
     #: sends to virtual ranks whose data stayed on a GPU sandbox's device (``Send.on_device``)
     device_sends: int = 0
+    #: collectives the sandbox members ran among themselves (``CollectiveArrive.pruned``, ``--pruned``)
+    pruned_calls: int = 0
     #: rank -> the first call where it sent something other than the recording
     divergence: dict[int, str] = field(default_factory=dict)
     groups_created: set[str] = field(default_factory=set)
@@ -405,7 +407,7 @@ class Emulator(Coordinator):
         rank = session.rank
         key = (msg.gid, msg.seq)
         g, _ = self._group_rank(msg.gid, rank)
-        if msg.on_device:  # the data stayed on the sandbox's GPU: nothing to compare, compensated there
+        if msg.on_device or msg.pruned:  # the data stayed with the sandboxes: nothing to compare, compensated there
             ok = False
         else:
             same = self._check_sent(rank, msg.gid, msg.payloads, len(msg.payloads),
@@ -558,7 +560,7 @@ class Emulator(Coordinator):
         script's arguments changed since the capture)."""
         g = self.graph
         if isinstance(msg, P.CollectiveArrive):
-            if msg.on_device:
+            if msg.on_device or msg.pruned:
                 got = sum(C.nbytes(msg.dtype, s) for s in msg.in_shapes)
             else:
                 got = (sum(memoryview(p).nbytes for p in msg.payloads) if msg.payloads or msg.op != "broadcast"
@@ -765,6 +767,13 @@ class Emulator(Coordinator):
             else:
                 self.stats.recorded_calls += 1
                 return out
+        if any(m.pruned for m in calls.values()):
+            if not all(m.pruned for m in calls.values()):
+                self._fail("invalid", f"{next(iter(calls.values())).op} on group {gid} at sequence {seq}: some "
+                           "sandbox members ran it among themselves (--pruned) and some sent their data; every "
+                           "sandbox rank must run with the same Prism and environment", 1)
+            self.stats.pruned_calls += 1
+            return {g: [] for g in calls}  # formed by the members themselves: leave their tensors as they are
         if any(m.on_device for m in calls.values()):
             # a GPU sandbox alone in its group formed its outputs on its
             # device: the capture's recorded ones from its prefetch pool, or compensated

@@ -128,8 +128,9 @@ def test_a_rank_of_protocol_8_gets_the_version_error(tmp_path):
 
     trio.run(main)
     out = got["run"].stdout.decode()
-    assert out.startswith("CoordinatorLost version error message in protocol version 9, this side speaks 8: "
-                          "run the same Prism version on every side"), (out, got["run"].stderr.decode()[-2000:])
+    assert out.startswith(f"CoordinatorLost version error message in protocol version {P.PROTOCOL_VERSION}, this "
+                          "side speaks 8: run the same Prism version on every side"), \
+        (out, got["run"].stderr.decode()[-2000:])
 
 
 # --- end to end: a rank on "another host" ------------------------------------------------

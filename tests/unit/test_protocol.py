@@ -270,3 +270,10 @@ def test_emulation_fields_round_trip():
         got = decode(encode(msg))
         assert got == msg and getattr(got, "release_ns", None) == getattr(msg, "release_ns", None)
     assert CollectiveResult("g", 3).release_ns == 0 and Welcome(PROTOCOL_VERSION, "r", 0, 0).hybrid is False
+
+
+def test_a_pruned_arrival_round_trips_without_payloads():
+    msg = CollectiveArrive(0, "g", 4, "all_reduce", "SUM", "float32", ((8,),), ((8,),), issue_ns=5, pruned=True)
+    got = decode(encode(msg))
+    assert got == msg and got.pruned is True and got.payloads == ()
+    assert CollectiveArrive(0, "g", 4, "all_reduce", "SUM", "float32", (), ()).pruned is False

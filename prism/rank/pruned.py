@@ -1,0 +1,108 @@
+"""Pruned collectives: sandbox members of one group run it among themselves.
+
+With ``prism emulate --pruned`` (``PRUNED_ENV`` names a folder the sandbox
+ranks share), an all_reduce whose group holds two or more sandbox ranks is
+not staged through the coordinator: those members run the real collective
+among themselves on a gloo communicator of the members only (created on
+their first such call on that group, from a ``FileStore`` in that folder:
+every member reaches the call in the same order, as in the real job), and
+the virtual members' part is folded in afterwards, as
+``prism.core.compensation`` defines it for k sandbox contributions standing
+in for N members ("the leftmost virtual rank compensates"):
+
+===========  =================================  ==============================
+reduce op    the members run                    then each applies
+===========  =================================  ==============================
+SUM          SUM of the k inputs (S)            S x N / k
+AVG          SUM                                S / k
+PREMUL_SUM   SUM                                S x factor x N / k
+MIN / MAX    MIN / MAX                          nothing (the virtual min/max is theirs)
+===========  =================================  ==============================
+
+The result equals the host path's compensated one up to rounding (the host
+path sums in float64 and rounds once; here gloo sums in the dtype, then one
+multiply): equal bit for bit for k = 2 and N / k a power of two. The
+coordinator still paces the call: the arrival carries no payloads
+(``CollectiveArrive.pruned``), the reply only the release, and the rank
+returns the result no sooner than both (the real traffic and the emulated
+release) are done. Floating CPU tensors only (gloo); everything else keeps
+the host path. The GPU counterpart (NCCL among sandbox GPUs) is not built.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from prism.rank.envnames import PRUNED_ENV, SANDBOX_ENV
+
+__all__ = ["members", "start", "fold", "REAL_OP", "SUPPORTED"]
+
+#: The reduce op the members run for each supported op.
+REAL_OP = {"SUM": "SUM", "AVG": "SUM", "PREMUL_SUM": "SUM", "MIN": "MIN", "MAX": "MAX"}
+SUPPORTED = frozenset(REAL_OP)
+_FLOATS = frozenset({"float32", "float64"})
+
+_lock = threading.Lock()
+_groups: dict[str, Any] = {}
+
+
+def _sandbox() -> frozenset[int]:
+    text = os.environ.get(SANDBOX_ENV, "")
+    return frozenset(int(r) for r in text.split(",") if r.strip())
+
+
+def members(op: str, reduce_name: str, dtype: str, group_ranks: Sequence[int], rank: int,
+            tensors: Sequence[Any]) -> tuple[int, ...] | None:
+    """The group's sandbox members (global ranks, ascending) when this call
+    is pruned; else None (the host path)."""
+    if not os.environ.get(PRUNED_ENV) or op != "all_reduce" or reduce_name not in SUPPORTED or dtype not in _FLOATS:
+        return None
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return None
+    sandbox = _sandbox()
+    ours = tuple(sorted(r for r in group_ranks if r in sandbox))
+    return ours if len(ours) >= 2 and rank in ours else None
+
+
+def _communicator(gid: str, ours: tuple[int, ...], rank: int) -> Any:
+    with _lock:
+        pg = _groups.get(gid)
+        if pg is None:
+            import torch.distributed as dist
+            from torch._C._distributed_c10d import ProcessGroupGloo
+
+            folder = os.environ[PRUNED_ENV]
+            name = re.sub(r"[^A-Za-z0-9_.-]", "_", gid)
+            store = dist.FileStore(os.path.join(folder, f"group-{name}"), len(ours))
+            pg = _groups[gid] = ProcessGroupGloo(store, ours.index(rank), len(ours),
+                                                 datetime.timedelta(seconds=600))
+        return pg
+
+
+def start(gid: str, ours: tuple[int, ...], rank: int, tensor: Any, reduce_name: str) -> Any:
+    """Issue the members' real all_reduce of ``tensor`` (in place); its work."""
+    import torch.distributed as dist
+
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = getattr(dist.ReduceOp, REAL_OP[reduce_name])
+    return _communicator(gid, ours, rank).allreduce([tensor], opts)
+
+
+def fold(tensor: Any, reduce_name: str, premul: float | None, group_size: int, k: int) -> None:
+    """Fold the N - k virtual members' contribution into the members' result
+    ``tensor`` (in place), per the table above."""
+    if reduce_name == "SUM":
+        scale = group_size / k
+    elif reduce_name == "AVG":
+        scale = 1.0 / k
+    elif reduce_name == "PREMUL_SUM":
+        scale = (premul if premul is not None else 1.0) * group_size / k
+    else:  # MIN / MAX: the virtual members' value is the members' min / max
+        return
+    if scale != 1.0:
+        tensor.mul_(scale)
