@@ -771,7 +771,7 @@ def format_summary(s: dict, out_dir: Path) -> str:
                  + (f" ({c['on_device']} of them on the sandbox's GPU, no host round trip)" if c.get("on_device") else "")
                  + (f"; {c['sends_on_device']} sends to virtual ranks kept on the GPU" if c.get("sends_on_device")
                     else "")
-                 + (f"; {c['pruned']} all_reduces run by the sandbox members among themselves (--pruned)"
+                 + (f"; {c['pruned']} run by the sandbox members among themselves (--pruned)"
                     if c.get("pruned") else "")
                  + f"; {c['deliveries']} results released")
     if s.get("prefetch_pool_bytes"):

@@ -55,9 +55,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-recording", action="store_true",
                    help="ignore the capture's recorded payloads: every virtual contribution is compensated")
     p.add_argument("--pruned", action="store_true",
-                   help="sandbox ranks of one group run their all_reduces among themselves for real (gloo on CPU "
-                        "tensors), the virtual members' part folded in (the leftmost compensates); those calls are "
-                        "compensated, not answered from the recording")
+                   help="sandbox ranks of one group run its all_reduce, all_gather_into_tensor and "
+                        "reduce_scatter_tensor among themselves for real (gloo on CPU tensors), the virtual members' "
+                        "part folded in (the leftmost compensates); those calls are compensated, not answered from "
+                        "the recording")
     p.add_argument("--show-ranks", default="none", help="sandbox ranks whose output reaches the console: all, none "
                                                         "or a list (failing ranks always show their last lines)")
     p.add_argument("--progress", default="auto", choices=("auto", "on", "off"))

@@ -499,9 +499,11 @@ class PrismProcessGroup(dist.ProcessGroup):
             if on_device:
                 return self._on_device(rt, op, seq, reduce_name, premul, dtype, inputs, outputs, result, root,
                                        in_splits, out_splits, async_op, t0)
-            ours = pruned.members(op, reduce_name, dtype, self.global_ranks, rt.rank, inputs) if rt.hybrid else None
+            ours = (pruned.members(op, reduce_name, dtype, self.global_ranks, rt.rank, [*inputs, *outputs])
+                    if rt.hybrid and len(inputs) == len(outputs) == 1 else None)
             if ours is not None:
-                return self._pruned(rt, op, seq, reduce_name, premul, dtype, inputs, async_op, t0, ours)
+                return self._pruned(rt, op, seq, reduce_name, premul, dtype, inputs[0], outputs[0], async_op, t0,
+                                    ours)
             hosts = [_host(t) for t in inputs]
             msg = protocol.CollectiveArrive(
                 rank=rt.rank,
@@ -553,30 +555,29 @@ class PrismProcessGroup(dist.ProcessGroup):
             rt.recorder.comm_exit(time.monotonic_ns())
 
     def _pruned(self, rt: Any, op: str, seq: int, reduce_name: str, premul: float | None, dtype: str,
-                inputs: Sequence[torch.Tensor], async_op: bool, t0: int, ours: tuple[int, ...]) -> PrismWork:
-        """An all_reduce among two or more sandbox members (``prism.rank.pruned``):
+                inp: torch.Tensor, out: torch.Tensor, async_op: bool, t0: int, ours: tuple[int, ...]) -> PrismWork:
+        """A collective among two or more sandbox members (``prism.rank.pruned``):
         they run it among themselves for real, the virtual members' part is
         folded in, and the result is the program's once the emulated release
         has come as well."""
-        (t,) = inputs
         ref = f"coll:{self.gid}:{seq}"
         limit = rt.recorder.small_tensor_limit
-        in_values = _value_events(ref, "in", [t], limit)  # before the real call overwrites it
-        nbytes = t.numel() * t.element_size()
-        work = pruned.start(self.gid, ours, rt.rank, t, reduce_name)
+        in_values = _value_events(ref, "in", [inp], limit)  # before the real call overwrites it
+        nbytes = inp.numel() * inp.element_size()
+        with torch.no_grad():
+            work, after = pruned.start(self.gid, ours, rt.rank, op, inp, out, reduce_name, premul, self.global_ranks)
         msg = protocol.CollectiveArrive(
             rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
-            in_shapes=(_shape(t),), out_shapes=(_shape(t),), premul=premul, async_op=async_op,
+            in_shapes=(_shape(inp),), out_shapes=(_shape(out),), premul=premul, async_op=async_op,
             issue_ns=rt.emu_ns(t0), pruned=True)
         what = f"{op} on group {self.gid} (seq {seq})"
-        pending = _Op(what, [t], [t], t0, not async_op, rt.recorder.step)
+        pending = _Op(what, [out], [out], t0, not async_op, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
-        size = self._size
 
         def real_then_fold() -> None:
             work.wait()
             with torch.no_grad():
-                pruned.fold(t, reduce_name, premul, size, len(ours))
+                after()
 
         pending.before_done = real_then_fold
 

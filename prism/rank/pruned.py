@@ -1,7 +1,8 @@
 """Pruned collectives: sandbox members of one group run it among themselves.
 
 With ``prism emulate --pruned`` (``PRUNED_ENV`` names a folder the sandbox
-ranks share), an all_reduce whose group holds two or more sandbox ranks is
+ranks share), an all_reduce, all_gather_into_tensor or reduce_scatter_tensor
+whose group holds two or more sandbox ranks is
 not staged through the coordinator: those members run the real collective
 among themselves on a gloo communicator of the members only (created on
 their first such call on that group, from a ``FileStore`` in that folder:
@@ -19,9 +20,16 @@ PREMUL_SUM   SUM                                S x factor x N / k
 MIN / MAX    MIN / MAX                          nothing (the virtual min/max is theirs)
 ===========  =================================  ==============================
 
+A reduce_scatter_tensor runs over the members' own parts only (each member's
+input packed as the members' parts in member order: the real traffic of k
+ranks), then folds the same way. An all_gather_into_tensor gathers the k
+members' shards and fills each virtual member's slot with the leftmost
+member's shard (``compensation.virtual_shard``'s rule: a virtual member is a
+copy of the leftmost sandbox).
+
 The result equals the host path's compensated one up to rounding (the host
-path sums in float64 and rounds once; here gloo sums in the dtype, then one
-multiply): equal bit for bit for k = 2 and N / k a power of two. The
+path reduces the k inputs and the folded one in gloo's ring order; here the
+members reduce k, then one multiply). The
 coordinator still paces the call: the arrival carries no payloads
 (``CollectiveArrive.pruned``), the reply only the release, and the rank
 returns the result no sooner than both (the real traffic and the emulated
@@ -40,7 +48,7 @@ from typing import Any
 
 from prism.rank.envnames import PRUNED_ENV, SANDBOX_ENV
 
-__all__ = ["members", "start", "fold", "REAL_OP", "SUPPORTED"]
+__all__ = ["members", "start", "fold", "OPS", "REAL_OP", "SUPPORTED"]
 
 #: The reduce op the members run for each supported op.
 REAL_OP = {"SUM": "SUM", "AVG": "SUM", "PREMUL_SUM": "SUM", "MIN": "MIN", "MAX": "MAX"}
@@ -56,11 +64,16 @@ def _sandbox() -> frozenset[int]:
     return frozenset(int(r) for r in text.split(",") if r.strip())
 
 
+OPS = frozenset({"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"})
+
+
 def members(op: str, reduce_name: str, dtype: str, group_ranks: Sequence[int], rank: int,
             tensors: Sequence[Any]) -> tuple[int, ...] | None:
     """The group's sandbox members (global ranks, ascending) when this call
     is pruned; else None (the host path)."""
-    if not os.environ.get(PRUNED_ENV) or op != "all_reduce" or reduce_name not in SUPPORTED or dtype not in _FLOATS:
+    if not os.environ.get(PRUNED_ENV) or op not in OPS or dtype not in _FLOATS:
+        return None
+    if op != "all_gather_into_tensor" and reduce_name not in SUPPORTED:
         return None
     if not tensors or any(t.device.type != "cpu" for t in tensors):
         return None
@@ -84,13 +97,46 @@ def _communicator(gid: str, ours: tuple[int, ...], rank: int) -> Any:
         return pg
 
 
-def start(gid: str, ours: tuple[int, ...], rank: int, tensor: Any, reduce_name: str) -> Any:
-    """Issue the members' real all_reduce of ``tensor`` (in place); its work."""
+def start(gid: str, ours: tuple[int, ...], rank: int, op: str, inp: Any, out: Any, reduce_name: str,
+          premul: float | None, group_ranks: Sequence[int]) -> tuple[Any, Any]:
+    """Issue the members' real call (``inp`` into ``out``; the same tensor for
+    an all_reduce). Returns its work and what to run once it has finished
+    (the fold, or the virtual members' shards)."""
+    import torch
     import torch.distributed as dist
 
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = getattr(dist.ReduceOp, REAL_OP[reduce_name])
-    return _communicator(gid, ours, rank).allreduce([tensor], opts)
+    pg = _communicator(gid, ours, rank)
+    n, k = len(group_ranks), len(ours)
+    if op == "all_reduce":
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, REAL_OP[reduce_name])
+        return pg.allreduce([out], opts), lambda: fold(out, reduce_name, premul, n, k)
+    slots = [group_ranks.index(r) for r in ours]  # each member's place in the group
+    if op == "reduce_scatter_tensor":
+        parts = inp.reshape(n, -1)
+        packed = torch.cat([parts[g] for g in slots]).contiguous()  # the members' own parts, in member order
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, REAL_OP[reduce_name])
+        mine = out if out.is_contiguous() else torch.empty_like(out)
+
+        def after_rs() -> None:
+            fold(mine, reduce_name, premul, n, k)
+            if mine is not out:
+                out.copy_(mine)
+
+        return pg._reduce_scatter_base(mine.reshape(-1), packed, opts), after_rs
+    # all_gather_into_tensor
+    got = torch.empty(k * inp.numel(), dtype=inp.dtype)
+    src = inp.contiguous().reshape(-1)
+
+    def after_ag() -> None:
+        shards = got.reshape(k, -1)
+        full = torch.empty(n, src.numel(), dtype=src.dtype)
+        for g in range(n):
+            full[g].copy_(shards[slots.index(g)] if g in slots else shards[0])  # a virtual member: the leftmost's
+        out.copy_(full.reshape(out.shape))
+
+    return pg._allgather_base(got, src), after_ag
 
 
 def fold(tensor: Any, reduce_name: str, premul: float | None, group_size: int, k: int) -> None:

@@ -23,7 +23,10 @@ def test_which_calls_are_pruned(env, monkeypatch):
     assert pruned.members("all_reduce", "AVG", "float64", (1, 5, 9), 5, t) == (1, 5)
     assert pruned.members("all_reduce", "SUM", "float32", (0, 2), 0, t) is None  # one sandbox member: host path
     assert pruned.members("all_reduce", "SUM", "float32", (0, 1), 2, t) is None  # not a member
-    assert pruned.members("all_gather_into_tensor", "", "float32", (0, 1), 0, t) is None  # data-moving: host path
+    assert pruned.members("all_gather_into_tensor", "", "float32", (0, 1), 0, t) == (0, 1)
+    assert pruned.members("reduce_scatter_tensor", "AVG", "float32", (0, 1, 2), 1, t) == (0, 1)
+    assert pruned.members("all_to_all_single", "", "float32", (0, 1), 0, t) is None  # the host path
+    assert pruned.members("broadcast", "", "float32", (0, 1), 0, t) is None
     assert pruned.members("all_reduce", "PRODUCT", "float32", (0, 1), 0, t) is None
     assert pruned.members("all_reduce", "SUM", "int64", (0, 1), 0, t) is None  # integer means: host path
     assert pruned.members("all_reduce", "SUM", "bfloat16", (0, 1), 0, t) is None
