@@ -484,6 +484,10 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
         shutil.rmtree(stores, ignore_errors=True)
         stores.mkdir(parents=True)
         env[PRUNED_ENV] = str(stores.resolve())
+        if recordings:  # a pruned call's inputs are checked against the recording by their digests
+            from prism.rank.envnames import PRUNED_DIGESTS_ENV
+
+            env[PRUNED_DIGESTS_ENV] = "1"
     show = () if config.show_ranks == "none" else config.show_ranks
     endpoint = default_endpoint(out)
 

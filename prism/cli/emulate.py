@@ -57,8 +57,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pruned", action="store_true",
                    help="sandbox ranks of one group run its all_reduce, all_gather_into_tensor and "
                         "reduce_scatter_tensor among themselves for real (gloo on CPU tensors), the virtual members' "
-                        "part folded in (the leftmost compensates); those calls are compensated, not answered from "
-                        "the recording")
+                        "part folded in (the leftmost compensates); with a recording, the recorded outputs still "
+                        "replace theirs where their inputs are the recorded ones")
     p.add_argument("--show-ranks", default="none", help="sandbox ranks whose output reaches the console: all, none "
                                                         "or a list (failing ranks always show their last lines)")
     p.add_argument("--progress", default="auto", choices=("auto", "on", "off"))

@@ -145,6 +145,11 @@ class CollectiveArrive:
     #: contribution in (``prism.rank.pruned``); no payloads, and the reply
     #: carries only the release (protocol 10).
     pruned: bool = False
+    #: With ``pruned``: the BLAKE2b digests (``payloads.digest``) of the
+    #: rank's inputs, for the coordinator to check against the recording,
+    #: when it has one (then the reply carries the recorded outputs, which the
+    #: rank puts in place of its own once the real call has finished).
+    in_digests: tuple[str, ...] = ()
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
 
 

@@ -564,12 +564,14 @@ class PrismProcessGroup(dist.ProcessGroup):
         limit = rt.recorder.small_tensor_limit
         in_values = _value_events(ref, "in", [inp], limit)  # before the real call overwrites it
         nbytes = inp.numel() * inp.element_size()
+        # what the host path's coordinator would hash of the payload, before the real call overwrites it
+        digests = (PL.digest(memoryview(_buffer(_host(inp))).cast("B")),) if pruned.digests_wanted() else ()
         with torch.no_grad():
             work, after = pruned.start(self.gid, ours, rt.rank, op, inp, out, reduce_name, premul, self.global_ranks)
         msg = protocol.CollectiveArrive(
             rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
             in_shapes=(_shape(inp),), out_shapes=(_shape(out),), premul=premul, async_op=async_op,
-            issue_ns=rt.emu_ns(t0), pruned=True)
+            issue_ns=rt.emu_ns(t0), pruned=True, in_digests=digests)
         what = f"{op} on group {self.gid} (seq {seq})"
         pending = _Op(what, [out], [out], t0, not async_op, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)

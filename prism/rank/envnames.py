@@ -31,3 +31,6 @@ PROFILE_RANK_ENV = "PRISM_PROFILE_RANK"
 #: all_reduce among two or more of them runs among them for real (gloo), its
 #: communicator set up through a file store there (``prism.rank.pruned``).
 PRUNED_ENV = "PRISM_PRUNED_DIR"
+#: "1": the emulation has recordings, so a pruned call sends its inputs'
+#: digests for the coordinator to check (``CollectiveArrive.in_digests``).
+PRUNED_DIGESTS_ENV = "PRISM_PRUNED_DIGESTS"

@@ -31,7 +31,9 @@ The result equals the host path's compensated one up to rounding (the host
 path reduces the k inputs and the folded one in gloo's ring order; here the
 members reduce k, then one multiply). The
 coordinator still paces the call: the arrival carries no payloads
-(``CollectiveArrive.pruned``), the reply only the release, and the rank
+(``CollectiveArrive.pruned``; with a recording, its inputs' digests), the
+reply only the release (or the recorded outputs, where the inputs are the
+recorded ones: they replace the members' result), and the rank
 returns the result no sooner than both (the real traffic and the emulated
 release) are done. Floating CPU tensors only (gloo); everything else keeps
 the host path. The GPU counterpart (NCCL among sandbox GPUs) is not built.
@@ -46,7 +48,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from prism.rank.envnames import PRUNED_ENV, SANDBOX_ENV
+from prism.rank.envnames import PRUNED_DIGESTS_ENV, PRUNED_ENV, SANDBOX_ENV
 
 __all__ = ["members", "start", "fold", "OPS", "REAL_OP", "SUPPORTED"]
 
@@ -80,6 +82,11 @@ def members(op: str, reduce_name: str, dtype: str, group_ranks: Sequence[int], r
     sandbox = _sandbox()
     ours = tuple(sorted(r for r in group_ranks if r in sandbox))
     return ours if len(ours) >= 2 and rank in ours else None
+
+
+def digests_wanted() -> bool:
+    """Whether the coordinator has recordings to check a pruned call's inputs against."""
+    return os.environ.get(PRUNED_DIGESTS_ENV) == "1"
 
 
 def _communicator(gid: str, ours: tuple[int, ...], rank: int) -> Any:

@@ -383,19 +383,21 @@ class Emulator(Coordinator):
         ranks = self.graph.groups[self._gid_index[gid]].ranks if gid in self._gid_index else ()
         return (ranks.index(rank) if rank in ranks else -1), ranks
 
-    def _check_sent(self, rank: int, key: str, payloads, n: int, role_ref) -> bool | None:
-        """Whether what ``rank`` sent equals the recording (None: nothing recorded for it)."""
+    def _check_sent(self, rank: int, key: str, payloads, n: int, role_ref, digests=None) -> bool | None:
+        """Whether what ``rank`` sent equals the recording (None: nothing recorded
+        for it); ``digests``: the rank's own digests of what it did not send
+        (a pruned call's inputs) in place of ``payloads``."""
         rec = self.recordings.get(rank)
         if rec is None:
             return None
         same = True
         known = False
-        for i, p in enumerate(payloads):
+        for i, p in enumerate(payloads if digests is None else digests):
             want = rec.index.get(("sent", role_ref(i, n)))
             if want is None:
                 continue
             known = True
-            if PL.digest(memoryview(p).cast("B")) != want.digest:
+            if (PL.digest(memoryview(p).cast("B")) if digests is None else p) != want.digest:
                 same = False
                 if rank not in self.stats.divergence:
                     self.stats.divergence[rank] = (
@@ -407,8 +409,12 @@ class Emulator(Coordinator):
         rank = session.rank
         key = (msg.gid, msg.seq)
         g, _ = self._group_rank(msg.gid, rank)
-        if msg.on_device or msg.pruned:  # the data stayed with the sandboxes: nothing to compare, compensated there
+        if msg.on_device or (msg.pruned and not msg.in_digests):  # the data stayed with the sandbox: compensated there
             ok = False
+        elif msg.pruned:  # the members ran it; with their inputs as recorded, the recorded outputs replace theirs
+            same = self._check_sent(rank, msg.gid, (), len(msg.in_digests),
+                                    lambda i, n: PL.coll_ref(msg.gid, msg.seq, "in", i, n), digests=msg.in_digests)
+            ok = rank in self.recordings and same is not False
         else:
             same = self._check_sent(rank, msg.gid, msg.payloads, len(msg.payloads),
                                     lambda i, n: PL.coll_ref(msg.gid, msg.seq, "in", i, n))
@@ -746,6 +752,14 @@ class Emulator(Coordinator):
     def _coll_outputs(self, gid: str, seq: int) -> dict[int, list[Any]]:
         calls = self._calls.pop((gid, seq))
         on_record = self._on_record.pop((gid, seq), False)
+        pruned = any(m.pruned for m in calls.values())
+        if pruned:
+            if not all(m.pruned for m in calls.values()):
+                self._fail("invalid", f"{next(iter(calls.values())).op} on group {gid} at sequence {seq}: some "
+                           "sandbox members ran it among themselves (--pruned) and some sent their data; every "
+                           "sandbox rank must run with the same Prism and environment", 1)
+                return {g: [] for g in calls}
+            self.stats.pruned_calls += 1
         if on_record:
             out = {}
             for g, msg in calls.items():
@@ -767,12 +781,7 @@ class Emulator(Coordinator):
             else:
                 self.stats.recorded_calls += 1
                 return out
-        if any(m.pruned for m in calls.values()):
-            if not all(m.pruned for m in calls.values()):
-                self._fail("invalid", f"{next(iter(calls.values())).op} on group {gid} at sequence {seq}: some "
-                           "sandbox members ran it among themselves (--pruned) and some sent their data; every "
-                           "sandbox rank must run with the same Prism and environment", 1)
-            self.stats.pruned_calls += 1
+        if pruned:
             return {g: [] for g in calls}  # formed by the members themselves: leave their tensors as they are
         if any(m.on_device for m in calls.values()):
             # a GPU sandbox alone in its group formed its outputs on its

@@ -62,6 +62,20 @@ def test_sandbox_members_reduce_among_themselves_with_the_host_paths_result(tmp_
                                         "--name", "text", "--progress", "off", cwd=tmp_path).stdout
 
 
+def test_with_a_recording_the_members_traffic_is_real_and_their_losses_the_captures(tmp_path: Path):
+    run = tmp_path / "run"
+    p = _prism("capture", "-n", "4", "--record", "0,1", "--out", str(run), "--progress", "off", "--show-ranks",
+               "none", "--", *GPT, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _prism("emulate", str(run), "--sandbox", "0,1", "--pruned", "--name", "rec", "--progress", "off", "--json",
+               cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(p.stdout)
+    # each call run by the members for real, its inputs' digests as recorded, so the recorded outputs replace theirs
+    assert s["calls"]["pruned"] == s["calls"]["recorded"] > 0 and s["calls"]["compensated"] == 0
+    assert s["ranks"]["0"]["losses_equal"] is True  # bit for bit
+
+
 def test_fsdp2_all_gathers_and_reduce_scatters_are_pruned(tmp_path: Path):
     _, got = _both(tmp_path, FSDP2)
     host, pr = got["host"]["calls"], got["pruned"]["calls"]
