@@ -536,21 +536,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             nbytes = sum(h.numel() * h.element_size() for h in hosts) if hosts or op != "broadcast" else \
                 sum(t.numel() * t.element_size() for t in outputs)
 
-            def finish(p: _Op) -> list[Any]:
-                ev = trace.Collective(
-                    gid=msg.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
-                    in_shapes=msg.in_shapes, out_shapes=msg.out_shapes, bytes=nbytes, root=root,
-                    in_splits=msg.in_splits, out_splits=msg.out_splits, premul=premul,
-                    async_op=async_op, issue_ns=p.issue_ns, wait_ns=p.wait_ns or p.end_ns,
-                    end_ns=p.end_ns, step=p.step,
-                )
-                return [ev, *in_values, *_value_events(ref, "out", p.outputs, limit)]
-
-            pending.finish_events = finish
-            fut = rt.client.future(("coll", self.gid, seq))
-            rt.send_call(msg)
-            rt.on_done(fut, lambda f: _complete_from_future(pending, f))
-            return self._issued(PrismWork(pending))
+            return self._submit(rt, msg, pending, nbytes, in_values, ref, limit)
         finally:
             rt.recorder.comm_exit(time.monotonic_ns())
 
@@ -583,15 +569,22 @@ class PrismProcessGroup(dist.ProcessGroup):
 
         pending.before_done = real_then_fold
 
+        return self._submit(rt, msg, pending, nbytes, in_values, ref, limit)
+
+    def _submit(self, rt: Any, msg: protocol.CollectiveArrive, pending: _Op, nbytes: int, in_values: list[Any],
+                ref: str, limit: int) -> PrismWork:
+        """Send a host-path (or pruned) collective's arrival and complete
+        ``pending`` from the coordinator's reply; its trace events then."""
         def finish(p: _Op) -> list[Any]:
             ev = trace.Collective(
-                gid=msg.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype, in_shapes=msg.in_shapes,
-                out_shapes=msg.out_shapes, bytes=nbytes, root=-1, premul=premul, async_op=async_op,
+                gid=msg.gid, seq=msg.seq, op=msg.op, reduce_op=msg.reduce_op, dtype=msg.dtype,
+                in_shapes=msg.in_shapes, out_shapes=msg.out_shapes, bytes=nbytes, root=msg.root,
+                in_splits=msg.in_splits, out_splits=msg.out_splits, premul=msg.premul, async_op=msg.async_op,
                 issue_ns=p.issue_ns, wait_ns=p.wait_ns or p.end_ns, end_ns=p.end_ns, step=p.step)
             return [ev, *in_values, *_value_events(ref, "out", p.outputs, limit)]
 
         pending.finish_events = finish
-        fut = rt.client.future(("coll", self.gid, seq))
+        fut = rt.client.future(("coll", self.gid, msg.seq))
         rt.send_call(msg)
         rt.on_done(fut, lambda f: _complete_from_future(pending, f))
         return self._issued(PrismWork(pending))
