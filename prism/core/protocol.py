@@ -141,9 +141,9 @@ class CollectiveArrive:
     recorded: bool = False
     #: Emulation, a sandbox among other sandbox members of its group
     #: (``prism emulate --pruned``): the members run the call among
-    #: themselves for real and the leftmost folds the virtual members'
-    #: contribution in (``prism.rank.pruned``); no payloads, and the reply
-    #: carries only the release (protocol 10).
+    #: themselves for real and each folds the virtual members' contribution
+    #: in (``prism.rank.pruned``); no payloads, and the reply carries only the
+    #: release, or the recorded outputs (``in_digests``) (protocol 10).
     pruned: bool = False
     #: With ``pruned``: the BLAKE2b digests (``payloads.digest``) of the
     #: rank's inputs, for the coordinator to check against the recording,

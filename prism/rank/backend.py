@@ -279,11 +279,14 @@ class _Op:
             rt.before_complete(self)
         except BaseException as e:  # no slot to be had: the coordinator failed
             error = error or e
-        if error is None and self.before_done is not None:
+        if self.before_done is not None:
+            run, self.before_done = self.before_done, None
             try:
-                self.before_done()
+                run()  # also when the reply failed: gloo must be done with the tensors before the program sees them
+            except PrismRankError as e:
+                error = error or e
             except BaseException as e:  # noqa: BLE001 (the members' real call failed: the program's error)
-                error = PrismRankError(f"{self.what}: the sandbox members' own collective failed: {e}")
+                error = error or PrismRankError(f"{self.what}: the sandbox members' own collective failed: {e}")
             arrived = max(arrived, time.monotonic_ns())
         if error is None and payloads is not None:
             gpu = rt.recorder.gpu
@@ -550,10 +553,9 @@ class PrismProcessGroup(dist.ProcessGroup):
         limit = rt.recorder.small_tensor_limit
         in_values = _value_events(ref, "in", [inp], limit)  # before the real call overwrites it
         nbytes = inp.numel() * inp.element_size()
+        t_own = time.monotonic_ns()
         # what the host path's coordinator would hash of the payload, before the real call overwrites it
         digests = (PL.digest(memoryview(_buffer(_host(inp))).cast("B")),) if pruned.digests_wanted() else ()
-        with torch.no_grad():
-            work, after = pruned.start(self.gid, ours, rt.rank, op, inp, out, reduce_name, premul, self.global_ranks)
         msg = protocol.CollectiveArrive(
             rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
             in_shapes=(_shape(inp),), out_shapes=(_shape(out),), premul=premul, async_op=async_op,
@@ -561,15 +563,35 @@ class PrismProcessGroup(dist.ProcessGroup):
         what = f"{op} on group {self.gid} (seq {seq})"
         pending = _Op(what, [out], [out], t0, not async_op, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
+        # The arrival goes out first, so the coordinator checks the call against
+        # the graph (a script that diverged stops with its mismatch) while the
+        # members meet; the real call follows at once.
+        started: dict[str, Any] = {}
+        ready = threading.Event()
 
         def real_then_fold() -> None:
-            work.wait()
+            ready.wait()
+            if "error" in started:
+                raise started["error"]
+            started["work"].wait()
             with torch.no_grad():
-                after()
+                started["after"]()
 
         pending.before_done = real_then_fold
-
-        return self._submit(rt, msg, pending, nbytes, in_values, ref, limit)
+        work = self._submit(rt, msg, pending, nbytes, in_values, ref, limit)
+        try:
+            with torch.no_grad():
+                started["work"], started["after"] = pruned.start(self.gid, ours, rt.rank, op, inp, out, reduce_name,
+                                                                 premul, self.global_ranks)
+        except Exception as e:  # noqa: BLE001 (reported as the call's error, when the program waits for it)
+            started["error"] = PrismRankError(
+                f"{what}: --pruned could not run it among the sandbox members {list(ours)} ({e}); every member "
+                "must reach it (run without --pruned to stage it through the coordinator)")
+        finally:
+            ready.set()
+            # the digest, the packing and a first call's communicator set-up are Prism's time, not the job's
+            rt.add_dilation(time.monotonic_ns() - t_own)
+        return work
 
     def _submit(self, rt: Any, msg: protocol.CollectiveArrive, pending: _Op, nbytes: int, in_values: list[Any],
                 ref: str, limit: int) -> PrismWork:

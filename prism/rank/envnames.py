@@ -28,8 +28,9 @@ NODE_RANKS_ENV = "PRISM_NODE_RANKS"
 #: (``python -m pstats`` reads it).
 PROFILE_RANK_ENV = "PRISM_PROFILE_RANK"
 #: ``prism emulate --pruned``: a folder the sandbox ranks share; an
-#: all_reduce among two or more of them runs among them for real (gloo), its
-#: communicator set up through a file store there (``prism.rank.pruned``).
+#: all_reduce, all_gather_into_tensor or reduce_scatter_tensor among two or
+#: more of them runs among them for real (gloo), its communicator set up
+#: through a file store there (``prism.rank.pruned``).
 PRUNED_ENV = "PRISM_PRUNED_DIR"
 #: "1": the emulation has recordings, so a pruned call sends its inputs'
 #: digests for the coordinator to check (``CollectiveArrive.in_digests``).

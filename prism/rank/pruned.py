@@ -58,7 +58,16 @@ SUPPORTED = frozenset(REAL_OP)
 _FLOATS = frozenset({"float32", "float64"})
 
 _lock = threading.Lock()
-_groups: dict[str, Any] = {}
+_groups: dict[tuple[str, int], Any] = {}
+_group_locks: dict[tuple[str, int], threading.Lock] = {}
+#: How long the members wait for each other while they set up a communicator.
+SETUP_TIMEOUT_S = 120
+
+
+def _strided() -> Any:
+    import torch
+
+    return torch.strided
 
 
 def _sandbox() -> frozenset[int]:
@@ -77,8 +86,9 @@ def members(op: str, reduce_name: str, dtype: str, group_ranks: Sequence[int], r
         return None
     if op != "all_gather_into_tensor" and reduce_name not in SUPPORTED:
         return None
-    if not tensors or any(t.device.type != "cpu" for t in tensors):
-        return None
+    if not tensors or any(t.device.type != "cpu" or t.layout != _strided() or not t.is_contiguous()
+                          or t.numel() == 0 for t in tensors):
+        return None  # gloo reads a dense buffer; views with gaps and empty calls keep the host path
     sandbox = _sandbox()
     ours = tuple(sorted(r for r in group_ranks if r in sandbox))
     return ours if len(ours) >= 2 and rank in ours else None
@@ -90,8 +100,11 @@ def digests_wanted() -> bool:
 
 
 def _communicator(gid: str, ours: tuple[int, ...], rank: int) -> Any:
+    key = (gid, rank)  # by rank too: tests run two members in one process
     with _lock:
-        pg = _groups.get(gid)
+        lock = _group_locks.setdefault(key, threading.Lock())
+    with lock:
+        pg = _groups.get(key)
         if pg is None:
             import torch.distributed as dist
             from torch._C._distributed_c10d import ProcessGroupGloo
@@ -99,8 +112,9 @@ def _communicator(gid: str, ours: tuple[int, ...], rank: int) -> Any:
             folder = os.environ[PRUNED_ENV]
             name = re.sub(r"[^A-Za-z0-9_.-]", "_", gid)
             store = dist.FileStore(os.path.join(folder, f"group-{name}"), len(ours))
-            pg = _groups[gid] = ProcessGroupGloo(store, ours.index(rank), len(ours),
-                                                 datetime.timedelta(seconds=600))
+            store.set_timeout(datetime.timedelta(seconds=SETUP_TIMEOUT_S))
+            pg = _groups[key] = ProcessGroupGloo(store, ours.index(rank), len(ours),
+                                                 datetime.timedelta(seconds=SETUP_TIMEOUT_S))
         return pg
 
 
@@ -120,11 +134,11 @@ def start(gid: str, ours: tuple[int, ...], rank: int, op: str, inp: Any, out: An
         return pg.allreduce([out], opts), lambda: fold(out, reduce_name, premul, n, k)
     slots = [group_ranks.index(r) for r in ours]  # each member's place in the group
     if op == "reduce_scatter_tensor":
-        parts = inp.reshape(n, -1)
+        parts = inp.reshape(n, inp.numel() // n)
         packed = torch.cat([parts[g] for g in slots]).contiguous()  # the members' own parts, in member order
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = getattr(dist.ReduceOp, REAL_OP[reduce_name])
-        mine = out if out.is_contiguous() else torch.empty_like(out)
+        mine = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
 
         def after_rs() -> None:
             fold(mine, reduce_name, premul, n, k)
@@ -136,11 +150,13 @@ def start(gid: str, ours: tuple[int, ...], rank: int, op: str, inp: Any, out: An
     got = torch.empty(k * inp.numel(), dtype=inp.dtype)
     src = inp.contiguous().reshape(-1)
 
+    lead = min(range(k), key=slots.__getitem__)  # the member of the lowest group rank (hybrid_outputs' leftmost)
+
     def after_ag() -> None:
-        shards = got.reshape(k, -1)
+        shards = got.view(k, src.numel())
         full = torch.empty(n, src.numel(), dtype=src.dtype)
         for g in range(n):
-            full[g].copy_(shards[slots.index(g)] if g in slots else shards[0])  # a virtual member: the leftmost's
+            full[g].copy_(shards[slots.index(g)] if g in slots else shards[lead])  # a virtual member: the leftmost's
         out.copy_(full.reshape(out.shape))
 
     return pg._allgather_base(got, src), after_ag
@@ -152,7 +168,8 @@ def fold(tensor: Any, reduce_name: str, premul: float | None, group_size: int, k
     if reduce_name == "SUM":
         scale = group_size / k
     elif reduce_name == "AVG":
-        scale = 1.0 / k
+        tensor.div_(k)  # as the host path divides
+        return
     elif reduce_name == "PREMUL_SUM":
         scale = (premul if premul is not None else 1.0) * group_size / k
     else:  # MIN / MAX: the virtual members' value is the members' min / max
