@@ -29,18 +29,19 @@ def _prism(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedP
                           cwd=cwd, env=env)
 
 
-def _both(tmp_path: Path, script: list[str]) -> tuple[Path, dict]:
+def _capture(tmp_path: Path, script: list[str], *extra: str) -> Path:
     run = tmp_path / "run"
-    p = _prism("capture", "-n", "4", "--out", str(run), "--progress", "off", "--show-ranks", "none", "--", *script,
-               cwd=tmp_path)
+    p = _prism("capture", "-n", "4", *extra, "--out", str(run), "--progress", "off", "--show-ranks", "none", "--",
+               *script, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    got = {}
-    for name, extra in (("host", []), ("pruned", ["--pruned"])):
-        p = _prism("emulate", str(run), "--sandbox", "0,1", "--no-recording", "--name", name, "--progress", "off",
-                   "--json", *extra, cwd=tmp_path)
-        assert p.returncode == 0, p.stderr[-3000:]
-        got[name] = json.loads(p.stdout)
-    return run, got
+    return run
+
+
+def _emulate(run: Path, name: str, *extra: str) -> tuple[dict, str]:
+    """The emulation's summary (its summary.json) and what it printed."""
+    p = _prism("emulate", str(run), "--sandbox", "0,1", "--name", name, "--progress", "off", *extra, cwd=run.parent)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads((run / "emulation" / name / "summary.json").read_text()), p.stdout
 
 
 def _close(a: dict, b: dict) -> bool:
@@ -48,36 +49,30 @@ def _close(a: dict, b: dict) -> bool:
 
 
 def test_sandbox_members_reduce_among_themselves_with_the_host_paths_result(tmp_path: Path):
-    run, got = _both(tmp_path, GPT)
+    run = _capture(tmp_path, GPT, "--record", "0,1")
+    got = {"host": _emulate(run, "host", "--no-recording")[0]}
+    got["pruned"], text = _emulate(run, "pruned", "--no-recording", "--pruned")
     host, pr = got["host"]["calls"], got["pruned"]["calls"]
     # every TP all_reduce of the group {0, 1, 2, 3} holds both sandboxes: each is pruned, none staged
     assert host["pruned"] == 0 and host["compensated"] > 0
     assert pr["pruned"] == host["compensated"] and pr["compensated"] == 0
+    assert "run by the sandbox members among themselves" in text
     assert list((run / "emulation" / "pruned" / "pruned").iterdir())  # the members' file store: a real communicator
     # k = 2 of N = 4, SUM: the members' sum times 2, where the host path sums the two inputs and the folded
     # one in gloo's ring order: the same up to rounding (a missing or wrong fold would move the loss by far more)
     losses = {n: got[n]["ranks"]["0"]["losses"] for n in got}
     assert losses["host"] and _close(losses["host"], losses["pruned"]), losses
-    assert "among themselves" in _prism("emulate", str(run), "--sandbox", "0,1", "--no-recording", "--pruned",
-                                        "--name", "text", "--progress", "off", cwd=tmp_path).stdout
-
-
-def test_with_a_recording_the_members_traffic_is_real_and_their_losses_the_captures(tmp_path: Path):
-    run = tmp_path / "run"
-    p = _prism("capture", "-n", "4", "--record", "0,1", "--out", str(run), "--progress", "off", "--show-ranks",
-               "none", "--", *GPT, cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = _prism("emulate", str(run), "--sandbox", "0,1", "--pruned", "--name", "rec", "--progress", "off", "--json",
-               cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    s = json.loads(p.stdout)
-    # each call run by the members for real, its inputs' digests as recorded, so the recorded outputs replace theirs
-    assert s["calls"]["pruned"] == s["calls"]["recorded"] > 0 and s["calls"]["compensated"] == 0
-    assert s["ranks"]["0"]["losses_equal"] is True  # bit for bit
+    # with the recording: each call still run by the members for real, its inputs' digests as recorded, so
+    # the recorded outputs replace theirs and the losses are the capture's bit for bit
+    s, _ = _emulate(run, "rec", "--pruned")
+    assert s["calls"]["pruned"] == s["calls"]["recorded"] == pr["pruned"] and s["calls"]["compensated"] == 0
+    assert s["ranks"]["0"]["losses_equal"] is True
 
 
 def test_fsdp2_all_gathers_and_reduce_scatters_are_pruned(tmp_path: Path):
-    _, got = _both(tmp_path, FSDP2)
+    run = _capture(tmp_path, FSDP2)
+    got = {name: _emulate(run, name, "--no-recording", *extra)[0] for name, extra in (("host", ()),
+                                                                                     ("pruned", ("--pruned",)))}
     host, pr = got["host"]["calls"], got["pruned"]["calls"]
     assert pr["pruned"] == host["compensated"] > 0 and pr["compensated"] == 0  # every call of the world group
     losses = {n: got[n]["ranks"]["0"]["losses"] for n in got}
