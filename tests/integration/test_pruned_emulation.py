@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.full import FULL
+
 FSDP2 = [str(Path(__file__).resolve().parents[2] / "prism/workloads/frameworks/fsdp2.py"), "--dim", "32", "--hidden",
          "64", "--layers", "2", "--batch", "16", "--steps", "3"]
 
@@ -69,6 +71,7 @@ def test_sandbox_members_reduce_among_themselves_with_the_host_paths_result(tmp_
     assert s["ranks"]["0"]["losses_equal"] is True
 
 
+@FULL  # covered by tests/unit/test_pruned.py::test_two_members_of_an_unsorted_group_get_the_host_paths_result
 def test_fsdp2_all_gathers_and_reduce_scatters_are_pruned(tmp_path: Path):
     run = _capture(tmp_path, FSDP2)
     got = {name: _emulate(run, name, "--no-recording", *extra)[0] for name, extra in (("host", ()),
