@@ -25,7 +25,9 @@ prism
     (``per-op``), and per op corrected to the measured points per size and
     group size (``measured``). From points timed with every group of a size
     busy at once on ``--world`` ranks (``prism netprofile --concurrent
-    WORLD``), per op and corrected to them: ``concurrent``.
+    WORLD``), per op and corrected to them: ``concurrent``; the same points
+    with each call the median member's time instead of the slowest's:
+    ``concurrent-median``.
 emulated
     ``prism emulate`` of that capture with rank 0 as the sandbox (its
     recorded payloads, the ``--emulate-profile`` profile, default
@@ -140,6 +142,13 @@ def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float) -> 
     shutil.rmtree(d, ignore_errors=True)
     ends = job_step_ends(per_rank)
     return np.diff(ends), wall, ends
+
+
+#: The concurrent points with each call's time the median member's (a
+#: typical group's) instead of the slowest's (the worst of world // n groups):
+#: ``prism netprofile`` measures both; the replay already takes the latest
+#: member's arrival, so the worst group's time on top counts the spread twice.
+CONCURRENT_MEDIAN = "concurrent-median"
 
 
 #: A prediction beside the profiles': the emulation's profile over compute
@@ -271,6 +280,12 @@ def ensure_profile(net: str | None, tmp: pathlib.Path, world: int, remeasure: bo
              "measured": profile_toml(fit, points, per_op=per_op, **kw),
              "per-op": profile_toml(fit, points, per_op=per_op, measured=False, **kw),
              "one-fit": profile_toml(fit, points, measured=False, **kw)}
+    if world > 2 and conc and all(p.median_rank_seconds is not None for p in conc):
+        # the same concurrent points, each the median member's time: a typical group's, not the worst one's
+        med = [dataclasses.replace(p, seconds=p.median_rank_seconds) for p in conc]
+        mfit, mper_op = fit_points(med), fit_per_op(med)
+        texts[CONCURRENT_MEDIAN] = profile_toml(mfit, med, per_op=mper_op, **{**kw, "command": kw["command"] +
+                                                f" --concurrent {world}, median member"}, concurrent=world)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(texts["measured"])
     models = {}
@@ -306,7 +321,8 @@ def main() -> int:
     ap.add_argument("--remeasure", action="store_true", help="measure gloo again even if this host has points")
     ap.add_argument("--no-emulate", action="store_true", help="capture and predict only")
     ap.add_argument("--emulate-profile", default="concurrent",
-                    help="which profile the emulation's virtual ranks use (concurrent, measured, per-op, one-fit)")
+                    help="which profile the emulation's virtual ranks use (concurrent, concurrent-median, measured, "
+                         "per-op, one-fit)")
     ap.add_argument("--in-situ", action="store_true",
                     help="after each capture, `prism commtime` runs its calls for real (a skeleton job): an "
                          "`in-situ` prediction column, and the emulation's virtual ranks take those times")

@@ -57,6 +57,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -160,8 +161,8 @@ def _worker(argv: Sequence[str]) -> None:
                     rec = {"op": op, "n": n, "nbytes": nbytes, "seconds": secs, "issue_seconds": issue,
                            "back_to_back_seconds": wall}
                 else:
-                    rec = {"op": op, "n": n, "nbytes": nbytes,
-                           "seconds": _time_op(torch, dist, fn, world_group or g, device)}
+                    secs, median = _time_op(torch, dist, fn, world_group or g, device, with_median=True)
+                    rec = {"op": op, "n": n, "nbytes": nbytes, "seconds": secs, "median_rank_seconds": median}
                 if rank == 0:
                     print(json.dumps(rec), flush=True)
     dist.barrier()
@@ -208,10 +209,13 @@ def _op_call(torch, dist, op: str, n: int, nbytes: int, g, rank: int, device):
     raise ValueError(f"netprofile: unknown op {op!r}; known: {', '.join(DEFAULT_OPS)}")
 
 
-def _time_op(torch, dist, fn, g, device) -> float:
+def _time_op(torch, dist, fn, g, device, with_median: bool = False) -> Any:
     """Seconds per call of ``fn``, the slowest member of ``g``'s (``g`` is the
     op's group, or the whole world when every block times at once: then the
-    trials start together and the slowest block's time is taken)."""
+    trials start together and the slowest block's time is taken). With
+    ``with_median``: (that, the median member's), each the median over trials;
+    concurrently, the median member's is a typical group's time where the
+    slowest one's is the worst of ``world // n`` groups."""
     cuda = device.type == "cuda"
 
     def sync() -> None:
@@ -234,7 +238,7 @@ def _time_op(torch, dist, fn, g, device) -> float:
     sync()
     one = agree(time.perf_counter() - t)
     k = int(min(50, max(1, TRIAL_SECONDS / max(one, 1e-7))))
-    per_call = []
+    per_call, per_call_median = [], []
     for _ in range(TRIALS):
         dist.barrier(group=g)
         sync()
@@ -242,9 +246,21 @@ def _time_op(torch, dist, fn, g, device) -> float:
         for _ in range(k):
             fn()
         sync()
-        per_call.append(agree((time.perf_counter() - t) / k))
-    secs = statistics.median(per_call)
-    return secs  # a ping-pong's half is taken by the caller
+        mine = (time.perf_counter() - t) / k
+        per_call.append(agree(mine))
+        if with_median:
+            per_call_median.append(_median_member(torch, dist, mine, g, device))
+    secs = statistics.median(per_call)  # a ping-pong's half is taken by the caller
+    return (secs, statistics.median(per_call_median)) if with_median else secs
+
+
+def _median_member(torch, dist, seconds: float, g, device) -> float:
+    """The median over ``g``'s members of their ``seconds``."""
+    size = dist.get_world_size(g)
+    mine = torch.tensor([seconds], dtype=torch.float64, device=device)
+    every = torch.empty(size, dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=g)
+    return statistics.median(every.tolist())
 
 
 def _time_op_gpu(torch, dist, fn, g, device) -> tuple[float, float, float]:
@@ -330,7 +346,10 @@ def measure(sizes: Sequence[int], group_sizes: Sequence[int], ops: Sequence[str]
         if line.startswith("{"):
             d = json.loads(line)
             secs = d["seconds"] / 2 if d["op"] == "send" else d["seconds"]
-            points.append(Point(d["op"], d["n"], d["nbytes"], secs, d.get("issue_seconds")))
+            med = d.get("median_rank_seconds")
+            if med is not None and d["op"] == "send":
+                med /= 2
+            points.append(Point(d["op"], d["n"], d["nbytes"], secs, d.get("issue_seconds"), med))
     return points
 
 

@@ -31,6 +31,10 @@ class Point:
     seconds: float
     #: CPU seconds one call costs its caller (NCCL); None where not measured
     issue_seconds: float | None = None
+    #: The median member's seconds per call where ``seconds`` is the slowest
+    #: member's (gloo; with every group at once, a typical group's time where
+    #: ``seconds`` is the worst group's); None where not measured
+    median_rank_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

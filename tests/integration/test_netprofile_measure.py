@@ -37,5 +37,7 @@ def test_concurrent_measurement_times_every_block_at_once():
     pts = measure([1 << 10], [2, 4], ["all_reduce", "send"], timeout=180, concurrent=4)
     assert [(p.op, p.n) for p in pts] == [("all_reduce", 2), ("send", 2), ("all_reduce", 4)]
     assert all(0 < p.seconds < 1 for p in pts)
+    # beside the slowest member's time per call, the median member's (a typical group's), never above it
+    assert all(0 < p.median_rank_seconds <= p.seconds for p in pts)
     with pytest.raises(ValueError, match="divide the world 4"):
         measure([1 << 10], [3], ["all_reduce"], concurrent=4)
