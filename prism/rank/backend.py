@@ -47,7 +47,6 @@ counts as complete.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import threading
 import time
@@ -622,21 +621,19 @@ class PrismProcessGroup(dist.ProcessGroup):
         slot, value = rel.reserve()
         reach = rel.reports_reach and devicepath.reach_from_gpu()
         declared = inputs if inputs or op != "broadcast" else outputs  # as in _collective
-        msg = protocol.CollectiveArrive(
-            rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
-            in_shapes=tuple(_shape(t) for t in declared),
-            out_shapes=tuple(_shape(t) for t in outputs), root=root, in_splits=tuple(int(x) for x in in_splits),
-            out_splits=tuple(int(x) for x in out_splits), premul=premul, async_op=async_op,
-            issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach)
-        what = f"{op} on group {self.gid} (seq {seq})"
         # The capture's recorded outputs, where this rank has them (its
         # prefetch pool, ``devicepath.RecordedFeed``); else compensated.
         anyt = [*outputs, *inputs]
         feed = devicepath.recorded_feed(rt.rank, anyt[0].device if anyt else None)
         refs = [PL.coll_ref(self.gid, seq, "out", i, len(outputs)) for i in range(len(outputs))]
         recorded = feed is not None and all(feed.can_deliver(r, o) for r, o in zip(refs, outputs))
-        if recorded:
-            msg = dataclasses.replace(msg, recorded=True)
+        msg = protocol.CollectiveArrive(
+            rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
+            in_shapes=tuple(_shape(t) for t in declared),
+            out_shapes=tuple(_shape(t) for t in outputs), root=root, in_splits=tuple(int(x) for x in in_splits),
+            out_splits=tuple(int(x) for x in out_splits), premul=premul, async_op=async_op,
+            issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach, recorded=recorded)
+        what = f"{op} on group {self.gid} (seq {seq})"
         pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
         pending.release_flag = (rel, slot, value)
