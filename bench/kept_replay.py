@@ -4,12 +4,15 @@ truth measured beside it. No GPU, seconds: the offline loop for the gloo
 model (issue 19) that ``two_clock_check.py`` is for the GPU captures.
 
     python bench/kept_replay.py RESULT.json [RESULT.json ...] --kept DIR \\
-        [--net PROFILE[,PROFILE...]] [--json OUT.json]
+        [--net PROFILE[,PROFILE...] | --blend W[,W...]] [--json OUT.json]
 
 ``RESULT.json``: a benchmark's JSON whose pairs name their kept capture
 (``kept``); ``--kept``: the folder given to ``--keep-runs`` (default: a
 ``keep`` folder beside each JSON). ``--net``: profile files or bundled names
-(default: the one the benchmark used, from its JSON). Per pair it prints the
+(default: the one the benchmark used, from its JSON); ``--blend``: profiles
+between the JSON's isolated and concurrent gloo points (geometric, weight W
+on the concurrent ones; and the concurrent points' median member where
+measured). Per pair it prints the
 truth, each profile's prediction and its error; per config and profile the
 median |error| (signed median) and its 95% bootstrap CI.
 """
@@ -47,6 +50,43 @@ def _profile_of(doc: dict) -> str | None:
     return prof.get("path") if isinstance(prof, dict) else prof
 
 
+def blend_profiles(doc: dict, weights: list[float], world: int, folder: pathlib.Path) -> list[str]:
+    """Profile files from an accuracy JSON's measured gloo points: per weight
+    w, each point's time the geometric blend isolated^(1-w) x concurrent^w
+    (0: the isolated ``measured`` profile, 1: ``concurrent``), fitted per op
+    and corrected to the blended points as accuracy.py's profiles are; and,
+    where the JSON has them, the concurrent points' median member's times
+    (``concurrent-median``)."""
+    import math
+
+    from prism.core.netfit import Point, fit_per_op, fit_points, profile_toml
+
+    mp = doc.get("measured_points") or {}
+    iso = {(p["op"], p["n"], p["nbytes"]): p for p in mp.get("isolated") or []}
+    con = {(p["op"], p["n"], p["nbytes"]): p for p in mp.get("concurrent") or []}
+    if not iso or not con:
+        sys.exit("kept_replay: --blend needs the benchmark JSON's measured_points (isolated and concurrent)")
+    kw = dict(host="blend", backend="gloo", ranks_per_node=max(p["n"] for p in iso.values()),
+              command="bench/kept_replay.py --blend", date=doc.get("date_utc") or "")
+    paths = []
+    for w in weights:
+        pts = []
+        for k, p in iso.items():
+            secs = p["seconds"]
+            if k in con and w:
+                secs = math.exp((1 - w) * math.log(secs) + w * math.log(con[k]["seconds"]))
+            pts.append(Point(p["op"], p["n"], p["nbytes"], secs))
+        f = folder / f"blend-w{world}-{w:g}.toml"
+        f.write_text(profile_toml(fit_points(pts), pts, per_op=fit_per_op(pts), **kw))
+        paths.append(str(f))
+    if all(p.get("median_rank_seconds") is not None for p in con.values()):
+        pts = [Point(p["op"], p["n"], p["nbytes"], p["median_rank_seconds"]) for p in con.values()]
+        f = folder / f"blend-w{world}-concurrent-median.toml"
+        f.write_text(profile_toml(fit_points(pts), pts, per_op=fit_per_op(pts), **kw))
+        paths.append(str(f))
+    return paths
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="accuracy or calibration JSON files whose pairs name a kept capture")
@@ -57,8 +97,23 @@ def main() -> int:
                          "(measured: `prism commtime`, kept by accuracy.py --in-situ), both side by side, or a "
                          "comma-separated list of those and stored measurements' names (e.g. "
                          "model,spin,sleep: `prism commtime RUN --name sleep` with PRISM_SKELETON_COMPUTE=sleep)")
+    ap.add_argument("--blend", default=None, metavar="W[,W...]",
+                    help="instead of --net: profiles blended from the JSON's measured points, isolated^(1-W) x "
+                         "concurrent^W per point (0 = measured, 1 = concurrent; e.g. 0,0.5,1), and the concurrent "
+                         "points' median member where measured")
     ap.add_argument("--json", default=None, help="write every pair's figures here")
     a = ap.parse_args()
+    if a.blend and a.net:
+        sys.exit("kept_replay: give --net or --blend, not both")
+    try:
+        weights = [float(w) for w in a.blend.split(",")] if a.blend else []
+    except ValueError:
+        sys.exit(f"kept_replay: --blend {a.blend!r}: give comma-separated weights between 0 and 1")
+    if any(not 0 <= w <= 1 for w in weights):
+        sys.exit(f"kept_replay: --blend {a.blend!r}: every weight must lie between 0 and 1")
+    import tempfile
+
+    blend_dir = pathlib.Path(tempfile.mkdtemp(prefix="kept-replay-"))
 
     rows: dict[tuple[str, str], list[tuple[float, float]]] = {}
     out = []
@@ -69,7 +124,9 @@ def main() -> int:
         except (OSError, ValueError) as e:
             sys.exit(f"kept_replay: cannot read {p}: {e}")
         kept_root = pathlib.Path(a.kept) if a.kept else p.parent / "keep"
-        nets = a.net.split(",") if a.net else [_profile_of(doc)]
+        world = int(((doc.get("configs") or [{}])[0]).get("world") or 0)
+        nets = (blend_profiles(doc, weights, world, blend_dir) if weights
+                else a.net.split(",") if a.net else [_profile_of(doc)])
         if nets == [None]:
             sys.exit(f"kept_replay: {p} names no profile; pass --net")
         warmup = int(doc.get("warmup") or 2)
