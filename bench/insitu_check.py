@@ -119,7 +119,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--net", default=None, help="the cost profile compared (default: predict's for a CPU run here)")
+    ap.add_argument("--net", default=None, help="the cost profile compared (default: accuracy.py's concurrent gloo "
+                                                "profile of this host, measured first where there is none)")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--out", default=str(result_path("insitu_check")))
     a = ap.parse_args()
@@ -140,6 +141,14 @@ def main() -> int:
                  "versions": {"python": platform.python_version(), "torch": torch.__version__},
                  "world": a.world, "steps": a.steps, "warmup": a.warmup, "configs": []}
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="prism-insitu-"))
+    if a.net is None:
+        # the gloo profile the CPU benchmarks predict with (predict's own default for a CPU run on a host with no
+        # fitted profile is the shipped GPU one, whose times are not gloo's)
+        from accuracy import ensure_profile  # noqa: E402  (bench/ is on sys.path)
+
+        ensure_profile(None, tmp, a.world)
+        a.net = str(tmp / "profile-concurrent.toml")
+    out["profile"] = a.net
     try:
         for name in names:
             cmd = command(CONFIGS[a.world][name], a.steps)
