@@ -236,10 +236,16 @@ def resolve_profile(net: str | None, manifest: Manifest | None,
     if manifest is not None:
         from prism.app.netprofile import backend_of, fitted_profile_path
 
-        path = fitted_profile_path(backend_of(device_kind or manifest.device_kind), manifest.hostname)
+        backend = backend_of(device_kind or manifest.device_kind)
+        path = fitted_profile_path(backend, manifest.hostname)
         if path.is_file():
             return load_profile(path), f"fitted by `prism netprofile` for this run's backend and host ({path})"
         why = f"no fitted profile at {path} (`python -m prism netprofile` makes one)"
+        if backend == "gloo":
+            # the shipped profile is of NCCL on NVLink and InfiniBand: a 16-core host's gloo calls cost 17-30x its
+            # times (bench/results/insitu_check-2026-12-07-h100cpu-world16.json)
+            why += ("; it times NCCL on GPUs, so this CPU run's gloo communication comes out far too cheap: run "
+                    "`python -m prism netprofile` on the capture's host, or pass --net")
     else:
         why = "the run has no manifest to name its backend and host"
     return load_profile(DEFAULT_PROFILE), f"shipped default: {why}"

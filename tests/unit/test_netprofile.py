@@ -156,6 +156,9 @@ def test_predict_uses_the_fitted_profile_of_the_runs_host(monkeypatch, tmp_path)
     m = Manifest(1, "r", 4, 0, ("x",), "cpu", "0", "0", "box")
     model, why = app_predict.resolve_profile(None, m)
     assert model.name == "h200_nvlink_ib400" and "no fitted profile at" in why and "gloo-box.toml" in why
+    assert "far too cheap" in why  # a CPU run told that the shipped profile is a GPU one
+    _, why_gpu = app_predict.resolve_profile(None, Manifest(1, "r", 4, 0, ("x",), "cuda", "0", "0", "box"))
+    assert "nccl-box.toml" in why_gpu and "far too cheap" not in why_gpu
     fit = Fit(30e-6, 12e-6, 2.5e9)
     (tmp_path / "gloo-box.toml").write_text(profile_toml(fit, _points(fit), host="box", backend="gloo",
                                                          ranks_per_node=2, command="x", date="2026-12-02T00:00:00Z"))
