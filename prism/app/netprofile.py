@@ -33,6 +33,9 @@ ranks idle. ``concurrent=W`` (gloo) cuts W ranks into W // n groups of n and
 times them all at once, the slowest group's time: a training layout's groups
 of one kind (its TP pairs, its DP groups) communicate together and share the
 host's cores, caches and memory bandwidth, which a lone group does not see.
+Each gloo point also carries the median member's time per call
+(``Point.median_rank_seconds``; concurrently, a typical group's rather than
+the worst one's); the profile is fitted to the slowest's, as before.
 
 Where profiles live: ``out`` if given, else ``fitted_profile_path("gloo",
 HOST)``: ``$PRISM_PROFILE_DIR/gloo-HOST.toml`` when that variable is set,
