@@ -16,6 +16,8 @@
 # installs them into /tmp/site and puts them and this checkout on PYTHONPATH.
 #
 # Knobs (environment):
+#   H200_SUITES, OTHER_SUITES  by-card: the suites to run on an H200, and on any other card (a call for
+#            nvidia-h200 may get an H100), e.g. H200_SUITES=gpu-sandbox OTHER_SUITES=comm-share
 #   CPUS     the CPUs the steps may use (taskset list; default all)
 #   RUNS     interleaved truth/Prism runs per workload (nccl-accuracy*: default 1)
 #   SPECS    nccl-accuracy's workloads: "name timeout_s capture_gpus config;..."
@@ -368,7 +370,22 @@ suite_campaigns() {  # the GPU example campaigns (bench/campaigns: dp_oom, moe_e
   done
 }
 
-SUITES="nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
+suite_by_card() {  # the suites of whichever card came: H200_SUITES on an H200, else OTHER_SUITES (lent kinds may give either)
+  local card suites s
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  echo "card: ${card:-none}"
+  [ -n "${DRY:-}" ] || echo "${card:-none}" > "$R/card.txt"
+  case $card in *H200*) suites=${H200_SUITES:-} ;; *) suites=${OTHER_SUITES:-} ;; esac
+  [ -n "$suites" ] || { echo "by-card: give H200_SUITES and OTHER_SUITES (suite names)" >&2; return 2; }
+  for s in $suites; do
+    case " $(echo $SUITES) " in *" $s "*) ;; *) echo "by-card: unknown suite $s" >&2; return 2 ;; esac
+    [ "$s" = by-card ] && { echo "by-card: cannot run itself" >&2; return 2; }
+    echo "== $s (by card)"
+    "suite_${s//-/_}"
+  done
+}
+
+SUITES="by-card nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
 emulate-accuracy-16 comm-share insitu-check calibration gpu-sandbox sandbox-ab truth-segments
 truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale campaigns scale-gpu cpu-pin"
 
