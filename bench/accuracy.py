@@ -145,9 +145,10 @@ def run_truth(world: int, cmd: list[str], tmp: pathlib.Path, timeout: float) -> 
 
 
 #: The concurrent points with each call's time the median member's (a
-#: typical group's) instead of the slowest's (the worst of world // n groups):
-#: ``prism netprofile`` measures both; the replay already takes the latest
-#: member's arrival, so the worst group's time on top counts the spread twice.
+#: typical group's) instead of the slowest's (the worst of world // n groups);
+#: ``prism netprofile`` measures both. A probe: on a 16-core host (2026-12-07,
+#: ``bench/results/accuracy-2026-12-07-h100cpu.md``) it was no nearer the truth
+#: than ``concurrent``.
 CONCURRENT_MEDIAN = "concurrent-median"
 
 

@@ -68,20 +68,19 @@ def blend_profiles(doc: dict, weights: list[float], world: int, folder: pathlib.
         sys.exit("kept_replay: --blend needs the benchmark JSON's measured_points (isolated and concurrent)")
     kw = dict(host="blend", backend="gloo", ranks_per_node=max(p["n"] for p in iso.values()),
               command="bench/kept_replay.py --blend", date=doc.get("date_utc") or "")
-    paths = []
-    for w in weights:
-        pts = []
-        for k, p in iso.items():
-            secs = p["seconds"]
-            if k in con and w:
-                secs = math.exp((1 - w) * math.log(secs) + w * math.log(con[k]["seconds"]))
-            pts.append(Point(p["op"], p["n"], p["nbytes"], secs))
-        f = folder / f"blend-w{world}-{w:g}.toml"
-        f.write_text(profile_toml(fit_points(pts), pts, per_op=fit_per_op(pts), **kw))
-        paths.append(str(f))
+    def blend(k: tuple, p: dict, w: float) -> float:
+        if k not in con or not w:
+            return p["seconds"]
+        return math.exp((1 - w) * math.log(p["seconds"]) + w * math.log(con[k]["seconds"]))
+
+    sets = {f"{w:g}": [Point(p["op"], p["n"], p["nbytes"], blend(k, p, w)) for k, p in iso.items()]
+            for w in weights}
     if all(p.get("median_rank_seconds") is not None for p in con.values()):
-        pts = [Point(p["op"], p["n"], p["nbytes"], p["median_rank_seconds"]) for p in con.values()]
-        f = folder / f"blend-w{world}-concurrent-median.toml"
+        sets["concurrent-median"] = [Point(p["op"], p["n"], p["nbytes"], p["median_rank_seconds"])
+                                     for p in con.values()]
+    paths = []
+    for name, pts in sets.items():
+        f = folder / f"blend-w{world}-{name}.toml"
         f.write_text(profile_toml(fit_points(pts), pts, per_op=fit_per_op(pts), **kw))
         paths.append(str(f))
     return paths
@@ -113,7 +112,7 @@ def main() -> int:
         sys.exit(f"kept_replay: --blend {a.blend!r}: every weight must lie between 0 and 1")
     import tempfile
 
-    blend_dir = pathlib.Path(tempfile.mkdtemp(prefix="kept-replay-"))
+    blend_dir = pathlib.Path(tempfile.mkdtemp(prefix="kept-replay-")) if weights else None
 
     rows: dict[tuple[str, str], list[tuple[float, float]]] = {}
     out = []
