@@ -78,6 +78,7 @@ stop() { [ -n "${1:-}" ] && kill "$1" 2>/dev/null; return 0; }
 versions() {
   [ -n "${DRY:-}" ] && { echo "(versions into $R/versions.txt)"; return 0; }
   { date -u; nproc; nvidia-smi -L; nvidia-smi topo -m
+    lscpu; grep MHz /proc/cpuinfo
     python3 -c "import sys, torch; print(sys.version); print('torch', torch.__version__)"
     python3 -c "import torch; print('nccl', torch.cuda.nccl.version())"
   } > "$R/versions.txt" 2>&1

@@ -55,7 +55,7 @@ def node_gpus(text: str | None) -> tuple[int, ...]:
         return tuple(visible_gpus())
     if text.strip().lower() == "none":
         return ()
-    from prism.rank.devices import parse_gpus
+    from prism.rank.placement import parse_gpus
 
     try:
         ids = parse_gpus(text)

@@ -474,7 +474,7 @@ def agent_gpu_env(placement: Sequence[tuple[Any, list[int]]]) -> dict[tuple[str,
     """A CUDA capture through agents: per agent (``agent_key``) the
     environment of its ranks: its GPUs (``PRISM_GPUS``) and its ranks
     (``PRISM_NODE_RANKS``), so each rank takes one of its node's GPUs in
-    contiguous blocks (``prism.rank.devices.choose_node_gpu``). Every rank
+    contiguous blocks (``prism.rank.placement.choose_node_gpu``). Every rank
     stays resident. ``UsageError`` naming a node with ranks and no GPU."""
     from prism.rank.envnames import GPUS_ENV, NODE_RANKS_ENV
 

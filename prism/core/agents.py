@@ -215,7 +215,7 @@ def swap_spec(spec: Mapping[str, Any]) -> tuple[str, float]:
 def node_gpu_of(blocks: Sequence[Sequence[int]], gpus: Sequence[Sequence[int]]) -> dict[int, int]:
     """``rank -> GPU`` for a swap policy over several nodes: node ``i``'s
     ranks ``blocks[i]`` share its GPUs ``gpus[i]`` in contiguous blocks (as
-    each rank picks its GPU, ``prism.rank.devices.choose_node_gpu``); every
+    each rank picks its GPU, ``prism.rank.placement.choose_node_gpu``); every
     (node, GPU) pair gets an index of its own, in node order. ``ValueError``
     for a node with ranks and no GPU."""
     if len(blocks) != len(gpus):

@@ -69,6 +69,7 @@ IDENTITY_ENV = "PRISM_LOGICAL_IDENTITY"
 #: ``GPUS_ENV``: comma-separated physical GPUs shared by the run (``prism capture
 #: --gpus``); ranks are assigned to them in contiguous blocks.
 from prism.rank.envnames import GPUS_ENV, NODE_RANKS_ENV  # noqa: E402
+from prism.rank.placement import choose_gpu, choose_node_gpu, node_rank_list, parse_gpus  # noqa: E402,F401 (re-exported)
 
 _CUDA_INDEX = re.compile(r"cuda:(\d+)")
 _state: _Logical | None = None
@@ -119,46 +120,6 @@ def physical_name(device: str) -> str:
     if _state is None or not device.startswith("cuda"):
         return device
     return f"cuda:{_state.physical}"
-
-
-def choose_gpu(rank: int, world_size: int, gpus: Sequence[int]) -> int:
-    """The physical GPU of ``rank``: contiguous blocks of ranks per GPU, so
-    neighbours (a TP group, a pipeline) share a GPU and swap as a gang."""
-    if not gpus:
-        raise ValueError("no physical GPU to place ranks on: give --gpus or set " + GPUS_ENV)
-    return gpus[rank * len(gpus) // world_size]
-
-
-def node_rank_list(text: str, world_size: int) -> list[int]:
-    """``PRISM_NODE_RANKS`` ("8-15" or "0,2,4-5") as a sorted list of ranks."""
-    from prism.core.payloads import RecordPlan
-
-    return sorted(RecordPlan.parse_ranks(text, world_size))
-
-
-def choose_node_gpu(rank: int, world_size: int, gpus: Sequence[int], node_ranks: str | None) -> int:
-    """``choose_gpu`` among one node's ranks (``PRISM_NODE_RANKS``, "8-15" or
-    "0,2,4"; None: the whole world is this node's): the node's GPUs ``gpus``
-    are shared by the ranks placed there, in contiguous blocks."""
-    if not node_ranks:
-        return choose_gpu(rank, world_size, gpus)
-    ranks = node_rank_list(node_ranks, world_size)
-    if rank not in ranks:
-        raise ValueError(f"rank {rank} is not among this node's ranks {NODE_RANKS_ENV}={node_ranks}")
-    return choose_gpu(ranks.index(rank), len(ranks), gpus)
-
-
-def parse_gpus(text: str) -> list[int]:
-    """``"0,1,3"`` -> ``[0, 1, 3]``; ``"cuda:2"`` -> ``[2]``."""
-    out = []
-    for word in text.replace("cuda:", "").split(","):
-        word = word.strip()
-        if not word:
-            continue
-        if not word.isdigit():
-            raise ValueError(f"GPU list {text!r}: {word!r} is not a GPU index (expected e.g. 0,1 or cuda:0)")
-        out.append(int(word))
-    return out
 
 
 def _logical_index(device: Any) -> int | None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prism.core.residency import GANG_KINDS, GangResidency, megatron_gangs
-from prism.rank import devices as D
+from prism.rank import placement as D
 
 DEFAULT_RANK_MEMORY_GIB = 2.0
 
