@@ -433,6 +433,12 @@ def test_a_calibration_runs_its_slices_through_agents_that_serve_many_runs(tmp_p
                  *(["--slots", "1"] if i else []), out=f"agent{i}.err") for i in range(2)]
     try:
         assert cal.wait(timeout=180) == 0, (tmp_path / "cal.out").read_text()
+        # the coordinator ends as the last ranks do; each agent notes its run's end a moment later
+        # (its fork server's last report): wait for both notes, so the SIGTERM finds them between runs
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+                "run 2 ended" in (tmp_path / f"agent{i}.err").read_text() for i in range(2)):
+            time.sleep(0.1)
         assert all(a.poll() is None for a in ags)  # waiting for the next run
         for a in ags:
             a.send_signal(signal.SIGTERM)
