@@ -299,6 +299,16 @@ def gang_of(cmd: Sequence[str]) -> int:
     return dict(layout_of(list(cmd))).get("tp", 1)
 
 
+def prestart_forkserver() -> None:
+    """Start the fork server of this process's next launch of ranks now
+    (``prism.shell.launcher.prestart_forkserver``): its import of torch
+    overlaps with this process's own start. The command line does it for
+    the commands that launch ranks (capture, emulate, run, calibrate)."""
+    from prism.shell.launcher import prestart_forkserver as start
+
+    start()
+
+
 def plan_capture(config: CaptureConfig) -> CapturePlan:
     """Check ``config``; raises ``UsageError`` naming the bad option."""
     if config.world_size < 1:

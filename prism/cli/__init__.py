@@ -185,8 +185,17 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Commands that launch ranks on this machine: their fork server starts before
+#: the command line is even parsed (``prism.app.capture.prestart_forkserver``).
+_LAUNCHING = ("capture", "emulate", "run", "calibrate")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _LAUNCHING and not {"-h", "--help"} & set(argv):
+        from prism.app.capture import prestart_forkserver
+
+        prestart_forkserver()
     parser = make_parser()
     pending = {c.name: c for c in _COMMANDS if c.build is None}
     if argv and argv[0] in pending:

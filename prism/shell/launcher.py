@@ -5,10 +5,18 @@ as a subprocess, hands it the run's spec and returns a ``RankProcesses``
 handle. The coordinator process never forks itself (see the fork server's
 docstring); ranks die with the fork server, which dies (killing them) when
 this process goes away.
+
+``prestart_forkserver`` starts that process ahead of the launch (``python -m
+prism capture``, ``emulate``, ``run`` and ``calibrate`` do it first thing), so
+its import of torch (about 3 s of CPU: torch and ``torch._dynamo``) overlaps
+with the launching process's own start and set-up instead of following them;
+``launch_ranks`` takes it when this process's environment and working
+directory are still those it was started with, else starts one as before.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
 import signal
@@ -27,6 +35,66 @@ from prism.shell import runfolder
 #: As torchrun's ``--nproc-per-node`` default in Prism's bundled workloads.
 DEFAULT_NPROC_PER_NODE = 8
 _ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+
+
+#: A fork server started ahead of its launch: (process, its environment, its working directory).
+_early: tuple[subprocess.Popen, dict[str, str], str] | None = None
+_early_lock = threading.Lock()
+
+
+def _server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _start_server(env: dict[str, str], cwd: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "prism.rank.forkserver"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env, cwd=cwd)
+
+
+def _stop_server(server: subprocess.Popen) -> None:
+    """An unused fork server (it has forked nothing): gone at once."""
+    server.kill()
+    server.wait()
+    for f in (server.stdin, server.stdout):
+        if f is not None:
+            f.close()
+
+
+def prestart_forkserver() -> None:
+    """Start the next launch's fork server now (see the module's docstring);
+    one that no launch takes is killed when this process exits."""
+    global _early
+    with _early_lock:
+        if _early is not None:
+            return
+        env, cwd = _server_env(), os.getcwd()
+        _early = (_start_server(env, cwd), env, cwd)
+    atexit.register(discard_prestarted)
+
+
+def discard_prestarted() -> None:
+    """Kill the fork server ``prestart_forkserver`` started, if no launch took it."""
+    global _early
+    with _early_lock:
+        early, _early = _early, None
+    if early is not None:
+        _stop_server(early[0])
+
+
+def _server_for(cwd: str) -> subprocess.Popen:
+    """The prestarted fork server if it suits a launch from ``cwd`` now, else a new one."""
+    global _early
+    env = _server_env()
+    with _early_lock:
+        early, _early = _early, None
+    if early is not None:
+        server, env0, cwd0 = early
+        if env0 == env and cwd0 == cwd and server.poll() is None:
+            return server
+        _stop_server(server)
+    return _start_server(env, cwd)
 
 
 def _free_port() -> int:
@@ -199,15 +267,7 @@ def launch_ranks(
         "run_id": run_id or os.path.basename(os.path.abspath(run_dir)) or "prism",
         "ranks": ranks,
     }
-    server_env = dict(os.environ)
-    server_env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, server_env.get("PYTHONPATH", "")) if p)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "prism.rank.forkserver"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=server_env,
-        cwd=spec["cwd"],
-    )
+    server = _server_for(spec["cwd"])
     assert server.stdin is not None  # Popen(stdin=PIPE)
     server.stdin.write(orjson.dumps(spec) + b"\n")
     server.stdin.flush()

@@ -191,3 +191,40 @@ def test_a_rank_profile_is_written_where_prism_profile_rank_says(tmp_path):
     for r in range(2):
         stats = pstats.Stats(str(prof / f"rank-{r}.prof"))
         assert any(fn[2] == "child_main" for fn in stats.stats), sorted(stats.stats)[:5]
+
+
+def test_a_prestarted_fork_server_serves_the_next_launch_of_the_same_environment(tmp_path, monkeypatch):
+    # ``python -m prism capture`` starts its fork server before parsing its
+    # arguments; the launch takes it only where the environment and working
+    # directory are still those it was started with: a server started before
+    # a change would give the ranks a stale environment.
+    from prism.shell import launcher
+
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "env.py"
+    script.write_text("import os\nprint('marker', os.environ.get('PRISM_TEST_MARKER'))\n")
+    launcher.prestart_forkserver()
+    early = launcher._early[0]
+    procs = launch_ranks(2, None, tmp_path / "a", [str(script)], show_ranks=())
+    try:
+        assert procs.wait() == [0, 0]
+    finally:
+        procs.close()
+    assert procs._server is early and launcher._early is None
+    assert "marker None" in log(tmp_path / "a", 0)
+
+    launcher.prestart_forkserver()
+    stale = launcher._early[0]
+    monkeypatch.setenv("PRISM_TEST_MARKER", "changed")
+    procs = launch_ranks(2, None, tmp_path / "b", [str(script)], show_ranks=())
+    try:
+        assert procs.wait() == [0, 0]
+    finally:
+        procs.close()
+    assert procs._server is not stale and stale.poll() is not None  # killed, not left behind
+    assert "marker changed" in log(tmp_path / "b", 1)
+
+    launcher.prestart_forkserver()
+    unused = launcher._early[0]
+    launcher.discard_prestarted()
+    assert unused.poll() is not None and launcher._early is None
