@@ -26,6 +26,14 @@ gets its main thread's CPU time on both sides (the capture's
 descheduled (or waited for the GIL); CPU time above the truth's is work the
 truth did not do there.
 
+Each blocking collective instance's time in the call is also split, per
+member, into *waiting* (the last member's entry less its own) and *cost*
+(its own return less the last member's entry), on both sides (the truth's
+step-clock entries and returns; the replay's node times): per step and rank,
+summed, mean over ranks (``calls`` in the JSON, per op and group size too),
+so a short communication half shows whether the calls' cost or the members'
+skew is missing.
+
 Ground truth needs one core per rank, as in ``bench/accuracy.py``.
 """
 
@@ -94,7 +102,68 @@ def truth_split(world: int, cmd: list[str], tmp: pathlib.Path, warmup: int, time
     segs = [truth_segments(stepclock.parse_calls(t), e, warmup, stepclock.call_cpu(t))
             for t, e in zip(texts, per_rank_ends)]
     return {"iteration_ms": float(iters.mean()), "comm_ms": c, "rest_ms": float(iters.mean()) - c,
-            "segments": segs}
+            "segments": segs, "calls": truth_call_split(texts, warmup, len(ends) - warmup)}
+
+
+def _split_rows(members: list[tuple[str, int, list[tuple[int, int, int]]]], world: int, steps: int) -> dict:
+    """``members``: per blocking collective instance, its "op/group size", its
+    step and each member's (rank, entry, return) in ns. Per step and rank,
+    the mean (over ranks and steps) of the waiting and the cost summed over
+    the instances, ms: in all and per "op/group size"."""
+    acc: dict[str, list[float]] = {}
+    for key, _step, ms in members:
+        last = max(t0 for _, t0, _ in ms)
+        w = sum(last - t0 for _, t0, _ in ms)
+        c = sum(max(t1 - last, 0) for _, _, t1 in ms)
+        for k in ("all", key):
+            a = acc.setdefault(k, [0.0, 0.0, 0])
+            a[0] += w
+            a[1] += c
+            a[2] += 1
+    per = world * max(steps, 1) * 1e6
+    return {k: {"wait_ms": w / per, "cost_ms": c / per, "instances": n} for k, (w, c, n) in sorted(acc.items())}
+
+
+def truth_call_split(texts: list[str], warmup: int, steps: int) -> dict:
+    """The real job's blocking collectives split into waiting and cost
+    (``_split_rows``); a group's calls pair up across its members by order,
+    as in ``bench/insitu_check.py``. {} where the step clock logged no groups."""
+    per_group: dict[tuple[int, ...], dict[int, list]] = {}
+    for r, t in enumerate(texts):
+        for c, g in zip(stepclock.parse_calls(t), stepclock.parse_call_groups(t)):
+            if c[6]:
+                continue
+            if g is None:
+                return {}
+            per_group.setdefault(g, {}).setdefault(r, []).append(c)
+    members = []
+    for g, by_rank in per_group.items():
+        seqs = [by_rank.get(r, []) for r in g]
+        if len({len(x) for x in seqs}) != 1:
+            return {}
+        for calls in zip(*seqs):
+            if calls[0][0] >= warmup:
+                members.append((f"{calls[0][1]}/{len(g)}", calls[0][0],
+                                [(r, c[4], c[5]) for r, c in zip(g, calls)]))
+    return _split_rows(members, len(texts), steps)
+
+
+def replay_call_split(graph: ExecutionGraph, res, warmup: int, world: int) -> dict:
+    """The replay's blocking collectives split as ``truth_call_split`` splits
+    the real job's: each member node's start and end in ``res``."""
+    from prism.core.graph import OPS as C_OPS
+
+    last = int(graph.step.max())
+    members = []
+    for i in range(len(graph.inst_group)):
+        nodes = graph.inst_nodes[graph.inst_ptr[i]:graph.inst_ptr[i + 1]]
+        first = nodes[0]
+        if graph.kind[first] != COLL or graph.is_async[first] or not warmup <= graph.step[first] <= last:
+            continue
+        key = f"{C_OPS[int(graph.inst_op[i])]}/{int(graph.group_size[graph.inst_group[i]])}"
+        members.append((key, int(graph.step[first]),
+                        [(int(graph.rank[n]), int(res.start[n]), int(res.end[n])) for n in nodes]))
+    return _split_rows(members, world, last - warmup + 1)
 
 
 def truth_segments(calls: list, ends: list[int], warmup: int, cpu=None) -> dict[int, list]:
@@ -210,7 +279,8 @@ def prism_split(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, war
         sel = comm_kind & (steps >= warmup) & (steps <= last)
         comm = float(span[sel].sum()) / world / (last - warmup + 1) / 1e6
         it = res.mean_iteration_time(warmup) / 1e6
-        out[name] = {"iteration_ms": it, "comm_ms": comm, "rest_ms": it - comm}
+        out[name] = {"iteration_ms": it, "comm_ms": comm, "rest_ms": it - comm,
+                     "calls": replay_call_split(g, res, warmup, world)}
     out["_segments"] = segments
     return out
 
@@ -237,6 +307,26 @@ def print_segments(name: str, runs: list[dict], top: int = 8) -> None:
     for i, op, t, c, tc, cc in sorted(merged, key=lambda m: -abs(m[3] - m[2]))[:top]:
         on = f"   on a CPU {tc:7.3f} / {cc:7.3f} ms ({cc - tc:+.3f})" if tc is not None and cc is not None else ""
         print(f"  #{i:<4} before {op:<24} truth {t:8.3f} ms  capture {c:8.3f} ms  ({c - t:+.3f}){on}")
+
+
+def print_calls(name: str, runs: list[dict], profile: str = "concurrent") -> None:
+    """The blocking collectives' waiting and cost per step, truth beside the
+    replay under ``profile``, mean over the runs (ms per rank and step)."""
+    def mean(get) -> float | None:
+        vals = [v for v in (get(r) for r in runs) if v is not None]
+        return statistics.mean(vals) if vals else None
+    keys = sorted({k for r in runs for k in r["truth"].get("calls", {})} |
+                  {k for r in runs for k in r["prism"][profile].get("calls", {})})
+    if not keys:
+        return
+    print(f"{name}: blocking collectives, ms per rank and step, truth / replay ({profile}): waiting, cost")
+    for k in keys:
+        def cell(side_get, what):
+            return mean(lambda r: (side_get(r).get("calls", {}).get(k) or {}).get(what))
+        tw, tc = cell(lambda r: r["truth"], "wait_ms"), cell(lambda r: r["truth"], "cost_ms")
+        pw, pc = cell(lambda r: r["prism"][profile], "wait_ms"), cell(lambda r: r["prism"][profile], "cost_ms")
+        f = lambda v: f"{v:7.2f}" if v is not None else "      -"  # noqa: E731
+        print(f"  {k:<26} waiting {f(tw)} / {f(pw)}   cost {f(tc)} / {f(pc)}")
 
 
 def main() -> int:
@@ -287,6 +377,7 @@ def main() -> int:
             res.pop("in_progress", None)
             print_segments(name, runs)
             print_segments(f"{name}+fe", [{"segments": r["segments_fe"]} for r in runs])
+            print_calls(name, runs)
             write_json(a.out, res, say=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

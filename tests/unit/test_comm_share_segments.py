@@ -51,3 +51,18 @@ def test_truth_segments_pair_wall_and_cpu_gaps():
                                                           (40, "end", 25)]}
     assert cs.truth_segments(calls, ends, 1) == {1: [(50, "all_reduce", -1), (80, "all_reduce", -1),
                                                      (40, "end", -1)]}
+
+
+def test_a_blocking_collective_splits_into_each_members_waiting_and_its_cost():
+    cs = _comm_share()
+    # one all_reduce of ranks 0 and 1 in step 2: rank 0 enters at 100, rank 1 at 400 (the last), both
+    # return at 500; and one at step 1 (the warm-up), left out. Lines as the step clock writes them:
+    # call STEP OP N BYTES T0 T1 ASYNC CPU0 CPU1 GROUP
+    r0 = "call 1 all_reduce 2 16 0 50 0 -1 -1 0,1\ncall 2 all_reduce 2 16 100 500 0 -1 -1 0,1\n"
+    r1 = "call 1 all_reduce 2 16 0 50 0 -1 -1 0,1\ncall 2 all_reduce 2 16 400 500 0 -1 -1 0,1\n"
+    split = cs.truth_call_split([r0, r1], warmup=2, steps=1)
+    # waiting: rank 0 300 ns, rank 1 0; cost: 100 ns each; per rank and step (2 ranks, 1 step), in ms
+    assert split["all"] == {"wait_ms": 300 / 2 / 1e6, "cost_ms": 200 / 2 / 1e6, "instances": 1}
+    assert split["all_reduce/2"]["instances"] == 1
+    # calls that do not pair up by order (a member made fewer) give no split rather than a wrong one
+    assert cs.truth_call_split([r0, r1.splitlines()[0] + "\n"], warmup=2, steps=1) == {}
