@@ -71,7 +71,6 @@ def prestart_forkserver() -> None:
             return
         env, cwd = _server_env(), os.getcwd()
         _early = (_start_server(env, cwd), env, cwd)
-    atexit.register(discard_prestarted)
 
 
 def discard_prestarted() -> None:
@@ -81,6 +80,9 @@ def discard_prestarted() -> None:
         early, _early = _early, None
     if early is not None:
         _stop_server(early[0])
+
+
+atexit.register(discard_prestarted)  # a prestarted fork server that no launch took goes with this process
 
 
 def _server_for(cwd: str) -> subprocess.Popen:
