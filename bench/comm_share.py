@@ -105,16 +105,16 @@ def truth_split(world: int, cmd: list[str], tmp: pathlib.Path, warmup: int, time
             "segments": segs, "calls": truth_call_split(texts, warmup, len(ends) - warmup)}
 
 
-def _split_rows(members: list[tuple[str, int, list[tuple[int, int, int]]]], world: int, steps: int) -> dict:
-    """``members``: per blocking collective instance, its "op/group size", its
-    step and each member's (rank, entry, return) in ns. Per step and rank,
-    the mean (over ranks and steps) of the waiting and the cost summed over
-    the instances, ms: in all and per "op/group size"."""
+def _split_rows(members: list[tuple[str, list[tuple[int, int]]]], world: int, steps: int) -> dict:
+    """``members``: per blocking collective instance, its "op/group size" and
+    each member's (entry, return) in ns. Per step and rank, the mean (over
+    ranks and steps) of the waiting and the cost summed over the instances,
+    ms: in all and per "op/group size"."""
     acc: dict[str, list[float]] = {}
-    for key, _step, ms in members:
-        last = max(t0 for _, t0, _ in ms)
-        w = sum(last - t0 for _, t0, _ in ms)
-        c = sum(max(t1 - last, 0) for _, _, t1 in ms)
+    for key, ms in members:
+        last = max(t0 for t0, _ in ms)
+        w = sum(last - t0 for t0, _ in ms)
+        c = sum(max(t1 - last, 0) for _, t1 in ms)
         for k in ("all", key):
             a = acc.setdefault(k, [0.0, 0.0, 0])
             a[0] += w
@@ -124,27 +124,47 @@ def _split_rows(members: list[tuple[str, int, list[tuple[int, int, int]]]], worl
     return {k: {"wait_ms": w / per, "cost_ms": c / per, "instances": n} for k, (w, c, n) in sorted(acc.items())}
 
 
-def truth_call_split(texts: list[str], warmup: int, steps: int) -> dict:
-    """The real job's blocking collectives split into waiting and cost
-    (``_split_rows``); a group's calls pair up across its members by order,
-    as in ``bench/insitu_check.py``. {} where the step clock logged no groups."""
-    per_group: dict[tuple[int, ...], dict[int, list]] = {}
+def paired_blocking_calls(texts: list[str]) -> list[tuple[tuple[int, ...], tuple]]:
+    """The real job's blocking calls (each rank's step-clock file in
+    ``texts``), paired across their group's members by order: per instance,
+    (group, the members' ``stepclock.parse_calls`` tuples in group order).
+    ``RuntimeError`` where they do not pair up (a file with no groups beyond
+    world 2, members with different call counts or ops at one position)."""
+    world = len(texts)
+    per_group: dict[tuple[int, ...], dict[int, list]] = {}  # group -> rank -> its blocking calls there, in order
     for r, t in enumerate(texts):
         for c, g in zip(stepclock.parse_calls(t), stepclock.parse_call_groups(t)):
             if c[6]:
                 continue
             if g is None:
-                return {}
+                if world != 2:
+                    raise RuntimeError("the step clock logged no group for a call (an older stepclock?); "
+                                       "only world 2 pairs calls without them")
+                g = (0, 1)
             per_group.setdefault(g, {}).setdefault(r, []).append(c)
-    members = []
+    out = []
     for g, by_rank in per_group.items():
         seqs = [by_rank.get(r, []) for r in g]
         if len({len(x) for x in seqs}) != 1:
-            return {}
+            raise RuntimeError(f"group {g}: its members made {[len(x) for x in seqs]} blocking calls; they do not "
+                               "pair up by order")
         for calls in zip(*seqs):
-            if calls[0][0] >= warmup:
-                members.append((f"{calls[0][1]}/{len(g)}", calls[0][0],
-                                [(r, c[4], c[5]) for r, c in zip(g, calls)]))
+            if len({c[1] for c in calls}) != 1:
+                raise RuntimeError(f"group {g}: calls {[c[1] for c in calls]} at one position; they do not pair up")
+            out.append((g, calls))
+    return out
+
+
+def truth_call_split(texts: list[str], warmup: int, steps: int) -> dict:
+    """The real job's blocking collectives split into waiting and cost
+    (``_split_rows``); {} where its calls do not pair up
+    (``paired_blocking_calls``)."""
+    try:
+        pairs = paired_blocking_calls(texts)
+    except RuntimeError:
+        return {}
+    members = [(f"{calls[0][1]}/{len(g)}", [(c[4], c[5]) for c in calls]) for g, calls in pairs
+               if calls[0][0] >= warmup]
     return _split_rows(members, len(texts), steps)
 
 
@@ -161,8 +181,7 @@ def replay_call_split(graph: ExecutionGraph, res, warmup: int, world: int) -> di
         if graph.kind[first] != COLL or graph.is_async[first] or not warmup <= graph.step[first] <= last:
             continue
         key = f"{C_OPS[int(graph.inst_op[i])]}/{int(graph.group_size[graph.inst_group[i]])}"
-        members.append((key, int(graph.step[first]),
-                        [(int(graph.rank[n]), int(res.start[n]), int(res.end[n])) for n in nodes]))
+        members.append((key, [(int(res.start[n]), int(res.end[n])) for n in nodes]))
     return _split_rows(members, world, last - warmup + 1)
 
 

@@ -35,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from accuracy import CONFIGS, command  # noqa: E402  (bench/ is on sys.path)
-from comm_share import truth_texts  # noqa: E402
+from comm_share import paired_blocking_calls, truth_texts  # noqa: E402
 from _results import result_path, write_json  # noqa: E402
 from prism.app.capture import capture_run  # noqa: E402
 from prism.app.commtime import CommtimeConfig, commtime  # noqa: E402
@@ -49,31 +49,12 @@ def truth_costs(world: int, cmd: list[str], tmp: pathlib.Path, warmup: int,
     """Per "op/group size", the cost (ms) of each blocking collective instance
     of the real job after the warm-up; and its mean iteration (ms)."""
     texts = truth_texts(world, cmd, tmp, timeout)
-    per_group: dict[tuple[int, ...], dict[int, list]] = {}  # group -> rank -> its blocking calls there, in order
-    for r, t in enumerate(texts):
-        calls, groups = stepclock.parse_calls(t), stepclock.parse_call_groups(t)
-        for c, g in zip(calls, groups):
-            if c[6]:
-                continue
-            if g is None:
-                if world != 2:
-                    raise RuntimeError("the step clock logged no group for a call (an older stepclock?); "
-                                       "only world 2 pairs calls without them")
-                g = (0, 1)
-            per_group.setdefault(g, {}).setdefault(r, []).append(c)
     out: dict[str, list[float]] = {}
-    for g, by_rank in per_group.items():
-        seqs = [by_rank.get(r, []) for r in g]
-        if len({len(x) for x in seqs}) != 1:
-            raise RuntimeError(f"group {g}: its members made {[len(x) for x in seqs]} blocking calls; they do not "
-                               "pair up by order")
-        for calls in zip(*seqs):
-            if len({c[1] for c in calls}) != 1:
-                raise RuntimeError(f"group {g}: calls {[c[1] for c in calls]} at one position; they do not pair up")
-            if calls[0][0] < warmup:
-                continue
-            cost = statistics.median([c[5] for c in calls]) - max(c[4] for c in calls)
-            out.setdefault(f"{calls[0][1]}/{len(g)}", []).append(cost / 1e6)
+    for g, calls in paired_blocking_calls(texts):
+        if calls[0][0] < warmup:
+            continue
+        cost = statistics.median([c[5] for c in calls]) - max(c[4] for c in calls)
+        out.setdefault(f"{calls[0][1]}/{len(g)}", []).append(cost / 1e6)
     ends = np.max(np.array([stepclock.parse(t)[0] for t in texts]), axis=0)
     return out, float(np.mean(np.diff(ends[warmup - 1:]))) / 1e6
 
