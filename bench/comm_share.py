@@ -32,7 +32,9 @@ member, into *waiting* (the last member's entry less its own) and *cost*
 step-clock entries and returns; the replay's node times): per step and rank,
 summed, mean over ranks (``calls`` in the JSON, per op and group size too),
 so a short communication half shows whether the calls' cost or the members'
-skew is missing.
+skew is missing; beside them, how far each instance's last member returns
+after its median member (``late_return_us``: the spread of completions, which
+a replay, whose members return together, does not have).
 
 Ground truth needs one core per rank, as in ``bench/accuracy.py``.
 """
@@ -109,19 +111,26 @@ def _split_rows(members: list[tuple[str, list[tuple[int, int]]]], world: int, st
     """``members``: per blocking collective instance, its "op/group size" and
     each member's (entry, return) in ns. Per step and rank, the mean (over
     ranks and steps) of the waiting and the cost summed over the instances,
-    ms: in all and per "op/group size"."""
+    ms: in all and per "op/group size"; and ``late_return_us``, the mean
+    over instances of how far the last member's return lies past the median
+    member's (a replay's members all return at once: 0; in the real job the
+    last one sets when the next call can start)."""
     acc: dict[str, list[float]] = {}
     for key, ms in members:
         last = max(t0 for t0, _ in ms)
         w = sum(last - t0 for t0, _ in ms)
         c = sum(max(t1 - last, 0) for _, t1 in ms)
+        ends = sorted(t1 for _, t1 in ms)
+        late = ends[-1] - statistics.median(ends)  # the last member's return past the median member's
         for k in ("all", key):
-            a = acc.setdefault(k, [0.0, 0.0, 0])
+            a = acc.setdefault(k, [0.0, 0.0, 0, 0.0])
             a[0] += w
             a[1] += c
             a[2] += 1
+            a[3] += late
     per = world * max(steps, 1) * 1e6
-    return {k: {"wait_ms": w / per, "cost_ms": c / per, "instances": n} for k, (w, c, n) in sorted(acc.items())}
+    return {k: {"wait_ms": w / per, "cost_ms": c / per, "instances": n, "late_return_us": late / max(n, 1) / 1e3}
+            for k, (w, c, n, late) in sorted(acc.items())}
 
 
 def paired_blocking_calls(texts: list[str]) -> list[tuple[tuple[int, ...], tuple]]:
@@ -344,8 +353,11 @@ def print_calls(name: str, runs: list[dict], profile: str = "concurrent") -> Non
             return mean(lambda r: (side_get(r).get("calls", {}).get(k) or {}).get(what))
         tw, tc = cell(lambda r: r["truth"], "wait_ms"), cell(lambda r: r["truth"], "cost_ms")
         pw, pc = cell(lambda r: r["prism"][profile], "wait_ms"), cell(lambda r: r["prism"][profile], "cost_ms")
+        tl, pl = cell(lambda r: r["truth"], "late_return_us"), cell(lambda r: r["prism"][profile], "late_return_us")
         f = lambda v: f"{v:7.2f}" if v is not None else "      -"  # noqa: E731
-        print(f"  {k:<26} waiting {f(tw)} / {f(pw)}   cost {f(tc)} / {f(pc)}")
+        g = lambda v: f"{v:6.0f}" if v is not None else "     -"  # noqa: E731
+        print(f"  {k:<26} waiting {f(tw)} / {f(pw)}   cost {f(tc)} / {f(pc)}   last return past the median "
+              f"member's, us per call {g(tl)} / {g(pl)}")
 
 
 def main() -> int:

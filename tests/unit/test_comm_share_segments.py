@@ -62,7 +62,19 @@ def test_a_blocking_collective_splits_into_each_members_waiting_and_its_cost():
     r1 = "call 1 all_reduce 2 16 0 50 0 -1 -1 0,1\ncall 2 all_reduce 2 16 400 500 0 -1 -1 0,1\n"
     split = cs.truth_call_split([r0, r1], warmup=2, steps=1)
     # waiting: rank 0 300 ns, rank 1 0; cost: 100 ns each; per rank and step (2 ranks, 1 step), in ms
-    assert split["all"] == {"wait_ms": 300 / 2 / 1e6, "cost_ms": 200 / 2 / 1e6, "instances": 1}
+    assert split["all"] == {"wait_ms": 300 / 2 / 1e6, "cost_ms": 200 / 2 / 1e6, "instances": 1,
+                            "late_return_us": 0.0}
     assert split["all_reduce/2"]["instances"] == 1
     # calls that do not pair up by order (a member made fewer) give no split rather than a wrong one
     assert cs.truth_call_split([r0, r1.splitlines()[0] + "\n"], warmup=2, steps=1) == {}
+
+
+def test_the_split_gives_how_far_the_last_member_returns_past_the_median_one():
+    cs = _comm_share()
+    # three members enter at 100, 200, 300 and return at 400, 450, 700: the median return is 450
+    lines = ["call 2 all_reduce 3 16 100 400 0 -1 -1 0,1,2\n", "call 2 all_reduce 3 16 200 450 0 -1 -1 0,1,2\n",
+             "call 2 all_reduce 3 16 300 700 0 -1 -1 0,1,2\n"]
+    split = cs.truth_call_split(lines, warmup=2, steps=1)
+    assert split["all"]["late_return_us"] == (700 - 450) / 1e3
+    # waiting 200 + 100 + 0 and cost 100 + 150 + 400 ns, per rank (3) and step (1)
+    assert split["all"]["wait_ms"] == 300 / 3 / 1e6 and split["all"]["cost_ms"] == 650 / 3 / 1e6
