@@ -34,7 +34,10 @@ summed, mean over ranks (``calls`` in the JSON, per op and group size too),
 so a short communication half shows whether the calls' cost or the members'
 skew is missing; beside them, how far each instance's last member returns
 after its median member (``late_return_us``: the spread of completions, which
-a replay, whose members return together, does not have).
+a replay, whose members return together, does not have). Row
+``concurrent+late`` is a diagnostic, not a prediction: the concurrent
+profile with each collective lengthened by the truth's own mean late return
+for its op and group size (``LateReturn``).
 
 Ground truth needs one core per rank, as in ``bench/accuracy.py``.
 """
@@ -277,6 +280,42 @@ def compare_segments(truth: list[dict[int, list]], cap: list[dict[int, list]]) -
     return {"aligned_rank_steps": aligned, "unaligned_rank_steps": unaligned, "rows": rows}
 
 
+class LateReturn:
+    """A diagnostic cost model (not a prediction: it borrows the truth's
+    figures): ``base``'s, with each collective instance lengthened by the
+    real job's mean late return (``late_return_us``) for its "op/group size"
+    (``late``, us), so that every member returns when the real job's last
+    member did. Whether that closes the communication half's gap says
+    whether the completions' spread is what the replay misses."""
+
+    def __init__(self, base, late: dict[str, float]) -> None:
+        self.base, self.late = base, late
+        self.name, self.source = f"{base.name}+late", base.source
+        self.description = "diagnostic: the truth's late returns added"
+
+    def instance_costs(self, graph: ExecutionGraph) -> np.ndarray:
+        from prism.core.graph import OPS as C_OPS
+
+        out = self.base.instance_costs(graph).copy()
+        if not len(out):
+            return out
+        size = graph.group_size[graph.inst_group]
+        for i, (op, n) in enumerate(zip(graph.inst_op.tolist(), size.tolist())):
+            out[i] += int(self.late.get(f"{C_OPS[op]}/{n}", 0.0) * 1e3)
+        return out
+
+    def message_costs(self, graph: ExecutionGraph) -> np.ndarray:
+        return self.base.message_costs(graph)
+
+    def issue_costs(self, graph: ExecutionGraph) -> np.ndarray:
+        return self.base.issue_costs(graph)
+
+
+def late_returns(truth: dict) -> dict[str, float]:
+    """"op/group size" -> the truth's mean late return (us), from its call split."""
+    return {k: v["late_return_us"] for k, v in truth.get("calls", {}).items() if k != "all"}
+
+
 def prism_split(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, warmup: int,
                 front_end: bool = False) -> dict:
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
@@ -389,7 +428,9 @@ def main() -> int:
             runs = []
             for i in range(a.runs):
                 t = truth_split(a.world, cmd, tmp, a.warmup, a.timeout)
-                p = prism_split(a.world, cmd, tmp, models, a.warmup)
+                # ``concurrent+late``: a diagnostic row, the truth's late returns added (LateReturn)
+                p = prism_split(a.world, cmd, tmp, {**models, "concurrent+late": LateReturn(
+                    models["concurrent"], late_returns(t))}, a.warmup)
                 # the same with torch's front end counted inside each call (PRISM_FRONT_END_IN_COMM=1)
                 f = prism_split(a.world, cmd, tmp, {**{k: models[k] for k in ("concurrent", "one-fit")},
                                                     CPU_CLOCK: models["concurrent"]}, a.warmup, front_end=True)
@@ -412,14 +453,14 @@ def main() -> int:
             write_json(a.out, res, say=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n{'config':<18} {'side':<12} {'iteration ms':>13} {'comm ms':>9} {'rest ms':>9}")
+    print(f"\n{'config':<18} {'side':<16} {'iteration ms':>13} {'comm ms':>9} {'rest ms':>9}")
     for c in res["configs"]:
         def mean(side, key, prof=None):
             return statistics.mean(r["truth"][key] if prof is None else r["prism"][prof][key] for r in c["runs"])
-        print(f"{c['config']:<18} {'truth':<12} {mean('t', 'iteration_ms'):>13.1f} {mean('t', 'comm_ms'):>9.1f} "
+        print(f"{c['config']:<18} {'truth':<16} {mean('t', 'iteration_ms'):>13.1f} {mean('t', 'comm_ms'):>9.1f} "
               f"{mean('t', 'rest_ms'):>9.1f}")
         for prof in c["runs"][0]["prism"]:
-            print(f"{'':<18} {prof:<12} {mean('p', 'iteration_ms', prof):>13.1f} {mean('p', 'comm_ms', prof):>9.1f} "
+            print(f"{'':<18} {prof:<16} {mean('p', 'iteration_ms', prof):>13.1f} {mean('p', 'comm_ms', prof):>9.1f} "
                   f"{mean('p', 'rest_ms', prof):>9.1f}")
     print(f"wrote {a.out}")
     return 0
