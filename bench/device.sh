@@ -240,7 +240,8 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
   # collective released before its reach where the engine knows its completion); -drained =
   # PRISM_DEVICE_HOST_CHARGE=drained (the host charge's rule before 2026-12-06); -carrymin / -carryall =
   # PRISM_DEVICE_LATE_CARRY=min / all (the default: excess); -pollN = PRISM_DEVICE_POLL_US=N (the reach
-  # watcher's poll period, default 20 us). CALLLOG=1: the first round's call logs.
+  # watcher's poll period, default 20 us); -pypoll = PRISM_DEVICE_POLL_NATIVE=0 (the watcher polls in Python,
+  # taking the GIL at each look, as before 2026-12-07). CALLLOG=1: the first round's call logs.
   # One line a run in $R/sandbox_ab.txt (with a call log, bench/late_carry.py's line for it: what each
   # carry rule would have given), each run's summary JSON in $R/ab-WL-VARIANT-K.json.
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
@@ -257,6 +258,7 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
         case $v in *-drained*) env+=(PRISM_DEVICE_HOST_CHARGE=drained) ;; esac
         case $v in *-carryall*) env+=(PRISM_DEVICE_LATE_CARRY=all) ;; *-carrymin*) env+=(PRISM_DEVICE_LATE_CARRY=min) ;; esac
         case $v in *-poll[0-9]*) local pu=${v##*-poll}; env+=(PRISM_DEVICE_POLL_US="${pu%%-*}") ;; esac
+        case $v in *-pypoll*) env+=(PRISM_DEVICE_POLL_NATIVE=0) ;; esac
         [ "${CALLLOG:-0}" = 1 ] && [ "$k" = 1 ] && env+=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-$v-r{rank}.jsonl")
         local rec=(); case $v in comp*) rec=(--no-recording) ;; esac
         x "$R/emulate-$w-$v-$k.txt" 120 env "${env[@]}" python3 -m prism emulate "$cap" --sandbox 0 --device-path \

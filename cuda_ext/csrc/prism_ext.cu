@@ -10,6 +10,9 @@
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <time.h>
+#include <algorithm>
+#include <chrono>
 
 namespace {
 
@@ -194,6 +197,33 @@ void stamp(torch::Tensor stamps, int64_t index, torch::Tensor acks, int64_t ack_
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The host side of a reach watcher: waits, with the GIL released, until
+// stamps[a] or stamps[b] is non-zero (a wait kernel's stamp of its stream's
+// reach or of its end) or gen[0] differs from seen (a new call to watch),
+// checking every period_ns (0: spin), for at most timeout_ns. Returns 0 (a),
+// 1 (b), 2 (gen) or -1 (timed out). A watcher polling in Python takes the
+// GIL at every check, and each torch op the program's thread makes between
+// them then waits to take it back; here the GIL is taken once, on return.
+int64_t wait_stamps(torch::Tensor stamps, int64_t a, int64_t b, torch::Tensor gen, int64_t seen, int64_t period_ns,
+                    int64_t timeout_ns) {
+  TORCH_CHECK(stamps.scalar_type() == at::kLong && !stamps.is_cuda(), "wait_stamps: stamps must be host int64");
+  TORCH_CHECK(gen.scalar_type() == at::kLong && !gen.is_cuda() && gen.numel() >= 1, "wait_stamps: gen must be host int64");
+  TORCH_CHECK(a < stamps.numel() && b < stamps.numel(), "wait_stamps: index out of range");
+  const volatile int64_t* st = stamps.data_ptr<int64_t>();
+  const volatile int64_t* g = gen.data_ptr<int64_t>();
+  pybind11::gil_scoped_release no_gil;
+  const auto start = std::chrono::steady_clock::now();
+  const auto limit = std::chrono::nanoseconds(timeout_ns);
+  const struct timespec nap = {0, (long)std::max<int64_t>(period_ns, 0)};
+  while (true) {
+    if (a >= 0 && st[a] != 0) return 0;
+    if (b >= 0 && st[b] != 0) return 1;
+    if (g[0] != seen) return 2;
+    if (std::chrono::steady_clock::now() - start >= limit) return -1;
+    if (period_ns > 0) nanosleep(&nap, nullptr);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -201,5 +231,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("device_slab", &device_slab, "device memory from cudaMalloc, outside torch's caching allocator");
   m.def("wait_flag_kernel", &wait_flag_kernel, "the stream waits (a spinning kernel) until flags[slot] >= value, then until its deadline");
   m.def("wait_flag_memop", &wait_flag_memop, "the stream waits (cuStreamWaitValue32) until flags[slot] >= value");
+  m.def("wait_stamps", &wait_stamps, "wait with the GIL released until stamps[a] or stamps[b] is set or gen moves");
   m.def("stamp", &stamp, "write the GPU's globaltimer (and an ack) when the stream reaches this point");
 }

@@ -470,6 +470,30 @@ def poll_s() -> float:
     return us / 1e6
 
 
+#: "0": the reach watcher polls in Python (``time.sleep`` between checks, the
+#: GIL taken at each), as before 2026-12-07, for an A/B.
+POLL_NATIVE_ENV = "PRISM_DEVICE_POLL_NATIVE"
+#: The native wait's bound (ns): the watcher's Python looks again at least this often.
+NATIVE_WAIT_TIMEOUT_NS = 100_000_000
+
+
+def _native_wait() -> Any:
+    """cuda_ext's ``wait_stamps`` (polls the stamps with the GIL released),
+    or None: no compiled module, a build without it, or ``POLL_NATIVE_ENV=0``.
+
+    Measured on the 2-core VM (2026-12-07, ``bench/gil_poll.py``): a thread
+    that wakes every 20 us to look at the stamps in Python makes each small
+    torch op of the main thread ~1.6x as dear (each op lets the GIL go and
+    must take it back from the poller); a sandbox's per-call host time is
+    mostly such ops."""
+    if os.environ.get(POLL_NATIVE_ENV, "1") == "0":
+        return None
+    import cuda_ext
+
+    mod = cuda_ext.kernels()
+    return getattr(mod, "wait_stamps", None) if mod is not None else None
+
+
 class _Watcher:
     """The thread behind ``Releaser.watch``.
 
@@ -503,6 +527,10 @@ class _Watcher:
         self._reached: collections.deque = collections.deque()  # (slot, rec) reached, their lateness not yet read
         self._late = 0
         self._cond = threading.Condition()
+        #: Bumped by ``add``: the native wait (``_native_wait``) returns when it moves.
+        self._gen = torch.zeros(1, dtype=torch.int64)
+        self._gen_np = self._gen.numpy()
+        self._wait = _native_wait()
         threading.Thread(target=self._loop, name="prism-reach", daemon=True).start()
 
     def note_excess(self, slot: int, ns: int) -> None:
@@ -517,16 +545,19 @@ class _Watcher:
         self._excess.pop(slot, None)  # an earlier call's on this slot, never read (a drained carry)
         with self._cond:
             self._calls.append((slot, issue_mono_ns, on_reach, on_late, rec, drained))
+            self._gen_np[0] += 1
             self._cond.notify()
 
     def _loop(self) -> None:
         import time
 
         flags = self.flags
+        period_ns = int(self.poll_s * 1e9)
         while True:
             with self._cond:
                 while not self._calls and not self._reached:
                     self._cond.wait()
+                seen = int(self._gen_np[0])  # before the checks: a call added after them moves it
             moved = False
             while True:
                 # the waits before (their ends precede the next reach on a stream) ...
@@ -567,7 +598,14 @@ class _Watcher:
                 self._reached.append((slot, rec))
                 moved = True
             if not moved:
-                time.sleep(self.poll_s)
+                if self._wait is None:
+                    time.sleep(self.poll_s)
+                    continue
+                # Until the oldest reached wait ends or the next call's stream
+                # reaches it (or a call is added), with the GIL released.
+                end = 2 * self._reached[0][0] + 1 if self._reached else -1
+                reach = 2 * self._calls[0][0] if self._calls else -1
+                self._wait(flags.stamps, end, reach, self._gen, seen, period_ns, NATIVE_WAIT_TIMEOUT_NS)
 
 
 class _NullReleaser:

@@ -131,3 +131,26 @@ def test_the_wait_kernel_times_a_release_flipped_ahead_of_time():
     flags.wait(2, 1, mode="kernel")
     torch.cuda.synchronize()
     assert flags.released_ns(2) - flags.reached_ns(2) >= 20_000_000
+
+
+def test_wait_stamps_returns_on_a_stamp_or_a_new_generation_with_the_gil_released():
+    mod = cuda_ext.kernels()
+    stamps = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+    gen = torch.zeros(1, dtype=torch.int64)
+    assert mod.wait_stamps(stamps, 1, 2, gen, 0, 20_000, 2_000_000) == -1  # nothing set: its bound
+    gen[0] = 1
+    assert mod.wait_stamps(stamps, 1, 2, gen, 0, 20_000, 2_000_000) == 2
+    none = torch.empty(0, dtype=torch.int32)
+    mod.stamp(stamps, 2, none, 0, 0)  # the GPU's globaltimer into stamps[2], as a wait kernel's reach
+    assert mod.wait_stamps(stamps, 1, 2, gen, 1, 20_000, 5_000_000_000) == 1
+    # while a thread waits there, this thread runs Python freely (the GIL is not held)
+    stamps.zero_()
+    t = threading.Thread(target=mod.wait_stamps, args=(stamps, 0, -1, gen, 1, 20_000, 300_000_000))
+    t0 = time.monotonic()
+    t.start()
+    n = 0
+    while time.monotonic() - t0 < 0.1:
+        n += 1
+    stamps[0] = 7
+    t.join(5)
+    assert not t.is_alive() and n > 10_000

@@ -130,6 +130,68 @@ def test_the_reach_watcher_reports_reaches_in_order_and_carries_only_the_latenes
     assert got == [("reach", 0, 1000), ("late", 2000), ("reach", 1, 8000), ("late", 100), ("reach", 2, 9100)]
 
 
+def test_the_watcher_waits_natively_on_the_stamps_it_needs_next(monkeypatch):
+    # The same sequence as above with the watcher's native wait (cuda_ext's
+    # wait_stamps, GIL released; a Python stand-in with its semantics here): it
+    # waits on the oldest reached wait's end stamp and the next call's reach
+    # stamp, and returns when a call is added.
+    import threading
+    import time
+
+    import cuda_ext
+
+    waits: list = []
+
+    def wait_stamps(stamps, a, b, gen, seen, period_ns, timeout_ns):
+        st, g = stamps.numpy(), gen.numpy()
+        waits.append((a, b))
+        t0 = time.monotonic_ns()
+        while True:
+            if a >= 0 and st[a]:
+                return 0
+            if b >= 0 and st[b]:
+                return 1
+            if g[0] != seen:
+                return 2
+            if time.monotonic_ns() - t0 >= timeout_ns:
+                return -1
+            time.sleep(period_ns / 1e9)
+
+    monkeypatch.setattr(devicepath, "_native_wait", lambda: wait_stamps)
+    flags = cuda_ext.ReleaseFlags(4, "cpu")
+    w = devicepath._Watcher(flags, 1e-4)
+    got: list = []
+    done = threading.Event()
+    for slot in range(3):
+        flags.clear_stamps(slot)
+    w.add(0, 900, lambda at: got.append(("reach", 0, at)), lambda ns: got.append(("late", ns)))
+    w.add(1, 1500, lambda at: got.append(("reach", 1, at)), lambda ns: got.append(("late", ns)))
+    time.sleep(0.01)
+    assert got == [] and waits and waits[-1] == (-1, 0)  # no wait reached yet: call 0's reach stamp
+    flags._dl[0], flags._dl[1] = 5000, 0
+    flags._st[0] = 1000
+    time.sleep(0.01)
+    assert got == [("reach", 0, 1000)] and waits[-1] == (1, 2)  # call 0's end, call 1's reach
+    w.add(2, 9000, lambda at: (got.append(("reach", 2, at)), done.set()), lambda ns: got.append(("late", ns)))
+    flags._st[1] = 7000
+    flags._st[2] = 8000
+    flags._dl[2], flags._dl[3] = 0, 300
+    flags._st[3] = 8800
+    flags._st[4] = 9100
+    assert done.wait(5), got
+    assert got == [("reach", 0, 1000), ("late", 2000), ("reach", 1, 8000), ("late", 100), ("reach", 2, 9100)]
+
+
+def test_the_native_wait_is_off_on_request_and_without_the_compiled_module(monkeypatch):
+    monkeypatch.setenv(devicepath.POLL_NATIVE_ENV, "0")
+    assert devicepath._native_wait() is None
+    monkeypatch.delenv(devicepath.POLL_NATIVE_ENV)
+    import cuda_ext
+
+    monkeypatch.setattr(cuda_ext, "kernels", lambda: None)
+    assert devicepath._native_wait() is None
+
+
 def _recording(tmp_path, tensors):
     """A run folder whose rank 0 recorded ``tensors`` (ref -> tensor), in that order."""
     from prism.core.payloads import digest
