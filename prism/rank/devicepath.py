@@ -544,8 +544,9 @@ class _Watcher:
             drained: bool = False) -> None:
         self._excess.pop(slot, None)  # an earlier call's on this slot, never read (a drained carry)
         with self._cond:
+            if not self._calls:  # the watcher waits on no reach: wake it (else it waits on the first's)
+                self._gen_np[0] += 1
             self._calls.append((slot, issue_mono_ns, on_reach, on_late, rec, drained))
-            self._gen_np[0] += 1
             self._cond.notify()
 
     def _loop(self) -> None:
