@@ -247,7 +247,7 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   local w v k env cap
   for w in ${WL:-gpt-tp2}; do
-    cap=/tmp/ab-cap-$w
+    cap=/tmp/ab-cap-$w-$$; rm -rf "$cap"  # a fresh capture per run of the suite (a warm machine keeps /tmp)
     # shellcheck disable=SC2046 (the words split on purpose)
     x "$R/capture-$w.txt" 150 python3 -m prism capture -n 2 --gpus 0 --record 0 --out "$cap" --progress off -- \
       $(workload_args "$w")
