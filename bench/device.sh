@@ -290,9 +290,10 @@ suite_cpu_pin() {  # issue 19's migration lead on the host's cores: the compute 
     --out "$R/accuracy-world8-pin.json"
 }
 
-suite_comm_share() {  # CPU truth vs replay split into communication and the rest, world 8 and 16
+suite_comm_share() {  # CPU truth vs replay split into communication and the rest, world 8 (CONFIGS8) and 16 (T16=0: not)
   x "$R/comm_share-world8.txt" ${T8:-320} python3 bench/comm_share.py --world 8 --runs ${RUNS:-2} --steps 10 \
-    --out "$R/comm_share-world8.json"
+    ${CONFIGS8:+--configs $CONFIGS8} --out "$R/comm_share-world8.json"
+  [ "${T16:-250}" = 0 ] && return 0  # T16=0: world 8 only
   x "$R/comm_share-world16.txt" ${T16:-250} python3 bench/comm_share.py --world 16 --runs ${RUNS:-2} --steps 10 \
     --configs ${CONFIGS16:-gpt-tp2-pp2-dp4,moe-tp2-dp8-ep2} --out "$R/comm_share-world16.json"
 }
