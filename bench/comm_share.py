@@ -37,7 +37,11 @@ after its median member (``late_return_us``: the spread of completions, which
 a replay, whose members return together, does not have). Row
 ``concurrent+late`` is a diagnostic, not a prediction: the concurrent
 profile with each collective lengthened by the truth's own mean late return
-for its op and group size (``LateReturn``).
+for its op and group size (``LateReturn``). Row ``concurrent-gap``: the
+replay under a concurrent profile measured with ``--gap-us`` (500) of each
+caller's own work before every call (``prism.app.netprofile``'s gapped
+timing), where the other profiles time calls back to back, with the
+backend's threads hot.
 
 Ground truth needs one core per rank, as in ``bench/accuracy.py``.
 """
@@ -316,6 +320,35 @@ def late_returns(truth: dict) -> dict[str, float]:
     return {k: v["late_return_us"] for k, v in truth.get("calls", {}).items() if k != "all"}
 
 
+GAPPED = "concurrent-gap"
+
+
+def gapped_profile(world: int, gap_us: float, tmp: pathlib.Path) -> tuple[object, list[dict]]:
+    """The concurrent profile measured with ``gap_us`` of each caller's own
+    work before every call (``prism.app.netprofile._time_op_gapped``): the
+    calls find the backend's threads idle, as a step's calls do after its
+    compute, where the default measurement runs them back to back. Its
+    cost model and the measured points."""
+    import dataclasses
+    import socket
+
+    from prism.app.netprofile import DEFAULT_OPS, DEFAULT_SIZES
+    from prism.app.netprofile import measure as measure_points
+    from prism.core.costmodel import parse_profile
+    from prism.core.netfit import fit_per_op, fit_points, profile_toml
+
+    gs = [n for n in (2, 4, 8, 16) if n <= world and world % n == 0]
+    print(f"measuring gloo on this host (concurrent {world}, {gap_us:g} us of work before each call)", flush=True)
+    points = measure_points(DEFAULT_SIZES, gs, DEFAULT_OPS, concurrent=world if world > 2 else None, gap_us=gap_us)
+    text = profile_toml(fit_points(points), points, per_op=fit_per_op(points), host=socket.gethostname(),
+                        backend="gloo", ranks_per_node=usable_cores(), concurrent=world,
+                        command=f"bench/comm_share.py (concurrent {world}, --gap-us {gap_us:g})",
+                        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    f = tmp / f"profile-{GAPPED}.toml"
+    f.write_text(text)
+    return parse_profile(text, str(f)), [dataclasses.asdict(p) for p in points]
+
+
 def prism_split(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, warmup: int,
                 front_end: bool = False) -> dict:
     d = pathlib.Path(tempfile.mkdtemp(prefix="prism-", dir=tmp)) / "run"
@@ -407,6 +440,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--gap-us", type=float, default=500.0,
+                    help="also replay under a concurrent profile measured with this much work before each call "
+                         f"(row {GAPPED}; 0: not)")
     ap.add_argument("--out", default=str(result_path("comm_share")))
     a = ap.parse_args()
     if a.world > usable_cores():
@@ -415,13 +451,16 @@ def main() -> int:
         sys.exit(f"--world must be one of {sorted(CONFIGS)}")
     names = a.configs.split(",") if a.configs else list(CONFIGS[a.world])
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="prism-comm-share-"))
-    models, _, _ = ensure_profile(None, tmp, a.world)
+    models, _, points = ensure_profile(None, tmp, a.world)
+    gapped_points = []
+    if a.gap_us > 0:
+        models[GAPPED], gapped_points = gapped_profile(a.world, a.gap_us, tmp)
     import torch
 
     res = {"benchmark": "comm_share", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": "python " + " ".join(sys.argv), "versions": {"python": platform.python_version(),
                                                                   "torch": torch.__version__},
-           "cpus": usable_cores(), "configs": []}
+           "cpus": usable_cores(), "configs": [], "points": {**points, GAPPED: gapped_points}}
     try:
         for name in names:
             cmd = command(CONFIGS[a.world][name], a.steps)

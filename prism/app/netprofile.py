@@ -33,6 +33,10 @@ ranks idle. ``concurrent=W`` (gloo) cuts W ranks into W // n groups of n and
 times them all at once, the slowest group's time: a training layout's groups
 of one kind (its TP pairs, its DP groups) communicate together and share the
 host's cores, caches and memory bandwidth, which a lone group does not see.
+With ``gap_us`` (gloo) each call comes after that long of the caller's own
+work (a spin to a slot the members agreed on, one monotonic clock on one
+host), as a training step's calls come after its compute, instead of back
+to back: the backend's threads are idle when the call comes.
 Each gloo point also carries the median member's time per call
 (``Point.median_rank_seconds``; concurrently, a typical group's rather than
 the worst one's); the profile is fitted to the slowest's, as before.
@@ -129,6 +133,7 @@ def _worker(argv: Sequence[str]) -> None:
     ap.add_argument("--ops", required=True)
     ap.add_argument("--backend", default="gloo", choices=BACKENDS)
     ap.add_argument("--concurrent", action="store_true")
+    ap.add_argument("--gap-us", type=float, default=0.0)
     a = ap.parse_args(argv)
     sizes = [int(x) for x in a.sizes.split(",")]
     gsizes = [int(x) for x in a.group_sizes.split(",")]
@@ -163,6 +168,9 @@ def _worker(argv: Sequence[str]) -> None:
                     secs, issue, wall = _time_op_gpu(torch, dist, fn, g, device)
                     rec = {"op": op, "n": n, "nbytes": nbytes, "seconds": secs, "issue_seconds": issue,
                            "back_to_back_seconds": wall}
+                elif a.gap_us > 0:
+                    secs, median = _time_op_gapped(torch, dist, fn, world_group or g, a.gap_us * 1e-6)
+                    rec = {"op": op, "n": n, "nbytes": nbytes, "seconds": secs, "median_rank_seconds": median}
                 else:
                     secs, median = _time_op(torch, dist, fn, world_group or g, device, with_median=True)
                     rec = {"op": op, "n": n, "nbytes": nbytes, "seconds": secs, "median_rank_seconds": median}
@@ -257,6 +265,51 @@ def _time_op(torch, dist, fn, g, device, with_median: bool = False) -> Any:
     return (secs, statistics.median(per_call_median)) if with_median else secs
 
 
+def _time_op_gapped(torch, dist, fn, g, gap_s: float) -> tuple[float, float]:
+    """Seconds per call of ``fn`` (CPU) when each call comes after ``gap_s``
+    of the caller's own work, as a training step's calls come after its
+    compute: the members (every process on one host, so one monotonic clock)
+    agree on a start, then each spins until its next slot, ``gap_s`` plus
+    room for the call apart, and calls; a member's time in a call is its return
+    less the last member's entry (the members enter within the spin's
+    precision of the slot, or later where a call before overran it). Back to
+    back, a backend's threads stay hot and the members pace each other; here
+    each call finds them idle. Returns (the slowest member's, the median
+    member's), each the median over every call of every trial."""
+    def gather(x: float) -> list[float]:
+        t = torch.zeros(dist.get_world_size(g), dtype=torch.float64)
+        t[dist.get_rank(g)] = x
+        dist.all_reduce(t, group=g)
+        return t.tolist()
+
+    fn()
+    fn()
+    dist.barrier(group=g)
+    t = time.perf_counter()
+    fn()
+    one = max(gather(time.perf_counter() - t))
+    period = gap_s + max(4 * one, 200e-6)
+    k = int(min(20, max(3, TRIAL_SECONDS / period)))
+    slowest, median = [], []
+    for _ in range(TRIALS):
+        dist.barrier(group=g)
+        t0 = max(gather(time.monotonic() + 0.002))  # a start every member is still ahead of
+        entries, returns = [], []
+        for i in range(k):
+            slot = t0 + i * period + gap_s
+            while time.monotonic() < slot:
+                pass
+            entries.append(time.monotonic())
+            fn()
+            returns.append(time.monotonic())
+        for c in range(k):
+            last = max(gather(entries[c]))  # a member late for its slot (a slow call before) counts from there
+            back = [r - last for r in gather(returns[c])]
+            slowest.append(max(back))
+            median.append(statistics.median(back))
+    return statistics.median(slowest), statistics.median(median)
+
+
 def _median_member(torch, dist, seconds: float, g, device) -> float:
     """The median over ``g``'s members of their ``seconds``."""
     size = dist.get_world_size(g)
@@ -326,11 +379,15 @@ def _sleep_clock(torch) -> float:
 
 
 def measure(sizes: Sequence[int], group_sizes: Sequence[int], ops: Sequence[str], *,
-            timeout: float = 600.0, backend: str = "gloo", concurrent: int | None = None) -> list[Point]:
+            timeout: float = 600.0, backend: str = "gloo", concurrent: int | None = None,
+            gap_us: float = 0.0) -> list[Point]:
     """Run the measurement world and return its points: ``max(group_sizes)``
     processes, one group of each size timed alone; or, with ``concurrent=W``,
     W processes, every size timed by all W // n groups of it at once (each
-    size must divide W)."""
+    size must divide W). ``gap_us`` (gloo): each call after that long of the
+    caller's own work, not back to back (``_time_op_gapped``)."""
+    if gap_us and backend != "gloo":
+        raise ValueError("netprofile: a gap between calls is measured for gloo only")
     from prism.workloads.harness import run_world
 
     world = concurrent or max(group_sizes)
@@ -339,7 +396,7 @@ def measure(sizes: Sequence[int], group_sizes: Sequence[int], ops: Sequence[str]
                          f"got {list(group_sizes)}")
     argv = ["-m", "prism.app.netprofile", "--worker", "--sizes", ",".join(map(str, sizes)),
             "--group-sizes", ",".join(map(str, group_sizes)), "--ops", ",".join(ops), "--backend", backend,
-            *(["--concurrent"] if concurrent else [])]
+            *(["--concurrent"] if concurrent else []), *(["--gap-us", str(gap_us)] if gap_us else [])]
     root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {"OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}

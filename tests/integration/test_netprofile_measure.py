@@ -41,3 +41,14 @@ def test_concurrent_measurement_times_every_block_at_once():
     assert all(0 < p.median_rank_seconds <= p.seconds for p in pts)
     with pytest.raises(ValueError, match="divide the world 4"):
         measure([1 << 10], [3], ["all_reduce"], concurrent=4)
+
+
+@pytest.mark.slow
+def test_a_gapped_measurement_times_each_call_after_the_callers_own_work():
+    # each call after 20 ms of spinning: the points are the calls' own times (well under a millisecond
+    # on a quiet host, a few on a loaded 2-core VM), not the gap's
+    pts = measure([1 << 10, 1 << 16], [2], ["all_reduce", "send"], timeout=120, gap_us=20_000)
+    assert [(p.op, p.nbytes) for p in pts] == [(op, b) for op in ("all_reduce", "send") for b in (1 << 10, 1 << 16)]
+    assert all(0 < p.median_rank_seconds <= p.seconds < 0.015 for p in pts), pts
+    with pytest.raises(ValueError, match="gloo only"):
+        measure([1 << 10], [2], ["all_reduce"], backend="nccl", gap_us=100)
