@@ -531,6 +531,12 @@ class _Watcher:
         self._gen = torch.zeros(1, dtype=torch.int64)
         self._gen_np = self._gen.numpy()
         self._wait = _native_wait()
+        import atexit
+        import sys
+
+        how = ("waited in cuda_ext.wait_stamps (the GIL released)" if self._wait is not None else
+               f"polled in Python every {poll_s * 1e6:g} us")
+        atexit.register(lambda: print(f"prism: reach watcher: {how}", file=sys.stderr, flush=True))
         threading.Thread(target=self._loop, name="prism-reach", daemon=True).start()
 
     def note_excess(self, slot: int, ns: int) -> None:
