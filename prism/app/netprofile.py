@@ -427,6 +427,9 @@ class NetprofileConfig:
     #: (on ``concurrent`` processes), as a layout's groups run in training;
     #: None times one group alone.
     concurrent: int | None = None
+    #: gloo: each call after this long (us) of the caller's own work instead
+    #: of back to back (``_time_op_gapped``); 0: back to back.
+    gap_us: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -443,13 +446,15 @@ class NetprofilePlan:
     out: pathlib.Path
     json_out: pathlib.Path | None
     concurrent: int | None = None
+    gap_us: float = 0.0
 
     @property
     def command(self) -> str:
         """The command that reproduces this measurement (written into the profile)."""
         return (f"python -m prism netprofile --backend {self.backend} --sizes {','.join(map(str, self.sizes))} "
                 f"--group-sizes {','.join(map(str, self.group_sizes))} --ops {','.join(self.ops)}"
-                + (f" --concurrent {self.concurrent}" if self.concurrent else ""))
+                + (f" --concurrent {self.concurrent}" if self.concurrent else "")
+                + (f" --gap-us {self.gap_us:g}" if self.gap_us else ""))
 
 
 @dataclass(frozen=True)
@@ -503,16 +508,24 @@ def plan_netprofile(config: NetprofileConfig) -> NetprofilePlan:
         if odd:
             raise UsageError(f"--concurrent {conc}: group size {odd[0]} does not divide it (the world is cut "
                              f"into {conc} // n groups of each size n)")
+    gap = float(config.gap_us or 0.0)
+    if gap:
+        if backend != "gloo":
+            raise UsageError("--gap-us is for gloo (CPU ranks whose calls come after their compute); NCCL's "
+                             "calls are timed on the GPU")
+        if not 0 < gap <= 1e6:
+            raise UsageError(f"--gap-us {config.gap_us:g} must be more than 0 and at most 1000000 (1 s)")
     host = socket.gethostname()
     out = pathlib.Path(config.out) if config.out else fitted_profile_path(backend, host)
     return NetprofilePlan(backend, sizes, gsizes, tuple(config.ops), cores, host, out,
-                          pathlib.Path(config.json_out) if config.json_out else None, conc)
+                          pathlib.Path(config.json_out) if config.json_out else None, conc, gap)
 
 
 def run_netprofile(plan: NetprofilePlan) -> NetprofileResult:
     """Measure, fit, and write the profile to ``plan.out`` (and JSON to ``plan.json_out``)."""
     t0 = time.monotonic()
-    points = measure(plan.sizes, plan.group_sizes, plan.ops, backend=plan.backend, concurrent=plan.concurrent)
+    points = measure(plan.sizes, plan.group_sizes, plan.ops, backend=plan.backend, concurrent=plan.concurrent,
+                     gap_us=plan.gap_us)
     fit = fit_points(points)
     per_op = fit_per_op(points)
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -528,6 +541,7 @@ def run_netprofile(plan: NetprofilePlan) -> NetprofileResult:
     if plan.json_out is not None:
         plan.json_out.write_text(json.dumps({
             "host": plan.host, "backend": plan.backend, "command": plan.command, "concurrent": plan.concurrent,
+            "gap_us": plan.gap_us,
             "points": [dataclasses.asdict(p) for p in points],
             "fit": {"base_latency_s": fit.base_latency, "latency_s": fit.latency, "bandwidth_Bps": fit.bandwidth},
             "per_op": {op: dataclasses.asdict(f) for op, f in per_op.items()},

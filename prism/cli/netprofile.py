@@ -48,19 +48,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrent", type=int, default=None, metavar="W",
                    help="gloo: time each group size on W ranks with all W/n groups of it at once (as a training "
                         "layout's groups run together) instead of one group alone; sizes must divide W")
+    p.add_argument("--gap-us", type=float, default=0.0, metavar="US",
+                   help="gloo: time each call after US microseconds of the caller's own work (a spin to a slot "
+                        "the ranks agree on), as a training step's calls come after its compute, instead of back "
+                        "to back (default 0: back to back)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     config = NetprofileConfig(backend=args.backend, out=args.out, sizes=args.sizes, group_sizes=args.group_sizes,
-                              ops=tuple(args.ops), json_out=args.json, concurrent=args.concurrent)
+                              ops=tuple(args.ops), json_out=args.json, concurrent=args.concurrent,
+                              gap_us=args.gap_us)
     try:
         plan = plan_netprofile(config)
     except PrismError as e:
         print(f"prism netprofile: {e}", file=sys.stderr)
         return e.exit_code
     print(f"prism netprofile: {plan.backend}, {plan.concurrent or max(plan.group_sizes)} processes"
-          f"{' (all groups of a size at once)' if plan.concurrent else ''}, group sizes "
+          f"{' (all groups of a size at once)' if plan.concurrent else ''}"
+          f"{f', each call after {plan.gap_us:g} us of work' if plan.gap_us else ''}, group sizes "
           f"{list(plan.group_sizes)}, ops {','.join(plan.ops)}, sizes {','.join(map(str, plan.sizes))} bytes",
           file=sys.stderr)
     result = run_netprofile(plan)

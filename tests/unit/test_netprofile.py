@@ -224,6 +224,20 @@ def test_netprofile_concurrent_checks_its_world(capsys, monkeypatch):
         assert msg in capsys.readouterr().err
 
 
+def test_netprofile_gap_is_for_gloo_and_goes_into_the_command(capsys, monkeypatch):
+    from prism.app import netprofile as app_np
+
+    monkeypatch.setattr(app_np, "usable_cores", lambda: 8)
+    plan = app_np.plan_netprofile(app_np.NetprofileConfig(concurrent=8, gap_us=500))
+    assert plan.gap_us == 500 and plan.command.endswith("--concurrent 8 --gap-us 500")
+    assert "--gap-us" not in app_np.plan_netprofile(app_np.NetprofileConfig()).command
+    monkeypatch.setattr(app_np, "gpu_count", lambda: 8)
+    for argv, msg in ((["--gap-us", "500", "--backend", "nccl"], "--gap-us is for gloo"),
+                      (["--gap-us", "-3"], "--gap-us -3 must be more than 0")):
+        assert cli.main(["netprofile", *argv]) == 2
+        assert msg in capsys.readouterr().err
+
+
 def test_profile_toml_says_the_points_were_concurrent():
     fit = Fit(10e-6, 0.0, 300e9)
     pts = _points(fit)
