@@ -303,10 +303,10 @@ class LateReturn:
         out = self.base.instance_costs(graph).copy()
         if not len(out):
             return out
-        size = graph.group_size[graph.inst_group]
-        for i, (op, n) in enumerate(zip(graph.inst_op.tolist(), size.tolist())):
-            out[i] += int(self.late.get(f"{C_OPS[op]}/{n}", 0.0) * 1e3)
-        return out
+        pairs = np.stack([graph.inst_op.astype(np.int64), graph.group_size[graph.inst_group].astype(np.int64)])
+        kinds, which = np.unique(pairs, axis=1, return_inverse=True)
+        add = np.array([int(self.late.get(f"{C_OPS[op]}/{n}", 0.0) * 1e3) for op, n in kinds.T.tolist()], np.int64)
+        return out + add[which.reshape(-1)]
 
     def message_costs(self, graph: ExecutionGraph) -> np.ndarray:
         return self.base.message_costs(graph)

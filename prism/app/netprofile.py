@@ -276,24 +276,25 @@ def _time_op_gapped(torch, dist, fn, g, gap_s: float) -> tuple[float, float]:
     back, a backend's threads stay hot and the members pace each other; here
     each call finds them idle. Returns (the slowest member's, the median
     member's), each the median over every call of every trial."""
-    def gather(x: float) -> list[float]:
-        t = torch.zeros(dist.get_world_size(g), dtype=torch.float64)
-        t[dist.get_rank(g)] = x
+    def gather(xs: list[float]):
+        """Every member's ``xs`` (rows by member): one all_reduce."""
+        t = torch.zeros(dist.get_world_size(g), len(xs), dtype=torch.float64)
+        t[dist.get_rank(g)] = torch.tensor(xs, dtype=torch.float64)
         dist.all_reduce(t, group=g)
-        return t.tolist()
+        return t
 
     fn()
     fn()
     dist.barrier(group=g)
     t = time.perf_counter()
     fn()
-    one = max(gather(time.perf_counter() - t))
+    one = float(gather([time.perf_counter() - t]).max())
     period = gap_s + max(4 * one, 200e-6)
     k = int(min(20, max(3, TRIAL_SECONDS / period)))
     slowest, median = [], []
     for _ in range(TRIALS):
         dist.barrier(group=g)
-        t0 = max(gather(time.monotonic() + 0.002))  # a start every member is still ahead of
+        t0 = float(gather([time.monotonic() + 0.002]).max())  # a start every member is still ahead of
         entries, returns = [], []
         for i in range(k):
             slot = t0 + i * period + gap_s
@@ -302,11 +303,10 @@ def _time_op_gapped(torch, dist, fn, g, gap_s: float) -> tuple[float, float]:
             entries.append(time.monotonic())
             fn()
             returns.append(time.monotonic())
-        for c in range(k):
-            last = max(gather(entries[c]))  # a member late for its slot (a slow call before) counts from there
-            back = [r - last for r in gather(returns[c])]
-            slowest.append(max(back))
-            median.append(statistics.median(back))
+        # a member late for its slot (a slow call before) counts from there
+        back = gather(returns) - gather(entries).max(dim=0).values  # member x call
+        slowest += back.max(dim=0).values.tolist()
+        median += [statistics.median(col) for col in back.t().tolist()]
     return statistics.median(slowest), statistics.median(median)
 
 

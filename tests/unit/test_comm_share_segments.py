@@ -78,3 +78,25 @@ def test_the_split_gives_how_far_the_last_member_returns_past_the_median_one():
     assert split["all"]["late_return_us"] == (700 - 450) / 1e3
     # waiting 200 + 100 + 0 and cost 100 + 150 + 400 ns, per rank (3) and step (1)
     assert split["all"]["wait_ms"] == 300 / 3 / 1e6 and split["all"]["cost_ms"] == 650 / 3 / 1e6
+
+
+def test_late_return_lengthens_each_instance_by_its_ops_measured_late_return():
+    import types
+
+    import numpy as np
+
+    from prism.core.graph import OPS
+
+    cs = _comm_share()
+    ar, a2a = OPS.index("all_reduce"), OPS.index("all_to_all_single")
+
+    class Base:
+        name, source = "concurrent", "x"
+
+        def instance_costs(self, graph):
+            return np.array([100, 200, 300, 400], np.int64)
+
+    graph = types.SimpleNamespace(inst_op=np.array([ar, a2a, ar, ar]), inst_group=np.array([0, 0, 1, 0]),
+                                  group_size=np.array([2, 4]))
+    late = cs.LateReturn(Base(), {"all_reduce/2": 1.5, "all_reduce/4": 3.0})  # us; none for all_to_all_single/2
+    assert late.instance_costs(graph).tolist() == [1600, 200, 3300, 1900]

@@ -130,6 +130,18 @@ def test_the_reach_watcher_reports_reaches_in_order_and_carries_only_the_latenes
     assert got == [("reach", 0, 1000), ("late", 2000), ("reach", 1, 8000), ("late", 100), ("reach", 2, 9100)]
 
 
+def _host_watcher(slots: int):
+    """A reach watcher over host-mode flags (the GPU's pinned layout, stamps
+    written by hand), its first ``slots`` slots cleared: (flags, watcher)."""
+    import cuda_ext
+
+    flags = cuda_ext.ReleaseFlags(4, "cpu")
+    w = devicepath._Watcher(flags, 1e-4)
+    for slot in range(slots):
+        flags.clear_stamps(slot)
+    return flags, w
+
+
 def test_the_watcher_waits_natively_on_the_stamps_it_needs_next(monkeypatch):
     # The same sequence as above with the watcher's native wait (cuda_ext's
     # wait_stamps, GIL released; a Python stand-in with its semantics here): it
@@ -137,8 +149,6 @@ def test_the_watcher_waits_natively_on_the_stamps_it_needs_next(monkeypatch):
     # stamp, and returns when a call is added.
     import threading
     import time
-
-    import cuda_ext
 
     waits: list = []
 
@@ -158,12 +168,9 @@ def test_the_watcher_waits_natively_on_the_stamps_it_needs_next(monkeypatch):
             time.sleep(period_ns / 1e9)
 
     monkeypatch.setattr(devicepath, "_native_wait", lambda: wait_stamps)
-    flags = cuda_ext.ReleaseFlags(4, "cpu")
-    w = devicepath._Watcher(flags, 1e-4)
+    flags, w = _host_watcher(3)
     got: list = []
     done = threading.Event()
-    for slot in range(3):
-        flags.clear_stamps(slot)
     w.add(0, 900, lambda at: got.append(("reach", 0, at)), lambda ns: got.append(("late", ns)))
     w.add(1, 1500, lambda at: got.append(("reach", 1, at)), lambda ns: got.append(("late", ns)))
     time.sleep(0.01)
@@ -325,14 +332,9 @@ def _late_then_reached(issue1: int, drained: bool = False, excess: int = 0, spen
     which the host charge took ``spent``. What the watcher reported, in order."""
     import threading
 
-    import cuda_ext
-
-    flags = cuda_ext.ReleaseFlags(4, "cpu")
-    w = devicepath._Watcher(flags, 1e-4)
+    flags, w = _host_watcher(2)
     got: list = []
     done = threading.Event()
-    for slot in range(2):
-        flags.clear_stamps(slot)
     w.add(0, 900, lambda at: got.append(("reach", 0, at)), lambda ns: got.append(("late", ns)))
     w.add(1, issue1, lambda at: (got.append(("reach", 1, at)), done.set()), lambda ns: got.append(("late", ns)),
           None, drained)
