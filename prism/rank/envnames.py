@@ -35,3 +35,12 @@ PRUNED_ENV = "PRISM_PRUNED_DIR"
 #: "1": the emulation has recordings, so a pruned call sends its inputs'
 #: digests for the coordinator to check (``CollectiveArrive.in_digests``).
 PRUNED_DIGESTS_ENV = "PRISM_PRUNED_DIGESTS"
+#: A warm fork server's socket (``python -m prism.rank.forkserver --zygote
+#: PATH``): a launch forks its fork server from it instead of starting a
+#: fresh interpreter that imports torch again (the test suite sets it; see
+#: ``prism.rank.forkserver.zygote``).
+ZYGOTE_ENV = "PRISM_FORKSERVER_ZYGOTE"
+#: Environment variables a launch may set differently from the zygote's own
+#: (read at run time, not when torch and Prism were imported); a launch whose
+#: environment differs elsewhere gets a fresh fork server.
+ZYGOTE_FREE_PREFIXES = ("PRISM_", "PYTEST_")

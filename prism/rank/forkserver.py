@@ -28,15 +28,20 @@ import os
 import resource
 import selectors
 import signal
+import socket
 import sys
 from typing import Any
 
-import orjson
-# Imported once here, before any fork, so every child starts warm.
-import torch
+#: This process's environment before torch's imports added to it (torch._dynamo
+#: sets TORCHINDUCTOR_CACHE_DIR): what a zygote compares a launch's with.
+_ENV_AT_START = dict(os.environ)
 
-import prism.rank.bootstrap
-import prism.rank.devices
+import orjson  # noqa: E402
+# Imported once here, before any fork, so every child starts warm.
+import torch  # noqa: E402
+
+import prism.rank.bootstrap  # noqa: E402
+import prism.rank.devices  # noqa: E402
 
 try:
     # Every torch.optim optimizer imports torch._dynamo on construction (about
@@ -295,7 +300,147 @@ def serve(spec: dict[str, Any]) -> None:
     _report({"ev": "done"})
 
 
-def main() -> None:
+def _zygote_refusal(env: dict[str, str], base: dict[str, str]) -> str | None:
+    """Why a launch with ``env`` must not be forked from a zygote started
+    with ``base`` (None: it may): only the variables Prism and pytest read
+    at run time may differ."""
+    from prism.rank.envnames import ZYGOTE_FREE_PREFIXES
+
+    differ = sorted(k for k in set(env) | set(base)
+                    if env.get(k) != base.get(k) and not k.startswith(ZYGOTE_FREE_PREFIXES))
+    if differ:
+        return "the environment differs in " + ", ".join(differ[:5]) + (" ..." if len(differ) > 5 else "")
+    return None
+
+
+def _recv_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """One launch request: a JSON line with the fds it passed (SCM_RIGHTS)."""
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
+    while data and not data.endswith(b"\n"):
+        more = conn.recv(1 << 20)
+        if not more:
+            break
+        data += more
+    return orjson.loads(data), list(fds)
+
+
+def _zygote_child(listener: socket.socket, conn: socket.socket, fds: list[int], env: dict[str, str],
+                  cwd: str) -> None:
+    """Runs in a child of the zygote: becomes one launch's fork server, with
+    the launcher's pipes and stderr as its stdin, stdout and stderr; never returns."""
+    code = 1
+    try:
+        listener.close()
+        conn.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        # ``python -m`` put the zygote's working directory first on sys.path;
+        # a fresh fork server started in ``cwd`` would have had that one.
+        if sys.path and sys.path[0] in ("", os.getcwd()):
+            sys.path[0] = cwd
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        serve_stdin()
+        code = 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def zygote(path: str) -> None:
+    """Serve launches on the Unix socket ``path`` until stdin closes: each
+    launch's fork server is forked from this process, which has imported
+    torch and Prism once, instead of started as a fresh interpreter (about
+    3 s of CPU each).
+
+    A launcher connects and sends ``{"env": ..., "cwd": ...}`` with three
+    fds: its end of the spec pipe, the event pipe's write end and its
+    stderr; the reply is ``{"pid": P}`` (the child serves exactly as ``main``
+    does) or ``{"refused": WHY}`` when the launch's environment differs from
+    this process's outside ``ZYGOTE_FREE_PREFIXES`` (it then starts a fresh
+    fork server). ``PRISM_FORKSERVER_ZYGOTE_LOG=FILE`` appends one line per
+    request (served or refused: the test suite's count).
+    """
+    from prism.rank.envnames import ZYGOTE_FREE_PREFIXES
+
+    base = _ENV_AT_START
+    # A launch's fork server gets this process's environment as its imports
+    # left it (what a fresh one would have), with the launch's own values of
+    # the variables that may differ.
+    fixed = {k: v for k, v in os.environ.items() if not k.startswith(ZYGOTE_FREE_PREFIXES)}
+    log = os.environ.get("PRISM_FORKSERVER_ZYGOTE_LOG")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.rename(path + ".tmp", path)  # connectable once it exists
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "listen")
+    sel.register(0, selectors.EVENT_READ, "stdin")
+    gc.freeze()
+    try:
+        while True:
+            for key, _ in sel.select(timeout=1.0):
+                if key.data == "stdin":
+                    if not os.read(0, 4096):
+                        return
+                    continue
+                conn, _addr = listener.accept()
+                fds: list[int] = []
+                with conn:
+                    try:
+                        req, fds = _recv_request(conn)
+                        why = (_zygote_refusal(req["env"], base) if len(fds) == 3
+                               else f"expected 3 fds, got {len(fds)}")
+                        if why is None:
+                            sys.stdout.flush()
+                            sys.stderr.flush()
+                            pid = os.fork()
+                            if pid == 0:
+                                env = dict(fixed)
+                                env.update((k, v) for k, v in req["env"].items()
+                                           if k.startswith(ZYGOTE_FREE_PREFIXES))
+                                _zygote_child(listener, conn, fds, env, req["cwd"])
+                            conn.sendall(orjson.dumps({"pid": pid}) + b"\n")
+                        else:
+                            conn.sendall(orjson.dumps({"refused": why}) + b"\n")
+                    except (OSError, ValueError, KeyError) as e:
+                        why = f"bad request: {e}"
+                    finally:
+                        for fd in fds:
+                            os.close(fd)
+                if log:
+                    with open(log, "a") as f:
+                        f.write(("served" if why is None else f"refused: {why}") + "\n")
+            while True:  # reap the launches' fork servers that ended
+                try:
+                    pid, _ = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def serve_stdin() -> None:
+    """One launch: its spec from stdin, served (the fork server's protocol)."""
     line = sys.stdin.buffer.readline()
     if not line:
         return
@@ -303,6 +448,13 @@ def main() -> None:
     # coordinator may launch from a worker thread); EOF on stdin marks the
     # launcher's death instead.
     serve(orjson.loads(line))
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--zygote":
+        zygote(sys.argv[2])
+    else:
+        serve_stdin()
 
 
 if __name__ == "__main__":

@@ -26,10 +26,11 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import orjson
 
+from prism.rank.envnames import ZYGOTE_ENV
 from prism.shell import runfolder
 
 #: As torchrun's ``--nproc-per-node`` default in Prism's bundled workloads.
@@ -44,7 +45,8 @@ _early_lock = threading.Lock()
 
 def _server_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+    entries = [_ROOT, *env.get("PYTHONPATH", "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in entries if p))  # once each, in order
     return env
 
 
@@ -66,6 +68,8 @@ def prestart_forkserver() -> None:
     """Start the next launch's fork server now (see the module's docstring);
     one that no launch takes is killed when this process exits."""
     global _early
+    if os.environ.get(ZYGOTE_ENV):
+        return  # the launch forks its fork server from the zygote
     with _early_lock:
         if _early is not None:
             return
@@ -85,10 +89,84 @@ def discard_prestarted() -> None:
 atexit.register(discard_prestarted)  # a prestarted fork server that no launch took goes with this process
 
 
-def _server_for(cwd: str) -> subprocess.Popen:
-    """The prestarted fork server if it suits a launch from ``cwd`` now, else a new one."""
+class _ZygoteServer:
+    """A launch's fork server forked from a zygote (``PRISM_FORKSERVER_ZYGOTE``):
+    what ``RankProcesses`` uses of a ``subprocess.Popen``. It is the zygote's
+    child, not this process's: its end is seen in /proc, not by waitpid."""
+
+    def __init__(self, pid: int, stdin: Any, stdout: Any) -> None:
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _alive(self.pid):
+            self.returncode = 0  # its status went to the zygote
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0)
+            time.sleep(0.005)
+        return 0
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_zygote(path: str) -> subprocess.Popen:
+    """Start a zygote serving launches on the Unix socket ``path`` (see
+    ``prism.rank.forkserver.zygote``); it serves launches from processes that
+    set ``PRISM_FORKSERVER_ZYGOTE=path`` once its socket exists (before that,
+    a launch starts a fresh fork server) and exits when its stdin closes."""
+    return subprocess.Popen([sys.executable, "-m", "prism.rank.forkserver", "--zygote", path],
+                            stdin=subprocess.PIPE, env=_server_env(), cwd=os.path.dirname(path) or ".")
+
+
+def _from_zygote(env: dict[str, str], cwd: str) -> _ZygoteServer | None:
+    """A fork server forked by the zygote at ``PRISM_FORKSERVER_ZYGOTE``, or
+    None (none set, gone, or it refused this environment: start a fresh one)."""
+    path = os.environ.get(ZYGOTE_ENV)
+    if not path:
+        return None
+    spec_r, spec_w = os.pipe()
+    ev_r, ev_w = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(path)
+            socket.send_fds(s, [orjson.dumps({"env": env, "cwd": cwd}) + b"\n"], [spec_r, ev_w, 2])
+            reply = b""
+            while not reply.endswith(b"\n"):
+                more = s.recv(4096)
+                if not more:
+                    break
+                reply += more
+        answer = orjson.loads(reply) if reply else {}
+    except (OSError, ValueError):
+        answer = {}
+    finally:
+        os.close(spec_r)
+        os.close(ev_w)
+    if "pid" not in answer:
+        os.close(spec_w)
+        os.close(ev_r)
+        return None
+    return _ZygoteServer(int(answer["pid"]), os.fdopen(spec_w, "wb"), os.fdopen(ev_r, "rb"))
+
+
+def _server_for(cwd: str) -> subprocess.Popen | _ZygoteServer:
+    """The prestarted fork server if it suits a launch from ``cwd`` now, else
+    one forked from a zygote if one is set, else a new one."""
     global _early
     env = _server_env()
+    forked = _from_zygote(env, cwd)
+    if forked is not None:
+        return forked
     with _early_lock:
         early, _early = _early, None
     if early is not None:
@@ -112,7 +190,7 @@ class RankProcesses:
     (the exit code, or ``-signal`` as in ``subprocess``), else None.
     """
 
-    def __init__(self, server: subprocess.Popen, world_size: int, ranks: Sequence[int] | None = None) -> None:
+    def __init__(self, server: subprocess.Popen | _ZygoteServer, world_size: int, ranks: Sequence[int] | None = None) -> None:
         self._server = server
         self.world_size = world_size
         #: The ranks this launch started (an emulation starts only its sandbox ranks).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 
 import pytest
@@ -198,8 +199,10 @@ def test_a_prestarted_fork_server_serves_the_next_launch_of_the_same_environment
     # arguments; the launch takes it only where the environment and working
     # directory are still those it was started with: a server started before
     # a change would give the ranks a stale environment.
+    from prism.rank.envnames import ZYGOTE_ENV
     from prism.shell import launcher
 
+    monkeypatch.delenv(ZYGOTE_ENV, raising=False)  # the session's warm fork server would serve it
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "env.py"
     script.write_text("import os\nprint('marker', os.environ.get('PRISM_TEST_MARKER'))\n")
@@ -228,3 +231,75 @@ def test_a_prestarted_fork_server_serves_the_next_launch_of_the_same_environment
     unused = launcher._early[0]
     launcher.discard_prestarted()
     assert unused.poll() is not None and launcher._early is None
+
+
+def test_a_zygote_forks_each_launchs_fork_server_and_refuses_a_changed_environment(tmp_path, monkeypatch, capfd):
+    # The warm fork server the test session runs (and a daemon could): a
+    # launch's fork server forked from it gets the launch's pipes, stderr,
+    # working directory and PRISM_* variables; any other change of the
+    # environment (read when torch was imported) gets a fresh fork server.
+    from prism.rank.envnames import ZYGOTE_ENV
+    from prism.shell import launcher
+
+    folder = tempfile.mkdtemp(prefix="pz-")
+    path, zlog = os.path.join(folder, "sock"), tmp_path / "zygote.log"
+    monkeypatch.setenv("PRISM_FORKSERVER_ZYGOTE_LOG", str(zlog))
+    zygote = launcher.start_zygote(path)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        monkeypatch.setenv(ZYGOTE_ENV, path)
+        monkeypatch.setenv("PRISM_TEST_MARKER", "served")
+        script = tmp_path / "env.py"
+        script.write_text("import os, sys\nprint('marker', os.environ.get('PRISM_TEST_MARKER'), os.environ.get('TEST_OTHER'),"
+                          " os.getcwd())\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+        procs = launch_ranks(2, None, tmp_path / "a", [str(script)], show_ranks=(0,), cwd=tmp_path)
+        try:
+            assert procs.wait(timeout=60) == [0, 3]
+        finally:
+            procs.close()
+        assert isinstance(procs._server, launcher._ZygoteServer)
+        assert f"marker served None {tmp_path}" in log(tmp_path / "a", 1)
+        err = capfd.readouterr().err
+        assert f"[rank 0] marker served None {tmp_path}" in err  # the launcher's stderr
+        assert "[rank 1] exited with status 3" in err
+
+        # Killed ranks, and a launcher gone at once: as with a fresh fork server.
+        sleeper = tmp_path / "sleep.py"
+        sleeper.write_text("import time\ntime.sleep(60)\n")
+        procs = launch_ranks(2, None, tmp_path / "b", [str(sleeper)], show_ranks=())
+        try:
+            assert procs.wait_started(timeout=30)
+            procs.kill_all()
+            assert procs.wait(timeout=30) == [-9, -9]
+        finally:
+            procs.close()
+        procs = launch_ranks(1, None, tmp_path / "c", [str(sleeper)], show_ranks=())
+        try:
+            procs._server.stdin.close()
+            assert procs.wait(timeout=20) == [-9]
+        finally:
+            procs.close()
+        assert not _alive(procs._server.pid)
+
+        monkeypatch.setenv("TEST_OTHER", "changed")
+        procs = launch_ranks(2, None, tmp_path / "d", [str(script)], show_ranks=(), cwd=tmp_path)
+        try:
+            assert procs.wait(timeout=60) == [0, 3]
+        finally:
+            procs.close()
+        assert not isinstance(procs._server, launcher._ZygoteServer)
+        assert "marker served changed" in log(tmp_path / "d", 0)
+        assert zlog.read_text().splitlines() == ["served"] * 3 + ["refused: the environment differs in TEST_OTHER"]
+    finally:
+        zygote.stdin.close()
+        assert zygote.wait(timeout=30) == 0
+    assert not os.path.exists(path)  # and a launch now starts a fresh fork server
+    monkeypatch.delenv("TEST_OTHER")
+    procs = launch_ranks(1, None, tmp_path / "e", [str(script)], show_ranks=())
+    try:
+        assert procs.wait(timeout=60) == [0]
+    finally:
+        procs.close()
+    assert not isinstance(procs._server, launcher._ZygoteServer)
