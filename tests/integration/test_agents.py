@@ -859,6 +859,7 @@ class _FakeAgent:
         self.sock.close()
 
 
+@pytest.mark.slow  # over 2 s on the 2-core VM
 def test_swaps_go_to_the_agent_that_runs_the_rank_and_failures_name_it(tmp_path):
     """The coordinator's side of protocol 3: ``AgentSwapper`` sends each swap
     to the agent running the rank and maps its answer onto the coordinator's
@@ -908,6 +909,7 @@ def test_swaps_go_to_the_agent_that_runs_the_rank_and_failures_name_it(tmp_path)
         procs.close()
 
 
+@pytest.mark.slow  # over 2 s on the 2-core VM
 def test_a_swap_that_hangs_on_a_beating_node_stops_after_the_swap_timeout(tmp_path):
     """``prism capture --swap-timeout S``: a node that still beats but never
     answers a swap (its driver's call hangs) is a ``SwapError`` naming the
@@ -941,6 +943,7 @@ def test_a_swap_that_hangs_on_a_beating_node_stops_after_the_swap_timeout(tmp_pa
         procs.close()
 
 
+@pytest.mark.slow  # over 2 s on the 2-core VM
 def test_an_agent_whose_swap_driver_will_not_load_ends_the_run_swap_failed(tmp_path):
     """An agent that cannot load its swap driver (``Prepared`` "swaps" with an
     error) fails its ranks; the report names the node and the reason, and the

@@ -230,6 +230,7 @@ def ip() -> str:
     return found
 
 
+@pytest.mark.slow  # over 2 s on the 2-core VM
 @pytest.mark.parametrize("ahead", [False, True], ids=["same-clock", "clock-ahead"])
 def test_a_remote_ranks_clock_offset_is_measured_and_shared(tmp_path, ip, ahead):
     if ahead and not time_namespace_works():
@@ -257,6 +258,7 @@ def test_a_remote_ranks_clock_offset_is_measured_and_shared(tmp_path, ip, ahead)
     assert took < 100_000_000, took
 
 
+@pytest.mark.slow  # over 2 s on the 2-core VM
 def test_without_probes_both_sides_keep_the_hellos_estimates(tmp_path, ip):
     # PRISM_CLOCK_PROBES=0: as before protocol 9. The rank's midpoint of the
     # Hello's round trip and the coordinator's one-way estimate hold the

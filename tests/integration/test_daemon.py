@@ -173,6 +173,7 @@ def test_a_request_outlasts_handshakes_cut_while_the_daemon_restarts(tmp_path):
         assert stop(daemon) == 0
 
 
+@pytest.mark.slow  # over 2 s on the 2-core VM
 def test_a_tcp_daemon_with_keys_lets_in_only_clients_with_keys(tmp_path):
     keys, other = tmp_path / "keys", tmp_path / "other"
     r = prism("keys", str(keys), cwd=tmp_path)

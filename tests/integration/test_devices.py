@@ -108,6 +108,7 @@ print(json.dumps({"seen": seen, "grad": w.grad.tolist()}))
 """
 
 
+@pytest.mark.slow  # over 2 s on the 2-core VM
 @pytest.mark.parametrize("how", ["patched", "plain"])
 def test_backward_passes_run_under_the_logical_device_mode(how):
     # Without the patch torch pops the mode before the engine captures its
@@ -178,6 +179,7 @@ print(json.dumps({"physical": phys, "mode": devices.mode() is not None,
 """
 
 
+@pytest.mark.slow  # over 2 s on the 2-core VM
 @pytest.mark.parametrize("rank,nproc,identity_env,remapped", [
     (1, 2, None, False),  # 2 ranks, 2 GPUs, own numbering: nothing to remap
     (0, 2, None, False),
