@@ -14,16 +14,13 @@ A warm fork server (``prism.rank.forkserver.zygote``) serves the session's
 launches, this process's and its subprocesses' (``PRISM_FORKSERVER_ZYGOTE``):
 each launch forks its fork server from one that imported torch once, instead
 of a fresh interpreter importing it again (about 3 s of CPU a launch).
-``PRISM_TEST_ZYGOTE=0`` turns it off; tests of the fresh path unset the variable.
+``PRISM_WARM_FORKSERVER=0`` turns it off; tests of the fresh path unset the variable.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import pathlib
-import shutil
-import subprocess
-import tempfile
 
 import pytest
 
@@ -40,40 +37,19 @@ def shared_captures(tmp_path_factory: pytest.TempPathFactory) -> SharedCaptures:
     return SharedCaptures(tmp_path_factory.mktemp("shared-captures"))
 
 
-_zygote: tuple[object, str] | None = None
+_warm = contextlib.ExitStack()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Before collection: modules that build their subprocesses' environment
     # at import (``ENV = dict(os.environ, ...)``) take the variable along.
-    global _zygote
-    from prism.rank.envnames import ZYGOTE_ENV
     from prism.shell import launcher
 
-    if os.environ.get("PRISM_TEST_ZYGOTE") == "0" or os.environ.get(ZYGOTE_ENV):
-        return
-    folder = tempfile.mkdtemp(prefix="prism-zygote-")  # short: a Unix socket's path has 107 bytes
-    path = os.path.join(folder, "sock")
-    _zygote = (launcher.start_zygote(path), folder)
-    os.environ[ZYGOTE_ENV] = path  # launches before its socket exists start fresh fork servers
+    _warm.enter_context(launcher.warm_forkserver())
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    global _zygote
-    from prism.rank.envnames import ZYGOTE_ENV
-
-    if _zygote is None:
-        return
-    (zygote, folder), _zygote = _zygote, None
-    os.environ.pop(ZYGOTE_ENV, None)
-    assert isinstance(zygote, subprocess.Popen) and zygote.stdin is not None
-    zygote.stdin.close()
-    try:
-        zygote.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        zygote.kill()
-        zygote.wait()
-    shutil.rmtree(folder, ignore_errors=True)
+    _warm.close()
 
 
 def _gpu_skip(mark: pytest.Mark) -> str | None:

@@ -304,20 +304,23 @@ def run_campaign(config: CampaignConfig) -> CampaignResult:
     out.mkdir(parents=True, exist_ok=True)
     log = ResultLog(out / "points.jsonl")
     done = log.read()
+    from prism.shell.launcher import warm_forkserver
+
     runner = _Runner(campaign, out, emit)
-    for i, p in enumerate(campaign.points, 1):
-        prev = done.get(p.key)
-        if prev is not None and not (config.retry_failed and prev.get("status") == "failed"):
-            result.skipped += 1
-            result.rows.append(prev)
-            emit(CampaignEvent("skipped", i, total, p, prev))
-            continue
-        emit(CampaignEvent("start", i, total, p))
-        row = runner.run_point(p, i, total)
-        log.append(row)
-        result.ran += 1
-        result.rows.append(row)
-        emit(CampaignEvent("done", i, total, p, row))
+    with warm_forkserver():  # the points' launches fork their fork servers from it
+        for i, p in enumerate(campaign.points, 1):
+            prev = done.get(p.key)
+            if prev is not None and not (config.retry_failed and prev.get("status") == "failed"):
+                result.skipped += 1
+                result.rows.append(prev)
+                emit(CampaignEvent("skipped", i, total, p, prev))
+                continue
+            emit(CampaignEvent("start", i, total, p))
+            row = runner.run_point(p, i, total)
+            log.append(row)
+            result.ran += 1
+            result.rows.append(row)
+            emit(CampaignEvent("done", i, total, p, row))
     result.csv_path, result.json_path = write_tables(result.rows, list(campaign.dimensions.values()), out)
     if campaign.plot_x is not None:
         try:

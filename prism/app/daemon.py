@@ -99,9 +99,12 @@ def serve(config: DaemonConfig, *, on_listening: Callable[[str], None] | None = 
     a leftover it killed)."""
     import trio
 
+    from prism.shell.launcher import warm_forkserver
+
     service = service_config(config)
     try:
-        trio.run(D.Daemon(service, on_listening=on_listening, on_note=on_note).run)
+        with warm_forkserver():  # the jobs' launches fork their fork servers from it
+            trio.run(D.Daemon(service, on_listening=on_listening, on_note=on_note).run)
     except D.DaemonError as e:
         raise DaemonError(str(e)) from None
 

@@ -559,6 +559,13 @@ def run_agent(config: AgentConfig, on_note: Callable[[str], None] = lambda _: No
         raise AgentError(f"--runs must be 0 (serve until stopped) or more, got {config.runs}")
     if config.runs == 1:
         return _serve_run(config, on_note, last=True)
+    from prism.shell.launcher import warm_forkserver
+
+    with warm_forkserver():  # each run's launch forks its fork server from it
+        return _serve_runs(config, on_note)
+
+
+def _serve_runs(config: AgentConfig, on_note: Callable[[str], None]) -> AgentOutcome:
     total = AgentOutcome([], {}, runs=0)
     noted_busy = False
     while config.runs == 0 or total.runs < config.runs:

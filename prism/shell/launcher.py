@@ -17,15 +17,18 @@ directory are still those it was started with, else starts one as before.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import orjson
@@ -125,6 +128,41 @@ def start_zygote(path: str) -> subprocess.Popen:
     a launch starts a fresh fork server) and exits when its stdin closes."""
     return subprocess.Popen([sys.executable, "-m", "prism.rank.forkserver", "--zygote", path],
                             stdin=subprocess.PIPE, env=_server_env(), cwd=os.path.dirname(path) or ".")
+
+
+#: "0": ``warm_forkserver`` starts no zygote (each launch starts a fresh fork
+#: server, as a lone ``prism capture`` does).
+WARM_ENV = "PRISM_WARM_FORKSERVER"
+
+
+@contextlib.contextmanager
+def warm_forkserver() -> Iterator[str | None]:
+    """For the block, this process's launches and those of the processes it
+    starts (through the environment) fork their fork servers from one zygote
+    (``start_zygote``): a daemon's jobs, a campaign's points and an agent's
+    runs pay torch's import once. Yields the socket's path, or None where a
+    zygote is set already or ``PRISM_WARM_FORKSERVER=0``. The zygote warms up
+    beside the block; launches before it is ready start fresh fork servers."""
+    if os.environ.get(ZYGOTE_ENV) or os.environ.get(WARM_ENV) == "0":
+        yield None
+        return
+    folder = tempfile.mkdtemp(prefix="prism-zygote-")  # short: a Unix socket's path has 107 bytes
+    path = os.path.join(folder, "sock")
+    zygote = start_zygote(path)
+    os.environ[ZYGOTE_ENV] = path
+    try:
+        yield path
+    finally:
+        if os.environ.get(ZYGOTE_ENV) == path:
+            del os.environ[ZYGOTE_ENV]
+        assert zygote.stdin is not None
+        zygote.stdin.close()  # it exits; the fork servers it forked serve on
+        try:
+            zygote.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            zygote.kill()
+            zygote.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _from_zygote(env: dict[str, str], cwd: str) -> _ZygoteServer | None:

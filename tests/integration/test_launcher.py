@@ -303,3 +303,40 @@ def test_a_zygote_forks_each_launchs_fork_server_and_refuses_a_changed_environme
     finally:
         procs.close()
     assert not isinstance(procs._server, launcher._ZygoteServer)
+
+
+def test_warm_forkserver_serves_its_block_and_its_children_and_then_goes(tmp_path, monkeypatch):
+    # What a daemon, a campaign and a multi-run agent wrap their work in.
+    import subprocess
+    import sys
+
+    from prism.rank.envnames import ZYGOTE_ENV
+    from prism.shell import launcher
+
+    monkeypatch.delenv(ZYGOTE_ENV, raising=False)
+    monkeypatch.setenv("PRISM_WARM_FORKSERVER", "0")
+    with launcher.warm_forkserver() as path:
+        assert path is None and ZYGOTE_ENV not in os.environ
+    monkeypatch.delenv("PRISM_WARM_FORKSERVER")
+    script = tmp_path / "ok.py"
+    script.write_text("print('ok')\n")
+    with launcher.warm_forkserver() as path:
+        assert path is not None and os.environ[ZYGOTE_ENV] == path
+        with launcher.warm_forkserver() as inner:  # nested: the outer one serves
+            assert inner is None
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs = launch_ranks(1, None, tmp_path / "a", [str(script)], show_ranks=())
+        try:
+            assert procs.wait(timeout=60) == [0]
+        finally:
+            procs.close()
+        assert isinstance(procs._server, launcher._ZygoteServer)
+        seen = subprocess.run([sys.executable, "-c", f"import os; print(os.environ['{ZYGOTE_ENV}'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        assert seen == path
+        zygotes = subprocess.run(["pgrep", "-f", f"forkserver --zygote {path}"], capture_output=True, text=True).stdout.split()
+        assert len(zygotes) == 1
+    assert ZYGOTE_ENV not in os.environ and not os.path.exists(os.path.dirname(path))
+    assert not _alive(int(zygotes[0]))
