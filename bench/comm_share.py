@@ -43,6 +43,10 @@ caller's own work before every call (``prism.app.netprofile``'s gapped
 timing), where the other profiles time calls back to back, with the
 backend's threads hot.
 
+Each truth run also records what took CPU time from the host meanwhile
+(``host`` in the JSON, printed before its line: steal ticks, a cgroup CPU
+quota's throttling, CPU pressure stall time; ``prism.validation.cpunoise.host_pressure``).
+
 Ground truth needs one core per rank, as in ``bench/accuracy.py``.
 """
 
@@ -74,6 +78,7 @@ from prism.shell.launcher import launch_ranks  # noqa: E402
 from prism.rank.bootstrap import FRONT_END_ENV  # noqa: E402
 from prism.shell.runfolder import read_run  # noqa: E402
 from prism.validation import stepclock  # noqa: E402
+from prism.validation.cpunoise import host_pressure, pressure_delta  # noqa: E402
 from prism.validation.truthrun import STEPCLOCK  # noqa: E402
 
 
@@ -466,7 +471,10 @@ def main() -> int:
             cmd = command(CONFIGS[a.world][name], a.steps)
             runs = []
             for i in range(a.runs):
+                h0 = host_pressure()
                 t = truth_split(a.world, cmd, tmp, a.warmup, a.timeout)
+                # steal, a CPU quota's throttling, CPU pressure (PSI) over the truth run: a noisy host shows here
+                t["host"] = pressure_delta(h0, host_pressure())
                 # ``concurrent+late``: a diagnostic row, the truth's late returns added (LateReturn)
                 p = prism_split(a.world, cmd, tmp, {**models, "concurrent+late": LateReturn(
                     models["concurrent"], late_returns(t))}, a.warmup)
@@ -481,6 +489,10 @@ def main() -> int:
                 # each finished run is kept at once: a device call cut by its time bound keeps what it measured
                 res["in_progress"] = {"config": name, "runs": runs}
                 write_json(a.out, res, say=False)
+                hp = t["host"]
+                print(f"{name} run {i}: host during the truth: steal {hp['steal_ticks']} ticks, throttled "
+                      f"{hp['nr_throttled']} times for {hp['throttled_usec']} us (quota {hp['cpu_max']}), "
+                      f"CPU pressure {hp['psi_some_us']} us", flush=True)
                 print(f"{name} run {i}: truth {t['iteration_ms']:.1f} ms = comm {t['comm_ms']:.1f} + rest "
                       f"{t['rest_ms']:.1f}; " + "; ".join(f"{k} {v['iteration_ms']:.1f} = {v['comm_ms']:.1f} + "
                                                           f"{v['rest_ms']:.1f}" for k, v in p.items()), flush=True)

@@ -79,6 +79,8 @@ versions() {
   [ -n "${DRY:-}" ] && { echo "(versions into $R/versions.txt)"; return 0; }
   { date -u; nproc; nvidia-smi -L; nvidia-smi topo -m
     lscpu; grep MHz /proc/cpuinfo
+    # a CPU quota and its throttling, CPU pressure: why CPU truths may swing (comm_share records them per truth run)
+    echo "cpu.max: $(cat /sys/fs/cgroup/cpu.max 2>&1)"; cat /sys/fs/cgroup/cpu.stat /proc/pressure/cpu
     python3 -c "import sys, torch; print(sys.version); print('torch', torch.__version__)"
     python3 -c "import torch; print('nccl', torch.cuda.nccl.version())"
   } > "$R/versions.txt" 2>&1

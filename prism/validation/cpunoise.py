@@ -71,6 +71,55 @@ def steal_ticks() -> int:
     return int(parts[8]) if len(parts) > 8 else -1
 
 
+def host_pressure(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> dict[str, int | str | None]:
+    """A snapshot of what takes CPU time from this host's processes, for
+    ``pressure_delta`` around a run: the hypervisor's steal ticks
+    (``/proc/stat``), this cgroup's CPU quota (``cpu.max``, "max 100000": none)
+    and how often and how long it was throttled to it (``cpu.stat``), and the
+    time some runnable task waited for a CPU (PSI, ``/proc/pressure/cpu``).
+    A figure this machine does not expose is None."""
+    snap: dict[str, int | str | None] = {"steal_ticks": None, "cpu_max": None, "nr_periods": None,
+                                         "nr_throttled": None, "throttled_usec": None, "psi_some_us": None}
+    try:
+        with open(os.path.join(proc, "stat")) as f:
+            parts = f.readline().split()
+        snap["steal_ticks"] = int(parts[8]) if len(parts) > 8 else None
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(cgroup, "cpu.max")) as f:
+            snap["cpu_max"] = f.read().strip()
+    except OSError:
+        pass
+    try:
+        with open(os.path.join(cgroup, "cpu.stat")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in ("nr_periods", "nr_throttled", "throttled_usec"):
+                    snap[key] = int(value)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(proc, "pressure", "cpu")) as f:
+            for line in f:
+                if line.startswith("some "):
+                    snap["psi_some_us"] = int(line.rsplit("total=", 1)[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return snap
+
+
+def pressure_delta(before: dict, after: dict) -> dict[str, int | str | None]:
+    """What ``host_pressure`` counted between two snapshots (a count None on
+    either side stays None); ``cpu_max`` as it was after."""
+    out: dict[str, int | str | None] = {"cpu_max": after.get("cpu_max")}
+    for key, value in after.items():
+        if key != "cpu_max":
+            prev = before.get(key)
+            out[key] = value - prev if isinstance(value, int) and isinstance(prev, int) else None
+    return out
+
+
 def draws(placements: list[str | None], reps: int, rows: int, dim: int) -> list[list[int]]:
     """Run the draw in len(placements) processes at once; each pinned with taskset if given."""
     procs = []

@@ -44,3 +44,30 @@ def test_cpu_pairs_come_from_the_topology():
     flat = {"affinity": [0, 1], "siblings": {0: "0", 1: "1"}, "core": {0: [0, 0], 1: [0, 1]}}
     assert noise.pick_cpus(flat) == (1, -1, 0)
     assert noise.expand_cpus("4-6") == [4, 5, 6]
+
+
+def test_host_pressure_reads_steal_quota_throttling_and_psi_and_deltas_them(tmp_path):
+    proc, cg = tmp_path / "proc", tmp_path / "cg"
+    (proc / "pressure").mkdir(parents=True)
+    cg.mkdir()
+
+    def write(steal, throttled, usec, psi):
+        (proc / "stat").write_text(f"cpu  10 0 5 100 0 0 0 {steal} 0 0\ncpu0 1 2 3\n")
+        (cg / "cpu.max").write_text("800000 100000\n")
+        (cg / "cpu.stat").write_text(f"usage_usec 5\nnr_periods 40\nnr_throttled {throttled}\nthrottled_usec {usec}\n")
+        (proc / "pressure" / "cpu").write_text(f"some avg10=1.00 avg60=0.50 avg300=0.10 total={psi}\n"
+                                               "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+
+    write(7, 3, 1000, 5000)
+    before = noise.host_pressure(str(proc), str(cg))
+    assert before == {"steal_ticks": 7, "cpu_max": "800000 100000", "nr_periods": 40, "nr_throttled": 3,
+                      "throttled_usec": 1000, "psi_some_us": 5000}
+    write(9, 8, 61000, 905000)
+    after = noise.host_pressure(str(proc), str(cg))
+    assert noise.pressure_delta(before, after) == {"cpu_max": "800000 100000", "steal_ticks": 2, "nr_periods": 0,
+                                                   "nr_throttled": 5, "throttled_usec": 60000,
+                                                   "psi_some_us": 900000}
+    # A machine without a cgroup v2 CPU controller or PSI: those are None, not an error.
+    empty = noise.host_pressure(str(tmp_path / "none"), str(tmp_path / "none"))
+    assert set(empty.values()) == {None}
+    assert noise.pressure_delta(empty, after)["nr_throttled"] is None
