@@ -292,6 +292,10 @@ suite_cpu_pin() {  # issue 19's migration lead on the host's cores: the compute 
     --out "$R/accuracy-world8-pin.json"
 }
 
+suite_host_check() {  # is this host quiet enough for CPU truths? spin at 1/half/all cores, quota throttling, PSI, gloo twice (~30 s)
+  x "$R/host_check.txt" 90 python3 bench/host_check.py --out "$R/host_check.json"
+}
+
 suite_comm_share() {  # CPU truth vs replay split into communication and the rest, world 8 (CONFIGS8) and 16 (T16=0: not)
   x "$R/comm_share-world8.txt" ${T8:-320} python3 bench/comm_share.py --world 8 --runs ${RUNS:-2} --steps 10 \
     ${CONFIGS8:+--configs $CONFIGS8} --out "$R/comm_share-world8.json"
@@ -398,7 +402,7 @@ suite_by_card() {  # the suites of whichever card came: H200_SUITES on an H200, 
 }
 
 SUITES="by-card nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
-emulate-accuracy-16 comm-share insitu-check calibration gpu-sandbox sandbox-ab truth-segments
+emulate-accuracy-16 host-check comm-share insitu-check calibration gpu-sandbox sandbox-ab truth-segments
 truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale campaigns scale-gpu cpu-pin"
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then
