@@ -357,13 +357,21 @@ def _zygote_child(listener: socket.socket, conn: socket.socket, fds: list[int], 
             os._exit(code)
 
 
+def note(log: str | None, line: str) -> None:
+    """A zygote's request, one line in ``log`` (if set)."""
+    if log:
+        with open(log, "a") as f:
+            f.write(line + "\n")
+
+
 def zygote(path: str) -> None:
     """Serve launches on the Unix socket ``path`` until stdin closes: each
     launch's fork server is forked from this process, which has imported
     torch and Prism once, instead of started as a fresh interpreter (about
     3 s of CPU each).
 
-    A launcher connects and sends ``{"env": ..., "cwd": ...}`` with three
+    A launcher connects and sends ``{"env": ..., "cwd": ..., "executable":
+    ...}`` (its ``sys.executable``: another interpreter is refused) with three
     fds: its end of the spec pipe, the event pipe's write end and its
     stderr; the reply is ``{"pid": P}`` (the child serves exactly as ``main``
     does) or ``{"refused": WHY}`` when the launch's environment differs from
@@ -403,8 +411,11 @@ def zygote(path: str) -> None:
                 with conn:
                     try:
                         req, fds = _recv_request(conn)
-                        why = (_zygote_refusal(req["env"], base) if len(fds) == 3
-                               else f"expected 3 fds, got {len(fds)}")
+                        why = (f"expected 3 fds, got {len(fds)}" if len(fds) != 3
+                               else f"another interpreter ({req.get('executable')}, this one {sys.executable})"
+                               if req.get("executable") != sys.executable
+                               else _zygote_refusal(req["env"], base))
+                        note(log, "served" if why is None else f"refused: {why}")  # before the launcher hears
                         if why is None:
                             sys.stdout.flush()
                             sys.stderr.flush()
@@ -417,14 +428,11 @@ def zygote(path: str) -> None:
                             conn.sendall(orjson.dumps({"pid": pid}) + b"\n")
                         else:
                             conn.sendall(orjson.dumps({"refused": why}) + b"\n")
-                    except (OSError, ValueError, KeyError) as e:
-                        why = f"bad request: {e}"
+                    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                        note(log, f"bad request: {e!r}")  # the launcher, hearing nothing, starts a fresh one
                     finally:
                         for fd in fds:
                             os.close(fd)
-                if log:
-                    with open(log, "a") as f:
-                        f.write(("served" if why is None else f"refused: {why}") + "\n")
             while True:  # reap the launches' fork servers that ended
                 try:
                     pid, _ = os.waitpid(-1, os.WNOHANG)

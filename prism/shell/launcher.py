@@ -177,7 +177,8 @@ def _from_zygote(env: dict[str, str], cwd: str) -> _ZygoteServer | None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(10)
             s.connect(path)
-            socket.send_fds(s, [orjson.dumps({"env": env, "cwd": cwd}) + b"\n"], [spec_r, ev_w, 2])
+            request = orjson.dumps({"env": env, "cwd": cwd, "executable": sys.executable}) + b"\n"
+            socket.send_fds(s, [request], [spec_r, ev_w, 2])
             reply = b""
             while not reply.endswith(b"\n"):
                 more = s.recv(4096)

@@ -291,12 +291,31 @@ def test_a_zygote_forks_each_launchs_fork_server_and_refuses_a_changed_environme
             procs.close()
         assert not isinstance(procs._server, launcher._ZygoteServer)
         assert "marker served changed" in log(tmp_path / "d", 0)
-        assert zlog.read_text().splitlines() == ["served"] * 3 + ["refused: the environment differs in TEST_OTHER"]
+        with monkeypatch.context() as m:  # a launcher of another interpreter (a venv's, a system's)
+            m.setattr(launcher.sys, "executable", "/opt/other/python3")
+            assert launcher._from_zygote(launcher._server_env(), str(tmp_path)) is None
+        refusals = zlog.read_text().splitlines()[3:]
+        assert refusals[0] == "refused: the environment differs in TEST_OTHER"
+        assert refusals[1].startswith("refused: another interpreter (/opt/other/python3, this one ")
+        assert zlog.read_text().splitlines()[:3] == ["served"] * 3
+        import socket
+
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # garbage: refused, the zygote serves on
+            s.connect(path)
+            s.sendall(b"not json\n")
+            assert s.recv(100) == b""
+        assert zlog.read_text().splitlines()[5].startswith("bad request: ")
+        monkeypatch.delenv("TEST_OTHER")
+        procs = launch_ranks(1, None, tmp_path / "f", [str(script)], show_ranks=())
+        try:
+            assert procs.wait(timeout=60) == [0]
+        finally:
+            procs.close()
+        assert isinstance(procs._server, launcher._ZygoteServer)
     finally:
         zygote.stdin.close()
         assert zygote.wait(timeout=30) == 0
     assert not os.path.exists(path)  # and a launch now starts a fresh fork server
-    monkeypatch.delenv("TEST_OTHER")
     procs = launch_ranks(1, None, tmp_path / "e", [str(script)], show_ranks=())
     try:
         assert procs.wait(timeout=60) == [0]
