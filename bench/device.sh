@@ -18,7 +18,8 @@
 # Knobs (environment):
 #   H200_SUITES, OTHER_SUITES  by-card: the suites to run on an H200, and on any other card (a call for
 #            nvidia-h200 may get an H100), e.g. H200_SUITES=gpu-sandbox OTHER_SUITES=comm-share OTHER_CPU=1
-#            (OTHER_CPU=1: the other card's suites run with CUDA_VISIBLE_DEVICES= set, for CPU truths)
+#            (OTHER_CPU=1: the other card's suites run with CUDA_VISIBLE_DEVICES= set, for CPU truths,
+#            after host-check)
 #   CPUS     the CPUs the steps may use (taskset list; default all)
 #   RUNS     interleaved truth/Prism runs per workload (nccl-accuracy*: default 1)
 #   SPECS    nccl-accuracy's workloads: "name timeout_s capture_gpus config;..."
@@ -389,8 +390,12 @@ suite_by_card() {  # the suites of whichever card came: H200_SUITES on an H200, 
   case $card in
     *H200*) suites=${H200_SUITES:-} ;;
     *) suites=${OTHER_SUITES:-}
-       # CPU suites (the gloo truths) must not see the GPU: the bundled workloads would take it
-       [ "${OTHER_CPU:-}" = 1 ] && export CUDA_VISIBLE_DEVICES= ;;
+       # CPU suites (the gloo truths) must not see the GPU: the bundled workloads would take it; and
+       # host-check goes first, so the call says whether the host was quiet enough for CPU truths
+       if [ "${OTHER_CPU:-}" = 1 ]; then
+         export CUDA_VISIBLE_DEVICES=
+         case " $suites " in *" host-check "*) ;; *) suites="host-check $suites" ;; esac
+       fi ;;
   esac
   [ -n "$suites" ] || { echo "by-card: give H200_SUITES and OTHER_SUITES (suite names)" >&2; return 2; }
   for s in $suites; do
