@@ -146,9 +146,18 @@ def warm_forkserver() -> Iterator[str | None]:
     if os.environ.get(ZYGOTE_ENV) or os.environ.get(WARM_ENV) == "0":
         yield None
         return
-    folder = tempfile.mkdtemp(prefix="prism-zygote-")  # short: a Unix socket's path has 107 bytes
+    try:
+        folder = tempfile.mkdtemp(prefix="prism-zygote-")  # short: a Unix socket's path has 107 bytes
+    except OSError:  # no writable temporary folder: every launch starts its own fork server, as without
+        yield None
+        return
     path = os.path.join(folder, "sock")
-    zygote = start_zygote(path)
+    try:
+        zygote = start_zygote(path)
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        yield None
+        return
     os.environ[ZYGOTE_ENV] = path
     try:
         yield path

@@ -316,6 +316,7 @@ def test_a_zygote_forks_each_launchs_fork_server_and_refuses_a_changed_environme
         zygote.stdin.close()
         assert zygote.wait(timeout=30) == 0
     assert not os.path.exists(path)  # and a launch now starts a fresh fork server
+    os.rmdir(folder)
     procs = launch_ranks(1, None, tmp_path / "e", [str(script)], show_ranks=())
     try:
         assert procs.wait(timeout=60) == [0]
@@ -337,6 +338,14 @@ def test_warm_forkserver_serves_its_block_and_its_children_and_then_goes(tmp_pat
     with launcher.warm_forkserver() as path:
         assert path is None and ZYGOTE_ENV not in os.environ
     monkeypatch.delenv("PRISM_WARM_FORKSERVER")
+
+    def no_tmp(*_a, **_k):
+        raise PermissionError("no writable temporary folder")
+
+    with monkeypatch.context() as m:  # no room for its socket: launches start their own, nothing fails
+        m.setattr(launcher.tempfile, "mkdtemp", no_tmp)
+        with launcher.warm_forkserver() as path:
+            assert path is None and ZYGOTE_ENV not in os.environ
     script = tmp_path / "ok.py"
     script.write_text("print('ok')\n")
     with launcher.warm_forkserver() as path:
