@@ -271,31 +271,37 @@ def ensure_profile(net: str | None, tmp: pathlib.Path, world: int, remeasure: bo
     cgs = [n for n in gs if world % n == 0 and n <= world]
     conc = _points(path.with_suffix(f".concurrent{world}.points.json"), remeasure,
                    f"prism netprofile --concurrent {world}", group_sizes=cgs, concurrent=world) if world > 2 else points
-    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    kw = dict(host=socket.gethostname(), backend="gloo", ranks_per_node=cores,
-              command="bench/accuracy.py (prism netprofile defaults)", date=date)
+    command = "bench/accuracy.py (prism netprofile defaults)"
     fit, per_op = fit_points(points), fit_per_op(points)
-    cfit, cper_op = fit_points(conc), fit_per_op(conc)
-    texts = {"concurrent": profile_toml(cfit, conc, per_op=cper_op, **{**kw, "command": kw["command"] +
-                                        f" --concurrent {world}"}, concurrent=world),
+    kw = dict(host=socket.gethostname(), backend="gloo", ranks_per_node=cores, command=command,
+              date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    texts = {"concurrent": fitted_toml(conc, f"{command} --concurrent {world}", concurrent=world),
              "measured": profile_toml(fit, points, per_op=per_op, **kw),
              "per-op": profile_toml(fit, points, per_op=per_op, measured=False, **kw),
              "one-fit": profile_toml(fit, points, measured=False, **kw)}
     if world > 2 and conc and all(p.median_rank_seconds is not None for p in conc):
         # the same concurrent points, each the median member's time: a typical group's, not the worst one's
         med = [dataclasses.replace(p, seconds=p.median_rank_seconds) for p in conc]
-        mfit, mper_op = fit_points(med), fit_per_op(med)
-        texts[CONCURRENT_MEDIAN] = profile_toml(mfit, med, per_op=mper_op, **{**kw, "command": kw["command"] +
-                                                f" --concurrent {world}, median member"}, concurrent=world)
+        texts[CONCURRENT_MEDIAN] = fitted_toml(med, f"{command} --concurrent {world}, median member",
+                                               concurrent=world)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(texts["measured"])
-    models = {}
-    for name, text in texts.items():
-        f = tmp / f"profile-{name}.toml"
-        f.write_text(text)
-        models[name] = parse_profile(text, str(f))
+    models = {name: parsed_model(text, tmp / f"profile-{name}.toml") for name, text in texts.items()}
     return models, str(path), {"isolated": [dataclasses_asdict(p) for p in points],
                                "concurrent": [dataclasses_asdict(p) for p in conc]}
+
+
+def fitted_toml(points: list, command: str, concurrent: int | None = None) -> str:
+    """This host's gloo profile fitted to ``points`` (per op, the points kept), as ``prism netprofile`` writes it."""
+    return profile_toml(fit_points(points), points, per_op=fit_per_op(points), host=socket.gethostname(),
+                        backend="gloo", ranks_per_node=usable_cores(), command=command,
+                        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), concurrent=concurrent)
+
+
+def parsed_model(text: str, path: pathlib.Path):
+    """``text`` written to ``path`` (named in the model's errors) and parsed."""
+    path.write_text(text)
+    return parse_profile(text, str(path))
 
 
 def dataclasses_asdict(p) -> dict:

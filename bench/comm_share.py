@@ -67,7 +67,9 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from accuracy import CONFIGS, CPU_CLOCK, command, cpu_clock_graph, ensure_profile, job_step_ends  # noqa: E402  (bench/ is on sys.path)
+# bench/ is on sys.path
+from accuracy import (CONFIGS, CPU_CLOCK, command, cpu_clock_graph, ensure_profile, fitted_toml,  # noqa: E402
+                      job_step_ends, parsed_model)
 from _results import result_path, write_json  # noqa: E402
 from prism.app.capture import capture_run  # noqa: E402
 from prism.app.netprofile import usable_cores  # noqa: E402
@@ -335,23 +337,15 @@ def gapped_profile(world: int, gap_us: float, tmp: pathlib.Path) -> tuple[object
     compute, where the default measurement runs them back to back. Its
     cost model and the measured points."""
     import dataclasses
-    import socket
 
     from prism.app.netprofile import DEFAULT_OPS, DEFAULT_SIZES
     from prism.app.netprofile import measure as measure_points
-    from prism.core.costmodel import parse_profile
-    from prism.core.netfit import fit_per_op, fit_points, profile_toml
 
     gs = [n for n in (2, 4, 8, 16) if n <= world and world % n == 0]
     print(f"measuring gloo on this host (concurrent {world}, {gap_us:g} us of work before each call)", flush=True)
     points = measure_points(DEFAULT_SIZES, gs, DEFAULT_OPS, concurrent=world if world > 2 else None, gap_us=gap_us)
-    text = profile_toml(fit_points(points), points, per_op=fit_per_op(points), host=socket.gethostname(),
-                        backend="gloo", ranks_per_node=usable_cores(), concurrent=world,
-                        command=f"bench/comm_share.py (concurrent {world}, --gap-us {gap_us:g})",
-                        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    f = tmp / f"profile-{GAPPED}.toml"
-    f.write_text(text)
-    return parse_profile(text, str(f)), [dataclasses.asdict(p) for p in points]
+    text = fitted_toml(points, f"bench/comm_share.py (concurrent {world}, --gap-us {gap_us:g})", concurrent=world)
+    return parsed_model(text, tmp / f"profile-{GAPPED}.toml"), [dataclasses.asdict(p) for p in points]
 
 
 def prism_split(world: int, cmd: list[str], tmp: pathlib.Path, models: dict, warmup: int,

@@ -42,6 +42,7 @@ import torch  # noqa: E402
 
 import prism.rank.bootstrap  # noqa: E402
 import prism.rank.devices  # noqa: E402
+from prism.rank.envnames import ZYGOTE_FREE_PREFIXES  # noqa: E402
 
 try:
     # Every torch.optim optimizer imports torch._dynamo on construction (about
@@ -304,8 +305,6 @@ def _zygote_refusal(env: dict[str, str], base: dict[str, str]) -> str | None:
     """Why a launch with ``env`` must not be forked from a zygote started
     with ``base`` (None: it may): only the variables Prism and pytest read
     at run time may differ."""
-    from prism.rank.envnames import ZYGOTE_FREE_PREFIXES
-
     differ = sorted(k for k in set(env) | set(base)
                     if env.get(k) != base.get(k) and not k.startswith(ZYGOTE_FREE_PREFIXES))
     if differ:
@@ -379,8 +378,6 @@ def zygote(path: str) -> None:
     fork server). ``PRISM_FORKSERVER_ZYGOTE_LOG=FILE`` appends one line per
     request (served or refused: the test suite's count).
     """
-    from prism.rank.envnames import ZYGOTE_FREE_PREFIXES
-
     base = _ENV_AT_START
     # A launch's fork server gets this process's environment as its imports
     # left it (what a fresh one would have), with the launch's own values of

@@ -65,8 +65,9 @@ def topology() -> dict:
             "affinity": sorted(os.sched_getaffinity(0))}
 
 
-def steal_ticks() -> int:
-    with open("/proc/stat") as f:
+def steal_ticks(proc: str = "/proc") -> int:
+    """The hypervisor's steal ticks so far (``/proc/stat``), -1 where not counted."""
+    with open(os.path.join(proc, "stat")) as f:
         parts = f.readline().split()
     return int(parts[8]) if len(parts) > 8 else -1
 
@@ -81,9 +82,8 @@ def host_pressure(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> dict[s
     snap: dict[str, int | str | None] = {"steal_ticks": None, "cpu_max": None, "nr_periods": None,
                                          "nr_throttled": None, "throttled_usec": None, "psi_some_us": None}
     try:
-        with open(os.path.join(proc, "stat")) as f:
-            parts = f.readline().split()
-        snap["steal_ticks"] = int(parts[8]) if len(parts) > 8 else None
+        steal = steal_ticks(proc)
+        snap["steal_ticks"] = steal if steal >= 0 else None
     except (OSError, ValueError):
         pass
     try:
