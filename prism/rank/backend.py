@@ -655,14 +655,14 @@ class PrismProcessGroup(dist.ProcessGroup):
         pending.finish_events = finish
         fut = rt.client.future(("coll", self.gid, seq))
         if rec is not None:
-            rec["t_msg"] = time.monotonic_ns()
+            devicepath.stamp(rec, "t_msg")
         # The call goes out before anything is queued on the GPU: whatever
         # blocks this thread next (a kernel's first launch, a copy), the
         # release can come (the flags only grow: a release before the wait
         # is queued lets it pass at once).
         rt.send_call(msg)
         if rec is not None:
-            rec["t_sent"] = time.monotonic_ns()
+            devicepath.stamp(rec, "t_sent")
         _on_result(rt, pending, fut)
         side = devicepath.side_stream(anyt[0].device) if async_op and anyt else None
         with side.run(pending, anyt) if side is not None else contextlib.nullcontext():
@@ -672,7 +672,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             if reach:
                 rel.watch(slot, t0, _reach_reporter(rt, self.gid, seq), rt.add_dilation, rec, drained)
             if rec is not None:
-                rec["t_wait"] = time.monotonic_ns()
+                devicepath.stamp(rec, "t_wait")
             if recorded:
                 with torch.no_grad():
                     for r, o in zip(refs, outputs):
@@ -681,13 +681,13 @@ class PrismProcessGroup(dist.ProcessGroup):
                 devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs,
                                         in_splits, out_splits)
             if rec is not None:
-                rec["t_out"] = time.monotonic_ns()
+                devicepath.stamp(rec, "t_out")
         work = self._issued(PrismWork(pending))
         t1 = time.monotonic_ns()
         devicepath.count_issue(t1 - t0)
         self._charge_return(rel, slot, t0, t1, drained, sync=not async_op)
         if rec is not None:
-            rec["t1"], rec["busy1"] = t1, devicepath.stream_busy(dev)
+            devicepath.mark_return(rec, t1, devicepath.stream_busy(dev))
         return work
 
     @staticmethod
@@ -1062,7 +1062,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         devicepath.count_issue(t1 - t0)
         self._charge_return(rel, slot, t0, t1, drained)
         if rec is not None:
-            rec["t1"], rec["busy1"] = t1, devicepath.stream_busy(t.device)
+            devicepath.mark_return(rec, t1, devicepath.stream_busy(t.device))
         return work
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> PrismWork:

@@ -115,16 +115,101 @@ CALL_LOG_ENV = "PRISM_DEVICE_CALL_LOG"
 _call_log: list[dict] | None = None
 
 
+def _thread_marks() -> tuple[int, int, int]:
+    """The calling thread's CPU time (ns) and its voluntary and involuntary
+    context switches so far (``getrusage(RUSAGE_THREAD)``; zeros where the
+    platform has none)."""
+    try:
+        import resource
+
+        ru = resource.getrusage(resource.RUSAGE_THREAD)
+        return time.thread_time_ns(), ru.ru_nvcsw, ru.ru_nivcsw
+    except (ImportError, AttributeError, OSError):
+        return time.thread_time_ns(), 0, 0
+
+
 def call_record(**fields: Any) -> dict | None:
-    """A new record of the call log (None unless ``PRISM_DEVICE_CALL_LOG`` is set)."""
-    global _call_log
+    """A new record of the call log (None unless ``PRISM_DEVICE_CALL_LOG`` is
+    set). It notes when it was made (``t_rec``) with the thread's CPU time
+    and context switches then (``c_rec``, ``v_rec``, ``i_rec``): with the
+    same at the return (``c_ret``, ``v1``, ``i1``, ``mark_return``) they say
+    whether a call's host time was spent on the CPU or waiting off it (the
+    GIL, a lock, the driver)."""
+    global _call_log, _threads_at_start
     if not os.environ.get(CALL_LOG_ENV):
         return None
     if _call_log is None:
         _call_log = []
+        _threads_at_start = thread_times()
     rec = dict(fields)
+    rec["t_rec"] = time.monotonic_ns()
+    rec["c_rec"], rec["v_rec"], rec["i_rec"] = _thread_marks()
     _call_log.append(rec)
     return rec
+
+
+def stamp(rec: dict | None, key: str) -> None:
+    """Note moment ``key`` of a call-log record, and the thread's CPU time
+    then (``t_msg`` -> ``c_msg``, ``f_copy`` -> ``cf_copy``)."""
+    if rec is not None:
+        rec[key] = time.monotonic_ns()
+        rec[("c" + key[1:]) if key.startswith("t_") else "c" + key] = time.thread_time_ns()
+
+
+def mark_return(rec: dict | None, t1: int, busy1: bool | None) -> None:
+    """The return of a logged call: ``t1``, ``busy1``, and the thread marks
+    taken now (``t_ret`` with ``c_ret``, ``v1``, ``i1``: after the return's
+    bookkeeping, so that a call's CPU and wall times span the same moments)."""
+    if rec is not None:
+        rec["t1"], rec["busy1"] = t1, busy1
+        rec["c_ret"], rec["v1"], rec["i1"] = _thread_marks()
+        rec["t_ret"] = time.monotonic_ns()
+
+
+_threads_at_start: dict[int, dict] | None = None
+
+
+def thread_times() -> dict[int, dict]:
+    """Every thread of this process: ``{tid: {name, cpu_ns, vcsw, ivcsw}}``
+    (``/proc/self/task``; CPU time at the clock tick's resolution; the
+    Python threads by their ``threading`` names, the others by ``comm``);
+    empty where there is no ``/proc``."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    names.setdefault(os.getpid(), "MainThread")  # a forked rank's program thread is the process's first
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[int, dict] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid_s in tids:
+        try:
+            tid = int(tid_s)
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = f.read()
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        cpu = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // tick  # utime, stime
+        sw = {k: int(v) for k, v in (ln.split(":\t") for ln in status.splitlines()
+                                      if ln.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")))}
+        out[tid] = {"name": names.get(tid, comm), "cpu_ns": cpu, "vcsw": sw.get("voluntary_ctxt_switches", 0),
+                    "ivcsw": sw.get("nonvoluntary_ctxt_switches", 0)}
+    return out
+
+
+def thread_deltas(start: dict[int, dict] | None, end: dict[int, dict]) -> list[dict]:
+    """Per thread, what ``end`` adds to ``start`` (a thread begun since counts from zero), busiest first."""
+    start = start or {}
+    rows = []
+    for tid, e in end.items():
+        s = start.get(tid, {})
+        rows.append({"tid": tid, "name": e["name"], "cpu_ns": e["cpu_ns"] - s.get("cpu_ns", 0),
+                     "vcsw": e["vcsw"] - s.get("vcsw", 0), "ivcsw": e["ivcsw"] - s.get("ivcsw", 0)})
+    return sorted(rows, key=lambda r: -r["cpu_ns"])
 
 
 def stream_busy(device: Any) -> bool | None:
@@ -157,6 +242,9 @@ def _write_call_log(rank: int) -> None:
         for rec in _call_log:
             f.write(json.dumps(rec) + "\n")
     _call_log = None
+    # beside it: each thread's CPU time and context switches over the logged calls
+    with open(path.format(rank=rank) + ".threads.json", "w") as f:
+        json.dump(thread_deltas(_threads_at_start, thread_times()), f)
 
 
 def issue_stats() -> tuple[int, float, int]:
@@ -924,10 +1012,11 @@ class RecordedFeed:
             with self._cond:
                 if log is not None:
                     log["f_lock"], staged = time.monotonic_ns(), len(self._order)
+                    log["cf_lock"] = time.thread_time_ns()
                 if ref not in self.pool:  # room made since the last call may hold it now
                     self._advance()
                 if log is not None:
-                    log["f_adv0"] = time.monotonic_ns()
+                    stamp(log, "f_adv0")
                 if ref in self.pool:
                     dst.copy_(self.pool.take(ref, torch.uint8, (nbytes,)))
                     self.pool.done(ref)
@@ -937,10 +1026,10 @@ class RecordedFeed:
                     self.direct += 1
                 self.delivered += 1
                 if log is not None:
-                    log["f_copy"] = time.monotonic_ns()
+                    stamp(log, "f_copy")
                 self._advance()
                 if log is not None:
-                    log["f_adv1"] = time.monotonic_ns()
+                    stamp(log, "f_adv1")
                     log["f_staged"] = log.get("f_staged", 0) + staged - len(self._order)
             return True
         with self._cond:

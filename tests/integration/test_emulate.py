@@ -146,6 +146,13 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     assert fed and all(r["t_wait"] <= r["f_lock"] <= r["f_adv0"] <= r["f_copy"] <= r["f_adv1"] <= r["t_out"]
                        and r["f_staged"] >= 0 for r in fed), fed[:3]
     assert any(r["op"] == "send" and r["reach"] for r in recs)  # a device-path send's reach (protocol 8)
+    # the thread's CPU time at each moment and its context switches (where a call's host time went)
+    assert all(r["c_rec"] <= r["c_msg"] <= r["c_sent"] <= r["c_out"] <= r["c_ret"] and r["t1"] <= r["t_ret"] and r["v1"] >= r["v_rec"]
+               and r["i1"] >= r["i_rec"] for r in colls), colls[:3]
+    assert all(r["cf_lock"] <= r["cf_copy"] <= r["c_out"] for r in fed), fed[:3]
+    threads = json.loads((gpt_run.parent / "devrec-calls-4.jsonl.threads.json").read_text())
+    assert any(t["name"] == "MainThread" and t["cpu_ns"] > 0 for t in threads), threads
+    assert any(t["name"].startswith("prism-io") for t in threads), threads
 
 
 # A variant of test_the_device_path_delivers_the_recording_from_the_prefetch_pool
