@@ -31,6 +31,7 @@ from late_carry import read_calls  # noqa: E402
 
 #: (label, start moment, end moment); the CPU key of moment ``t_x`` is ``c_x``, of ``f_x`` ``cf_x``.
 STAGES = [
+    ("entry -> record (wall only)", "t0", "t_rec"),
     ("record -> message", "t_rec", "t_msg"),
     ("-> sent", "t_msg", "t_sent"),
     ("-> release wait queued", "t_sent", "t_wait"),
@@ -53,14 +54,15 @@ def stage_table(rows: list[dict], skip: float) -> dict:
     calls = calls[int(len(calls) * skip):]
     out: dict = {"calls": len(calls), "stages": []}
     for label, a, b in STAGES:
-        have = [r for r in calls if a in r and b in r and cpu_key(a) in r and cpu_key(b) in r]
+        have = [r for r in calls if a in r and b in r]
         if not have:
             continue
         wall = [(r[b] - r[a]) / 1e3 for r in have]
-        cpu = [(r[cpu_key(b)] - r[cpu_key(a)]) / 1e3 for r in have]
+        cpu = [(r[cpu_key(b)] - r[cpu_key(a)]) / 1e3 for r in have if cpu_key(a) in r and cpu_key(b) in r]
         out["stages"].append({"stage": label, "n": len(have), "wall_us_p50": statistics.median(wall),
-                              "cpu_us_p50": statistics.median(cpu), "wall_us_mean": statistics.fmean(wall),
-                              "cpu_us_mean": statistics.fmean(cpu)})
+                              "cpu_us_p50": statistics.median(cpu) if cpu else None,
+                              "wall_us_mean": statistics.fmean(wall),
+                              "cpu_us_mean": statistics.fmean(cpu) if cpu else None})
     if calls:
         vol = [r["v1"] - r["v_rec"] for r in calls]
         inv = [r["i1"] - r["i_rec"] for r in calls]
@@ -107,9 +109,12 @@ def main() -> int:
             print("  (no call carries the CPU marks: a log from before 2026-12-07's host-time fields)")
             continue
         print(f"  {'stage':34s} {'wall p50':>9s} {'cpu p50':>9s} {'wall mean':>10s} {'cpu mean':>9s}  (us)")
+        def num(x: float | None, w: int) -> str:
+            return f"{x:{w}.1f}" if x is not None else f"{'-':>{w}s}"
+
         for s in t["stages"]:
-            print(f"  {s['stage']:34s} {s['wall_us_p50']:9.1f} {s['cpu_us_p50']:9.1f} {s['wall_us_mean']:10.1f} "
-                  f"{s['cpu_us_mean']:9.1f}")
+            print(f"  {s['stage']:34s} {num(s['wall_us_p50'], 9)} {num(s['cpu_us_p50'], 9)} "
+                  f"{num(s['wall_us_mean'], 10)} {num(s['cpu_us_mean'], 9)}")
         v, i = t["voluntary_switches_per_call"], t["involuntary_switches_per_call"]
         print(f"  context switches a call: voluntary p50 {v['p50']:g} (mean {v['mean']:.1f}), "
               f"involuntary p50 {i['p50']:g} (mean {i['mean']:.1f})")
