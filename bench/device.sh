@@ -244,7 +244,8 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
   # PRISM_DEVICE_HOST_CHARGE=drained (the host charge's rule before 2026-12-06); -carrymin / -carryall =
   # PRISM_DEVICE_LATE_CARRY=min / all (the default: excess); -pollN = PRISM_DEVICE_POLL_US=N (the reach
   # watcher's poll period, default 20 us); -pypoll = PRISM_DEVICE_POLL_NATIVE=0 (the watcher polls in Python,
-  # taking the GIL at each look, as before 2026-12-07). CALLLOG=1: the first round's call logs.
+  # taking the GIL at each look, as before 2026-12-07); -torchpool = PRISM_POOL_NATIVE=0 (the prefetch pool's
+  # copies and events through torch's Python API, as before 2026-12-08). CALLLOG=1: the first round's call logs.
   # One line a run in $R/sandbox_ab.txt (with a call log, bench/late_carry.py's line for it: what each
   # carry rule would have given), each run's summary JSON in $R/ab-WL-VARIANT-K.json.
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
@@ -262,6 +263,7 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
         case $v in *-carryall*) env+=(PRISM_DEVICE_LATE_CARRY=all) ;; *-carrymin*) env+=(PRISM_DEVICE_LATE_CARRY=min) ;; esac
         case $v in *-poll[0-9]*) local pu=${v##*-poll}; env+=(PRISM_DEVICE_POLL_US="${pu%%-*}") ;; esac
         case $v in *-pypoll*) env+=(PRISM_DEVICE_POLL_NATIVE=0) ;; esac
+        case $v in *-torchpool*) env+=(PRISM_POOL_NATIVE=0) ;; esac
         [ "${CALLLOG:-0}" = 1 ] && [ "$k" = 1 ] && env+=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-$v-r{rank}.jsonl")
         local rec=(); case $v in comp*) rec=(--no-recording) ;; esac
         x "$R/emulate-$w-$v-$k.txt" 120 env "${env[@]}" python3 -m prism emulate "$cap" --sandbox 0 --device-path \
@@ -275,6 +277,13 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
       done
     done
   done
+}
+
+suite_feed_check() {  # the prefetch pool's native path: build, its GPU tests, bench/recorded_feed.py (native vs torch, with and without a GIL-taking thread)
+  export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
+  x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
+  x "$R/feed-tests.txt" 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_cuda_ext_gpu.py -k "prefetch or pool"
+  x "$R/recorded_feed.txt" 120 python3 bench/recorded_feed.py --out "$R/recorded_feed.json"
 }
 
 suite_scale_gpu() {  # bench/scale.py with the GPT captured on GPU 0 and its sandbox on GPU 0 (device path; HOSTPATH=1: host)
@@ -407,7 +416,7 @@ suite_by_card() {  # the suites of whichever card came: H200_SUITES on an H200, 
 }
 
 SUITES="by-card nccl-accuracy nccl-accuracy-calibrated netprofile gpu-tests frameworks cpu-accuracy emulate-accuracy
-emulate-accuracy-16 host-check comm-share insitu-check calibration gpu-sandbox sandbox-ab truth-segments
+emulate-accuracy-16 host-check comm-share insitu-check calibration gpu-sandbox sandbox-ab feed-check truth-segments
 truth-timeline cpu-noise drain-effect gpu-capture swap-gangs cpu-scale campaigns scale-gpu cpu-pin"
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then

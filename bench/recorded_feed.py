@@ -2,6 +2,7 @@
 ``RecordedFeed.deliver`` per call and the cost of each torch call it makes.
 
     python bench/recorded_feed.py [--out FILE.json] [--mib 8] [--calls 32] [--steps 6] [--pool-mib 256]
+                                  [--variants native,torch] [--contend 0,1]
 
 primitives
     the host time of each CUDA call the delivery makes (a slice of the pool,
@@ -18,7 +19,13 @@ feed
     and its parts (``f_lock``, ``f_adv0``, ``f_copy``, ``f_adv1``: see
     ``RecordedFeed.deliver``), p50 and mean, steps after the first; the
     blocks staged per call. Every delivered output is checked against its
-    recording at the end of each step.
+    recording at the end of each step. Once per ``--variants`` (``native``:
+    the prefetch pool's copies and events as single calls into the compiled
+    extension, the GIL held; ``torch``: through torch's Python API,
+    ``PRISM_POOL_NATIVE=0``) and per ``--contend`` (1: a thread beside that
+    wakes every 100 us and runs ~20 us of Python, as a sandbox's transport
+    and completion threads do: each torch call that lets the GIL go may then
+    wait for it), interleaved; the table gives each one's per-call host time.
 
 Needs CUDA; prints a table and writes JSON (bench/README.md names the file).
 """
@@ -107,10 +114,47 @@ def _recording(tmp: pathlib.Path, calls: int, steps: int, nbytes: int) -> tuple[
     return payload_index_path(tmp, 0), refs
 
 
+class Contender:
+    """A thread that wakes every ``period_s`` and runs ~20 us of Python (a
+    message decoded, a dict looked up and updated), as a sandbox's transport
+    and completion threads do per call; counts its wake-ups."""
+
+    def __init__(self, period_s: float = 100e-6) -> None:
+        import threading
+
+        self.period_s = period_s
+        self.wakes = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="contender", daemon=True)
+
+    def _run(self) -> None:
+        import json
+
+        msg = json.dumps({"kind": "result", "gid": 3, "seq": 17, "t_ns": 123456789, "shapes": [[1024, 1024]] * 4})
+        table: dict = {}
+        while not self._stop.is_set():
+            time.sleep(self.period_s)
+            for _ in range(8):
+                d = json.loads(msg)
+                table[(d["gid"], d["seq"])] = d
+                table.pop((d["gid"], d["seq"]), None)
+            self.wakes += 1
+
+    def __enter__(self) -> "Contender":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+
 def feed_run(index: pathlib.Path, refs: list[str], calls: int, nbytes: int, pool_bytes: int, sleep_cycles: int,
-             dev: torch.device) -> dict:
+             dev: torch.device, native: bool = True) -> dict:
+    import cuda_ext
     from prism.rank import devicepath
 
+    os.environ[cuda_ext.POOL_NATIVE_ENV] = "1" if native else "0"  # read as the pool is made
     t_load = time.perf_counter()
     feed = devicepath.RecordedFeed(str(index), pool_bytes, dev)
     t_load = time.perf_counter() - t_load
@@ -159,7 +203,14 @@ def main() -> int:
     ap.add_argument("--pool-mib", type=int, default=256)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the feed's logic (no primitives)")
     ap.add_argument("--sleep-cycles", type=int, default=1_500_000, help="GPU cycles of compute between two calls")
+    ap.add_argument("--variants", default="native,torch", help="native, torch (the pool's path; see above)")
+    ap.add_argument("--contend", default="0,1", help="0, 1: without and with a GIL-taking thread beside")
     a = ap.parse_args()
+    variants = [v for v in a.variants.split(",") if v]
+    contend = [int(c) for c in a.contend.split(",") if c]
+    if not variants or set(variants) - {"native", "torch"} or not contend or set(contend) - {0, 1}:
+        sys.exit(f"recorded_feed bench: --variants takes native,torch and --contend 0,1 (got {a.variants!r}, "
+                 f"{a.contend!r})")
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("recorded_feed bench: needs a CUDA device (--device cpu: a smoke run)")
     import cuda_ext
@@ -173,21 +224,39 @@ def main() -> int:
            "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}}
     res["primitives_us"] = primitives(dev) if dev.type == "cuda" else {}
     nbytes = int(a.mib * (1 << 20)) // 4 * 4
+    res["feeds"] = {}
     with tempfile.TemporaryDirectory(prefix="prism-feed-") as tmp:
         index, refs = _recording(pathlib.Path(tmp), a.calls, a.steps, nbytes)
-        res["feed"] = feed_run(index, refs, a.calls, nbytes, a.pool_mib << 20, a.sleep_cycles, dev)
+        for c in contend:
+            for v in variants:  # interleaved: each contention level runs both paths back to back
+                name = f"{v}{'-contended' if c else ''}"
+                if c:
+                    with Contender() as con:
+                        f = feed_run(index, refs, a.calls, nbytes, a.pool_mib << 20, a.sleep_cycles, dev, v == "native")
+                    f["contender_wakes"] = con.wakes
+                else:
+                    f = feed_run(index, refs, a.calls, nbytes, a.pool_mib << 20, a.sleep_cycles, dev, v == "native")
+                f.pop("rows", None)
+                res["feeds"][name] = f
     print(f"recorded delivery on {res['gpu']}, torch {torch.__version__}, {res['date_utc']}, cuda_ext {res['cuda_ext']}")
     print(f"{'primitive':<40} {'us/call':>8}")
     for k, v in res["primitives_us"].items():
         print(f"  {k:<38} {v:>8.1f}")
-    f = res["feed"]
-    print(f"feed: {a.calls} calls x {a.steps} steps of {a.mib:g} MiB, pool {a.pool_mib} MiB; "
-          f"{f['stats']['direct']} direct, {f['mismatched_outputs']} mismatched; staged/call {f['staged_per_call']:.2f}")
-    for k, v in f["per_call"].items():
-        print(f"  {k:<12} p50 {v['p50']:>8.1f}  mean {v['mean']:>8.1f}  max {v['max']:>8.1f} us")
-    f.pop("rows", None)
+    print(f"feed: {a.calls} calls x {a.steps} steps of {a.mib:g} MiB, pool {a.pool_mib} MiB; per call, steps after the first")
+    print(f"  {'variant':<18} {'native':>6} {'total p50':>10} {'mean':>8} {'max':>9}  {'direct':>6} {'bad':>4}")
+    bad = 0
+    for name, f in res["feeds"].items():
+        t = f["per_call"]["total_us"]
+        bad += f["mismatched_outputs"]
+        print(f"  {name:<18} {f['stats']['native']:>6} {t['p50']:>10.1f} {t['mean']:>8.1f} {t['max']:>9.1f}  "
+              f"{f['stats']['direct']:>6} {f['mismatched_outputs']:>4}")
+    base = res["feeds"].get("torch-contended"), res["feeds"].get("native-contended")
+    if all(base):
+        res["contended_torch_over_native_p50"] = (base[0]["per_call"]["total_us"]["p50"]
+                                                  / base[1]["per_call"]["total_us"]["p50"])
+        print(f"  contended: torch / native per-call p50 = {res['contended_torch_over_native_p50']:.2f}x")
     write_json(a.out, res)
-    return 0 if f["mismatched_outputs"] == 0 else 1
+    return 0 if bad == 0 else 1
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ critical path (docs/DESIGN.md, "GPU sandbox and cuda_ext"):
     a ``DevicePool`` filled ahead of time from pinned host staging on a side
     stream: ``stage(key, data)`` while the sandbox computes, ``take(key)``
     on the consuming stream (which waits for the fill on the GPU, not the
-    CPU), ``done(key)`` once consumed.
+    CPU), ``done(key)`` once consumed; or ``deliver(key, out)``, the three
+    in one (with the compiled extension, one native call).
 ``ReleaseFlags(slots)``
     stream-ordered release: ``wait(slot, value)`` enqueues on the current
     stream a wait for ``flags[slot] >= value`` and returns at once (a
@@ -242,6 +243,11 @@ class DevicePool:
 
     def alloc(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """(block id, a uint8 view of ``nbytes``); raises ``PoolFull``."""
+        bid, start = self.alloc_block(nbytes)
+        return bid, self.slab[start:start + int(nbytes)]
+
+    def alloc_block(self, nbytes: int) -> tuple[int, int]:
+        """(block id, its first byte in the slab), no view made; raises ``PoolFull``."""
         size = max(self.ALIGN, -(-int(nbytes) // self.ALIGN) * self.ALIGN)
         if size > self.nbytes:
             raise PoolFull(f"a delivery of {nbytes} bytes exceeds the whole prefetch pool ({self.nbytes} bytes): "
@@ -258,7 +264,7 @@ class DevicePool:
         self._head = (start + size) % self.nbytes
         self._used += size + pad
         self.peak = max(self.peak, self._used)
-        return bid, self.slab[start:start + int(nbytes)]
+        return bid, start
 
     def free(self, bid: int) -> None:
         blk = self._live.get(bid)
@@ -275,20 +281,41 @@ class DevicePool:
             self._head, self._used = 0, 0
 
 
+#: "0": a GPU ``PrefetchPool`` queues its copies and events through torch's
+#: Python API (about 20 torch calls a delivery) even where the compiled
+#: extension offers its native calls (one a delivery, the GIL held).
+POOL_NATIVE_ENV = "PRISM_POOL_NATIVE"
+
+
 class PrefetchPool:
     """A ``DevicePool`` filled ahead of use from pinned host staging on a side
     stream (see the module docstring). Keys are the caller's (e.g. a
-    collective's ``(gid, seq)``)."""
+    collective's ``(gid, seq)``).
+
+    On a GPU with the compiled extension (``native``), each fill, delivery
+    and event is one call into it that holds the GIL throughout, with raw
+    CUDA events made once and reused; else torch's streams and events (the
+    same stream order, more host time: every torch call lets the GIL go and
+    waits to take it back, behind whatever other thread wanted it)."""
 
     def __init__(self, nbytes: int, device: torch.device | str, *, host_mirror: bool = False) -> None:
         self.pool = DevicePool(nbytes, device)
         self.device = self.pool.device
         cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if cuda else None
-        self._items: dict[Any, tuple[int, torch.Tensor, Any, torch.Tensor | None]] = {}
+        #: key -> (block id, start, nbytes, fill event or None, host data kept alive, taken)
+        self._items: dict[Any, list] = {}
         self._retired: collections.deque[tuple[int, Any]] = collections.deque()
-        self._reserved: dict[Any, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self._reserved: dict[Any, tuple[int, int, int]] = {}
         self.staged_bytes = 0
+        mod = kernels() if cuda and os.environ.get(POOL_NATIVE_ENV, "1") != "0" else None
+        self._native = mod if mod is not None and hasattr(mod, "pool_deliver") else None
+        self._dev = (self.device.index if self.device.index is not None else torch.cuda.current_device()) if cuda \
+            else -1
+        self._slab_ptr = self.pool.slab.data_ptr()
+        self._stream_ptr = self.stream.cuda_stream if self.stream is not None else 0
+        self._events: list[Any] = []  # free native event handles
+        self.events_made = 0
         #: ``host_mirror``: pinned host memory as large as the pool, allocated
         #: once here (``reserve`` hands out the block at the device block's
         #: offset), so filling never allocates pinned memory later, when a
@@ -302,17 +329,88 @@ class PrefetchPool:
     def nbytes(self) -> int:
         return self.pool.nbytes
 
+    @property
+    def native(self) -> bool:
+        """Whether fills and deliveries go through the extension's native calls."""
+        return self._native is not None
+
+    # --- events: native handles (reused) or torch's -------------------------------
+
+    def _event(self) -> Any:
+        if self._events:
+            return self._events.pop()
+        self.events_made += 1
+        return self._native.event_new(self._dev)
+
+    def _mark(self) -> Any:
+        """An event recorded on the current stream (None on a CPU pool)."""
+        if self.stream is None:
+            return None
+        if self._native is not None:
+            ev = self._event()
+            self._native.stream_mark(self._dev, ev)
+            return ev
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _wait(self, ev: Any) -> None:
+        """The current stream waits for ``ev`` (the GPU, not the host)."""
+        if ev is None:
+            return
+        if self._native is not None:
+            self._native.stream_wait(self._dev, ev)
+        else:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def _passed(self, ev: Any, block: bool) -> bool:
+        if ev is None:
+            return True
+        if self._native is not None:
+            if self._native.event_done(ev):
+                return True
+            if block:
+                self._native.event_sync(ev)
+            return block
+        if ev.query():
+            return True
+        if block:
+            ev.synchronize()
+        return block
+
+    def _free_event(self, ev: Any) -> None:
+        if ev is not None and self._native is not None:
+            self._events.append(ev)
+
+    def _fill(self, start: int, src_ptr: int, src: torch.Tensor | None, nbytes: int) -> Any:
+        """Queue the copy of ``nbytes`` of pinned host memory at ``src_ptr``
+        (``src``: the same as a tensor) into the slab at ``start`` on the side
+        stream; its event (None on a CPU pool, where the copy is done now)."""
+        if self.stream is None:
+            self.pool.slab[start:start + nbytes].copy_(src)
+            return None
+        if self._native is not None:
+            ev = self._event()
+            self._native.pool_fill(self._dev, self._slab_ptr + start, src_ptr, nbytes, self._stream_ptr, ev)
+            return ev
+        with torch.cuda.stream(self.stream):
+            self.pool.slab[start:start + nbytes].copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    # --- the pool ---------------------------------------------------------------
+
     def _reclaim(self, block: bool = False) -> None:
         """Return to the pool the blocks whose consumers have passed them (in
         order); with ``block``, wait for the oldest first."""
         while self._retired:
             bid, fin = self._retired[0]
-            if fin is not None and not fin.query():
-                if not block:
-                    return
-                fin.synchronize()
-                block = False
+            if not self._passed(fin, block):
+                return
+            block = False
             self._retired.popleft()
+            self._free_event(fin)
             self.pool.free(bid)
 
     def fits(self, nbytes: int) -> bool:
@@ -321,39 +419,40 @@ class PrefetchPool:
         self._reclaim()
         return self.pool.fits(nbytes)
 
-    def stage(self, key: Any, data: torch.Tensor, *, block: bool = True, ready: bool = False) -> None:
+    def _alloc(self, nbytes: int, block: bool) -> tuple[int, int]:
+        self._reclaim()
+        while True:
+            try:
+                bid, start = self.pool.alloc_block(nbytes)
+                return bid, start
+            except PoolFull:
+                if not self._retired or not block:
+                    raise
+                self._reclaim(block=True)
+
+    def stage(self, key: Any, data: torch.Tensor, *, block: bool = True, ready: bool = False,
+              ptr: int | None = None) -> None:
         """Copy ``data`` (a CPU tensor) into the pool on the side stream;
         returns once the copy is queued. Raises ``PoolFull`` only when even the
         deliveries already consumed cannot make room (``block=False``: when
         the consumers have not passed them yet, instead of waiting).
         ``ready``: ``data`` is already a contiguous 1-D uint8 tensor, pinned
-        for a GPU pool (a preloaded recording's slice): used as it is."""
+        for a GPU pool (a preloaded recording's slice): used as it is;
+        ``ptr``: its address, where the caller knows it."""
         if key in self._items:
             raise KeyError(f"prefetch: {key!r} is already staged")
         src = data if ready else data.detach().reshape(-1).contiguous().view(torch.uint8)
-        self._reclaim()
-        while True:
-            try:
-                bid, view = self.pool.alloc(src.numel())
-                break
-            except PoolFull:
-                if not self._retired or not block:
-                    raise
-                self._reclaim(block=True)
-        if self.stream is None:
-            view.copy_(src)
-            self._items[key] = (bid, view, None, src)
-        else:
-            pinned = src if ready or src.is_pinned() else torch.empty(src.numel(), dtype=torch.uint8,
-                                                                      pin_memory=True)
-            if pinned is not src:
-                pinned.copy_(src)
-            with torch.cuda.stream(self.stream):
-                view.copy_(pinned, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
-            self._items[key] = (bid, view, ev, pinned)  # pinned kept alive until the copy is done
-        self.staged_bytes += src.numel()
+        n = src.numel()
+        bid, start = self._alloc(n, block)
+        if self.stream is not None and not (ready or src.is_pinned()):
+            pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            pinned.copy_(src)
+            src, ptr = pinned, None
+        if ptr is None and self.stream is not None and self._native is not None:
+            ptr = src.data_ptr()
+        ev = self._fill(start, ptr or 0, src, n)
+        self._items[key] = [bid, start, n, ev, src if self.stream is not None else None, False]
+        self.staged_bytes += n
 
     def reserve(self, key: Any, nbytes: int) -> torch.Tensor:
         """Room for ``key`` in a ``host_mirror`` pool: the pinned host block to
@@ -365,43 +464,58 @@ class PrefetchPool:
         if key in self._items or key in self._reserved:
             raise KeyError(f"prefetch: {key!r} is already staged")
         self._reclaim()
-        bid, view = self.pool.alloc(nbytes)
-        off = view.data_ptr() - self.pool.slab.data_ptr()
-        hview = self.host[off:off + int(nbytes)]
-        self._reserved[key] = (bid, view, hview)
-        return hview
+        bid, start = self.pool.alloc_block(nbytes)
+        self._reserved[key] = (bid, start, int(nbytes))
+        return self.host[start:start + int(nbytes)]
 
     def commit(self, key: Any) -> None:
         """The host block of ``key`` is filled: queue its copy to the device on
         the side stream (on a CPU pool the host block is the device block)."""
-        bid, view, hview = self._reserved.pop(key)
+        bid, start, n = self._reserved.pop(key)
         ev = None
         if self.stream is not None:
-            with torch.cuda.stream(self.stream):
-                view.copy_(hview, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
+            hview = self.host[start:start + n]
+            ev = self._fill(start, self.host.data_ptr() + start if self._native is not None else 0, hview, n)
         # the host block is reused only with its device block, after the consumer passed it
-        self._items[key] = (bid, view, ev, None)
-        self.staged_bytes += hview.numel()
+        self._items[key] = [bid, start, n, ev, None, False]
+        self.staged_bytes += n
 
     def take(self, key: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The staged data as ``dtype``/``shape``, ordered after its fill on the
         current stream (the GPU waits, the CPU does not)."""
-        bid, view, ev, _ = self._items[key]
-        if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
-        return view.view(dtype).view(shape)
+        item = self._items[key]
+        bid, start, n, ev, _, _ = item
+        self._wait(ev)
+        item[5] = True
+        return self.pool.slab[start:start + n].view(dtype).view(shape)
+
+    def deliver(self, key: Any, out: torch.Tensor) -> None:
+        """``out`` (contiguous, of the block's size) gets ``key``'s data on the
+        current stream, after its fill, and the block returns to the pool once
+        the stream has passed the copy: ``take``, a copy and ``done`` in one
+        (one native call where the pool is native)."""
+        if self._native is None or not out.is_contiguous():
+            out.reshape(-1).view(torch.uint8).copy_(self.take(key, torch.uint8, (self._items[key][2],)))
+            self.done(key)
+            return
+        bid, start, n, ev, _, _ = self._items.pop(key)
+        fin = self._event()
+        self._native.pool_deliver(out, self._slab_ptr + start, n, ev or 0, fin)
+        self._free_event(ev)  # the stream's wait took its state: it may be recorded again
+        self._retired.append((bid, fin))
+        self._reclaim()
 
     def done(self, key: Any) -> None:
         """The delivery of ``key`` is queued on the current stream: its block
         returns to the pool once that stream has passed this point (the slab
-        is not torch's, so torch's stream bookkeeping does not cover it)."""
-        bid, _, _, _ = self._items.pop(key)
-        fin = None
-        if self.stream is not None:
-            fin = torch.cuda.Event()
-            fin.record(torch.cuda.current_stream(self.device))
+        is not torch's, so torch's stream bookkeeping does not cover it). A
+        block never taken (a refused delivery) is waited for on the stream
+        first, so that its fill cannot land in the block's next use."""
+        bid, _, _, ev, _, taken = self._items.pop(key)
+        if not taken:
+            self._wait(ev)
+        fin = self._mark()
+        self._free_event(ev)
         self._retired.append((bid, fin))
         self._reclaim()
 

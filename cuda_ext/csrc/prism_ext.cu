@@ -224,6 +224,80 @@ int64_t wait_stamps(torch::Tensor stamps, int64_t a, int64_t b, torch::Tensor ge
   }
 }
 
+// ---- the prefetch pool's stream work (cuda_ext.PrefetchPool, native path) -------------
+// Each is one call from Python that holds the GIL throughout: a torch op
+// lets the GIL go and must take it back, and in a sandbox another thread
+// (the transport's, the completion thread) is often waiting for it, so a
+// delivery made of ~20 torch ops waited ~20 times. Events are raw handles
+// (no timing), made once and reused by the pool.
+
+int64_t event_new(int64_t device) {
+  c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
+  cudaEvent_t e;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return (int64_t)(intptr_t)e;
+}
+
+void event_free(int64_t e) {
+  if (e) cudaEventDestroy((cudaEvent_t)(intptr_t)e);
+}
+
+// Whether the stream has passed the event (cudaEventQuery), never blocking.
+bool event_done(int64_t e) {
+  cudaError_t r = cudaEventQuery((cudaEvent_t)(intptr_t)e);
+  if (r == cudaSuccess) return true;
+  if (r == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  C10_CUDA_CHECK(r);
+  return false;
+}
+
+// The host waits for the event (the GIL released meanwhile).
+void event_sync(int64_t e) {
+  pybind11::gil_scoped_release no_gil;
+  C10_CUDA_CHECK(cudaEventSynchronize((cudaEvent_t)(intptr_t)e));
+}
+
+// The current stream of `device` waits for event `e` (the GPU waits, not the host).
+void stream_wait(int64_t device, int64_t e) {
+  auto stream = c10::cuda::getCurrentCUDAStream((c10::DeviceIndex)device);
+  C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), (cudaEvent_t)(intptr_t)e, 0));
+}
+
+// Records event `e` on the current stream of `device`.
+void stream_mark(int64_t device, int64_t e) {
+  auto stream = c10::cuda::getCurrentCUDAStream((c10::DeviceIndex)device);
+  C10_CUDA_CHECK(cudaEventRecord((cudaEvent_t)(intptr_t)e, stream.stream()));
+}
+
+// Fill: nbytes from host address `src` (pinned) to device address `dst`,
+// queued on stream `stream` (the pool's side stream), then event `e` recorded there.
+void pool_fill(int64_t device, int64_t dst, int64_t src, int64_t nbytes, int64_t stream, int64_t e) {
+  c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
+  cudaStream_t s = (cudaStream_t)(intptr_t)stream;
+  C10_CUDA_CHECK(cudaMemcpyAsync((void*)(intptr_t)dst, (const void*)(intptr_t)src, (size_t)nbytes,
+                                 cudaMemcpyHostToDevice, s));
+  C10_CUDA_CHECK(cudaEventRecord((cudaEvent_t)(intptr_t)e, s));
+}
+
+// Delivery: on `out`'s device's current stream, wait for the fill event
+// (0: none), copy nbytes from device address `src` into `out` (contiguous,
+// of nbytes), then record event `fin` (the block may be reused once the
+// stream has passed it).
+void pool_deliver(torch::Tensor out, int64_t src, int64_t nbytes, int64_t fill, int64_t fin) {
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous(), "pool_deliver: out must be a contiguous CUDA tensor");
+  TORCH_CHECK(out.numel() * out.element_size() == nbytes, "pool_deliver: out holds ",
+              out.numel() * out.element_size(), " bytes, the block ", nbytes);
+  c10::cuda::CUDAGuard g(out.device());
+  cudaStream_t s = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
+  if (fill) C10_CUDA_CHECK(cudaStreamWaitEvent(s, (cudaEvent_t)(intptr_t)fill, 0));
+  C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), (const void*)(intptr_t)src, (size_t)nbytes,
+                                 cudaMemcpyDeviceToDevice, s));
+  C10_CUDA_CHECK(cudaEventRecord((cudaEvent_t)(intptr_t)fin, s));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -233,4 +307,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wait_flag_memop", &wait_flag_memop, "the stream waits (cuStreamWaitValue32) until flags[slot] >= value");
   m.def("wait_stamps", &wait_stamps, "wait with the GIL released until stamps[a] or stamps[b] is set or gen moves");
   m.def("stamp", &stamp, "write the GPU's globaltimer (and an ack) when the stream reaches this point");
+  m.def("event_new", &event_new, "a CUDA event (no timing) on a device, as an integer handle");
+  m.def("event_free", &event_free, "destroy an event of event_new");
+  m.def("event_done", &event_done, "whether the stream has passed the event (never blocks)");
+  m.def("event_sync", &event_sync, "the host waits for the event, the GIL released");
+  m.def("stream_wait", &stream_wait, "the device's current stream waits for the event");
+  m.def("stream_mark", &stream_mark, "record the event on the device's current stream");
+  m.def("pool_fill", &pool_fill, "host-to-device copy on a stream, then an event recorded there");
+  m.def("pool_deliver", &pool_deliver, "on out's current stream: wait for the fill, copy the block in, record fin");
 }

@@ -884,11 +884,14 @@ class RecordedFeed:
         self.pool_bytes = self.pool.nbytes
         self.host_bytes = total if self.preloaded else self.pool_bytes
         self._host: dict[str, torch.Tensor] = {}
+        self._host_ptr: dict[str, int] = {}  # each one's address (the native pool takes addresses)
         if self.preloaded:
             host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            base = host.data_ptr()
             off = 0
             for rec in self._order:
                 self._host[rec.ref] = host[off:off + rec.nbytes]
+                self._host_ptr[rec.ref] = base + off
                 self._read_into(rec, self._host[rec.ref])
                 off += rec.nbytes
         self.device = device
@@ -921,7 +924,7 @@ class RecordedFeed:
             if not self.pool.fits(rec.nbytes):
                 return
             # a slice of the whole recording: contiguous uint8, pinned for a GPU
-            self.pool.stage(rec.ref, self._host[rec.ref], block=False, ready=True)
+            self.pool.stage(rec.ref, self._host[rec.ref], block=False, ready=True, ptr=self._host_ptr[rec.ref])
             self._order.popleft()
             self._queued.discard(rec.ref)
 
@@ -1007,7 +1010,6 @@ class RecordedFeed:
                     if ref in self.pool:  # staged already: its block goes back
                         self.pool.done(ref)
             return False
-        dst = out.reshape(-1).view(torch.uint8)
         if self.preloaded:
             with self._cond:
                 if log is not None:
@@ -1018,11 +1020,10 @@ class RecordedFeed:
                 if log is not None:
                     stamp(log, "f_adv0")
                 if ref in self.pool:
-                    dst.copy_(self.pool.take(ref, torch.uint8, (nbytes,)))
-                    self.pool.done(ref)
+                    self.pool.deliver(ref, out)  # after its fill, on the current stream; the block goes back after
                 else:  # not staged (the pool is full of what comes later): from the host, behind the release
                     self._drop(rec)
-                    dst.copy_(self._host[ref], non_blocking=out.is_cuda)
+                    out.reshape(-1).view(torch.uint8).copy_(self._host[ref], non_blocking=out.is_cuda)
                     self.direct += 1
                 self.delivered += 1
                 if log is not None:
@@ -1032,13 +1033,12 @@ class RecordedFeed:
                     stamp(log, "f_adv1")
                     log["f_staged"] = log.get("f_staged", 0) + staged - len(self._order)
             return True
+        dst = out.reshape(-1).view(torch.uint8)
         with self._cond:
             while ref not in self.pool and (self._reading == ref or (not self._full and self._ahead(ref))):
                 self._cond.wait(0.01)
             if ref in self.pool:
-                src = self.pool.take(ref, torch.uint8, (nbytes,))
-                dst.copy_(src)
-                self.pool.done(ref)
+                self.pool.deliver(ref, out)
                 self.delivered += 1
                 self._cond.notify_all()
                 return True
@@ -1063,6 +1063,7 @@ class RecordedFeed:
 
     def stats(self) -> dict[str, int]:
         return {"pool_bytes": self.pool_bytes, "pool_peak_bytes": self.pool.pool.peak,
+                "native": int(self.pool.native),
                 "host_bytes": self.host_bytes, "preloaded": int(self.preloaded),
                 "staged_bytes": self.pool.staged_bytes, "delivered": self.delivered, "direct": self.direct,
                 "missing": self.missing}
@@ -1077,7 +1078,8 @@ class RecordedFeed:
         print(f"prism: prefetch pool: {s['pool_bytes'] / 2**20:.0f} MiB on {self.device} (Prism's own, outside "
               f"torch's allocator; peak use {s['pool_peak_bytes'] / 2**20:.1f} MiB; "
               f"{s['host_bytes'] / 2**20:.1f} MiB of pinned host memory, "
-              f"{'the whole recording' if self.preloaded else 'a mirror of the pool'}), {s['delivered']} recorded "
+              f"{'the whole recording' if self.preloaded else 'a mirror of the pool'}; "
+              f"{'native copies' if s['native'] else 'copies through torch'}), {s['delivered']} recorded "
               f"outputs delivered ({s['direct']} not staged ahead), {s['staged_bytes'] / 2**20:.1f} MiB "
               f"staged ahead" + (f"; reader failed: {self.error}" if self.error else ""),
               file=sys.stderr, flush=True)

@@ -62,6 +62,44 @@ def test_prefetch_fill_is_ordered_on_the_gpu():
     assert torch.equal(y.cpu(), host * 2)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_prefetch_deliver_behind_a_release_wait_gives_the_bytes_and_reuses_its_blocks(native, monkeypatch):
+    # PrefetchPool.deliver (one native call with the extension; take, copy and done through torch
+    # without): each delivery lands after its fill and after the release the stream waits on; the
+    # ring's blocks come back once the stream passed them, and the native events are reused.
+    monkeypatch.setenv(cuda_ext.POOL_NATIVE_ENV, "1" if native else "0")
+    pp = cuda_ext.PrefetchPool(4 << 20, "cuda")  # room for 3 blocks of 1 MiB (+ alignment): it wraps
+    assert pp.native is native
+    flags = cuda_ext.ReleaseFlags(8, "cuda")
+    host = torch.empty(8 << 20, dtype=torch.uint8, pin_memory=True)
+    host.copy_(torch.randint(0, 256, (8 << 20,), dtype=torch.uint8))
+    outs = []
+    for i in range(8):
+        while not pp.fits(1 << 20):
+            torch.cuda.synchronize()
+        block = host[i << 20:(i + 1) << 20]
+        pp.stage(i, block, block=False, ready=True, ptr=block.data_ptr())
+        flags.wait(i, 1)  # the stream holds here until released
+        out = torch.full((1 << 18,), -1.0, device="cuda")  # fp32: 1 MiB
+        pp.deliver(i, out)
+        outs.append(out)
+        done = torch.cuda.Event()
+        done.record()
+        time.sleep(0.002)
+        assert not done.query()  # the copy waits behind the release
+        flags.release(i, 1)
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        assert torch.equal(out.view(torch.uint8).cpu(), host[i << 20:(i + 1) << 20]), i
+    if native:
+        assert 0 < pp.events_made <= 8  # reused, not one per fill and delivery (16)
+    # a staged block refused (never taken) goes back after its fill
+    pp.stage("x", host[:1 << 20], ready=True)
+    pp.done("x")
+    torch.cuda.synchronize()
+    assert pp.fits(3 << 20)
+
+
 @pytest.mark.parametrize("mode", ["kernel", "memop"])
 def test_release_holds_the_stream_not_the_cpu(mode):
     flags = cuda_ext.ReleaseFlags(8, "cuda")  # loads the kernels (a JIT build or the cache) before the timing

@@ -446,12 +446,17 @@ def test_the_call_log_waits_for_the_completion_threads_last_stamp(monkeypatch, t
     threading.Timer(0.1, lambda: late.update(t_res=7)).start()
     devicepath._write_call_log(3)
     rows = [json.loads(line) for line in (tmp_path / "calls-r3.jsonl").read_text().splitlines()]
-    assert rows == [done, {"t0": 4, "t_flip": 5, "t_res": 7}, host]
+    assert rows == [done, late, host] and late["t_res"] == 7
+    # each record notes when it was made, with the thread's CPU time and context switches then
+    assert all(isinstance(r["t_rec"], int) and r["c_rec"] >= 0 and r["v_rec"] >= 0 for r in rows)
+    threads = json.loads((tmp_path / "calls-r3.jsonl.threads.json").read_text())
+    assert any(t["name"] == threading.current_thread().name for t in threads), threads
     # a stamp that never comes holds the writer only as long as the bound
     monkeypatch.setattr(devicepath, "_T_RES_WAIT_S", 0.05)
     devicepath.call_record(t0=8, t_flip=9)
     devicepath._write_call_log(4)
-    assert json.loads((tmp_path / "calls-r4.jsonl").read_text()) == {"t0": 8, "t_flip": 9}
+    row = json.loads((tmp_path / "calls-r4.jsonl").read_text())
+    assert row["t0"] == 8 and row["t_flip"] == 9 and "t_res" not in row
 
 
 def test_the_reach_watchers_poll_period_comes_from_the_environment(monkeypatch):
