@@ -498,9 +498,14 @@ class PrefetchPool:
             out.reshape(-1).view(torch.uint8).copy_(self.take(key, torch.uint8, (self._items[key][2],)))
             self.done(key)
             return
-        bid, start, n, ev, _, _ = self._items.pop(key)
+        bid, start, n, ev, _, _ = self._items[key]
         fin = self._event()
-        self._native.pool_deliver(out, self._slab_ptr + start, n, ev or 0, fin)
+        try:
+            self._native.pool_deliver(out, self._slab_ptr + start, n, ev or 0, fin)
+        except BaseException:
+            self._events.append(fin)  # nothing queued: the block stays staged for the caller to refuse
+            raise
+        del self._items[key]
         self._free_event(ev)  # the stream's wait took its state: it may be recorded again
         self._retired.append((bid, fin))
         self._reclaim()
