@@ -2,7 +2,7 @@
 ``RecordedFeed.deliver`` per call and the cost of each torch call it makes.
 
     python bench/recorded_feed.py [--out FILE.json] [--mib 8] [--calls 32] [--steps 6] [--pool-mib 256]
-                                  [--variants native,torch] [--contend 0,1]
+                                  [--variants native,torch] [--contend 0,1] [--stream busy,blocked]
 
 primitives
     the host time of each CUDA call the delivery makes (a slice of the pool,
@@ -25,7 +25,10 @@ feed
     ``PRISM_POOL_NATIVE=0``) and per ``--contend`` (1: a thread beside that
     wakes every 100 us and runs ~20 us of Python, as a sandbox's transport
     and completion threads do: each torch call that lets the GIL go may then
-    wait for it), interleaved; the table gives each one's per-call host time.
+    wait for it) and per ``--stream`` (``blocked``: each call also queued behind a
+    release flag flipped only at the step's end, as a sandbox's stream holds
+    behind its releases), interleaved; the table gives each one's per-call
+    host time.
 
 Needs CUDA; prints a table and writes JSON (bench/README.md names the file).
 """
@@ -150,7 +153,7 @@ class Contender:
 
 
 def feed_run(index: pathlib.Path, refs: list[str], calls: int, nbytes: int, pool_bytes: int, sleep_cycles: int,
-             dev: torch.device, native: bool = True) -> dict:
+             dev: torch.device, native: bool = True, blocked: bool = False) -> dict:
     import cuda_ext
     from prism.rank import devicepath
 
@@ -162,10 +165,20 @@ def feed_run(index: pathlib.Path, refs: list[str], calls: int, nbytes: int, pool
     base = torch.arange(nbytes // 4, dtype=torch.float32, device=dev)
     rows = []
     bad = 0
+    flags = None
+    if blocked and dev.type == "cuda":
+        import cuda_ext
+
+        flags = cuda_ext.ReleaseFlags(calls, dev)
+        gen = 0
     for i, ref in enumerate(refs):
         c = i % calls
         if dev.type == "cuda":
             torch.cuda._sleep(sleep_cycles)  # the compute before the call
+            if flags is not None:  # the stream holds at each call until the step's end, as behind a release
+                if c == 0:
+                    gen += 1
+                flags.wait(c, gen)
         log: dict = {}
         t0 = time.perf_counter_ns()
         ok = feed.deliver(ref, outs[c], log)
@@ -178,6 +191,9 @@ def feed_run(index: pathlib.Path, refs: list[str], calls: int, nbytes: int, pool
                          "copy_us": (log["f_copy"] - log["f_adv0"]) / 1e3,
                          "adv1_us": (log["f_adv1"] - log["f_copy"]) / 1e3} if "f_lock" in log else {})})
         if c == calls - 1:  # the step ends: the CPU waits for the GPU (the loss's .item())
+            if flags is not None:
+                for k in range(calls):
+                    flags.release(k, gen)
             for k, o in enumerate(outs):
                 want = base + (i - calls + 1 + k)
                 bad += int(not torch.equal(o, want))
@@ -205,9 +221,15 @@ def main() -> int:
     ap.add_argument("--sleep-cycles", type=int, default=1_500_000, help="GPU cycles of compute between two calls")
     ap.add_argument("--variants", default="native,torch", help="native, torch (the pool's path; see above)")
     ap.add_argument("--contend", default="0,1", help="0, 1: without and with a GIL-taking thread beside")
+    ap.add_argument("--stream", default="busy,blocked",
+                    help="busy: the stream computes between calls; blocked: each call also waits on a release "
+                         "flag flipped only at the step's end (the GPU holds, the work queues up behind)")
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]
     contend = [int(c) for c in a.contend.split(",") if c]
+    streams = [m for m in a.stream.split(",") if m]
+    if not streams or set(streams) - {"busy", "blocked"}:
+        sys.exit(f"recorded_feed bench: --stream takes busy,blocked (got {a.stream!r})")
     if not variants or set(variants) - {"native", "torch"} or not contend or set(contend) - {0, 1}:
         sys.exit(f"recorded_feed bench: --variants takes native,torch and --contend 0,1 (got {a.variants!r}, "
                  f"{a.contend!r})")
@@ -227,34 +249,39 @@ def main() -> int:
     res["feeds"] = {}
     with tempfile.TemporaryDirectory(prefix="prism-feed-") as tmp:
         index, refs = _recording(pathlib.Path(tmp), a.calls, a.steps, nbytes)
-        for c in contend:
-            for v in variants:  # interleaved: each contention level runs both paths back to back
-                name = f"{v}{'-contended' if c else ''}"
-                if c:
-                    with Contender() as con:
-                        f = feed_run(index, refs, a.calls, nbytes, a.pool_mib << 20, a.sleep_cycles, dev, v == "native")
-                    f["contender_wakes"] = con.wakes
-                else:
-                    f = feed_run(index, refs, a.calls, nbytes, a.pool_mib << 20, a.sleep_cycles, dev, v == "native")
-                f.pop("rows", None)
-                res["feeds"][name] = f
+        for m, c, v in ((m, c, v) for m in streams for c in contend for v in variants):
+            # interleaved: each stream mode and contention level runs both paths back to back
+            name = f"{v}{'-contended' if c else ''}{'-blocked' if m == 'blocked' else ''}"
+            run = (index, refs, a.calls, nbytes, a.pool_mib << 20, a.sleep_cycles, dev, v == "native",
+                   m == "blocked")
+            if c:
+                with Contender() as con:
+                    f = feed_run(*run)
+                f["contender_wakes"] = con.wakes
+            else:
+                f = feed_run(*run)
+            f.pop("rows", None)
+            res["feeds"][name] = f
     print(f"recorded delivery on {res['gpu']}, torch {torch.__version__}, {res['date_utc']}, cuda_ext {res['cuda_ext']}")
     print(f"{'primitive':<40} {'us/call':>8}")
     for k, v in res["primitives_us"].items():
         print(f"  {k:<38} {v:>8.1f}")
     print(f"feed: {a.calls} calls x {a.steps} steps of {a.mib:g} MiB, pool {a.pool_mib} MiB; per call, steps after the first")
-    print(f"  {'variant':<18} {'native':>6} {'total p50':>10} {'mean':>8} {'max':>9}  {'direct':>6} {'bad':>4}")
+    print(f"  {'variant':<26} {'native':>6} {'total p50':>10} {'mean':>8} {'max':>9}  {'direct':>6} {'bad':>4}")
     bad = 0
     for name, f in res["feeds"].items():
         t = f["per_call"]["total_us"]
         bad += f["mismatched_outputs"]
-        print(f"  {name:<18} {f['stats']['native']:>6} {t['p50']:>10.1f} {t['mean']:>8.1f} {t['max']:>9.1f}  "
+        print(f"  {name:<26} {f['stats']['native']:>6} {t['p50']:>10.1f} {t['mean']:>8.1f} {t['max']:>9.1f}  "
               f"{f['stats']['direct']:>6} {f['mismatched_outputs']:>4}")
-    base = res["feeds"].get("torch-contended"), res["feeds"].get("native-contended")
-    if all(base):
-        res["contended_torch_over_native_p50"] = (base[0]["per_call"]["total_us"]["p50"]
-                                                  / base[1]["per_call"]["total_us"]["p50"])
-        print(f"  contended: torch / native per-call p50 = {res['contended_torch_over_native_p50']:.2f}x")
+    res["torch_over_native_p50"] = {}
+    for name, f in res["feeds"].items():
+        twin = res["feeds"].get(name.replace("native", "torch", 1)) if name.startswith("native") else None
+        if twin:
+            rest = name[len("native"):] or " (quiet, busy stream)"
+            r = twin["per_call"]["total_us"]["p50"] / f["per_call"]["total_us"]["p50"]
+            res["torch_over_native_p50"][rest.lstrip("-")] = r
+            print(f"  torch / native per-call p50{rest}: {r:.2f}x")
     write_json(a.out, res)
     return 0 if bad == 0 else 1
 
