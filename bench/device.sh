@@ -245,7 +245,7 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
   # PRISM_DEVICE_LATE_CARRY=min / all (the default: excess); -pollN = PRISM_DEVICE_POLL_US=N (the reach
   # watcher's poll period, default 20 us); -pypoll = PRISM_DEVICE_POLL_NATIVE=0 (the watcher polls in Python,
   # taking the GIL at each look, as before 2026-12-07); -torchpool = PRISM_POOL_NATIVE=0 (the prefetch pool's
-  # copies and events through torch's Python API, as before 2026-12-08). CALLLOG=1: the first round's call logs.
+  # copies and events through torch's Python API, as before 2026-12-07). CALLLOG=1: the first round's call logs.
   # One line a run in $R/sandbox_ab.txt (with a call log, bench/late_carry.py's line for it: what each
   # carry rule would have given), each run's summary JSON in $R/ab-WL-VARIANT-K.json.
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
