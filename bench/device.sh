@@ -8,8 +8,11 @@
 #   bash bench/device.sh list                  # the suites
 #
 # Every suite writes under $OUT/r (default $OUT=/tmp/prism-out) and the runner
-# bundles it into $OUT/results.tgz at the end. Copy what is worth keeping to
-# bench/results/ under the names bench/README.md gives.
+# bundles it into $OUT/results.tgz at the end. Keep that file and drop $OUT/r
+# (`bash bench/device.sh ...; rm -rf $OUT/r`): the device returns only a
+# handful of files from $OUT, and a call that deleted the tarball lost its
+# call logs (2026-12-07). Copy what is worth keeping to bench/results/ under
+# the names bench/README.md gives.
 #
 # The device machine lacks some wheels (trio, pyzmq, orjson, pytest-trio):
 # carry them in .whl/ (from ../shared/tools/device-wheels); the runner
@@ -246,15 +249,22 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
   # watcher's poll period, default 20 us); -pypoll = PRISM_DEVICE_POLL_NATIVE=0 (the watcher polls in Python,
   # taking the GIL at each look, as before 2026-12-07); -torchpool = PRISM_POOL_NATIVE=0 (the prefetch pool's
   # copies and events through torch's Python API, as before 2026-12-07). CALLLOG=1: the first round's call logs.
+  # REUSE=1: each WL's last capture in /tmp (a warm machine's) instead of a new one.
   # One line a run in $R/sandbox_ab.txt (with a call log, bench/late_carry.py's line for it: what each
   # carry rule would have given), each run's summary JSON in $R/ab-WL-VARIANT-K.json.
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   local w v k env cap
   for w in ${WL:-gpt-tp2}; do
-    cap=/tmp/ab-cap-$w-$$; rm -rf "$cap"  # a fresh capture per run of the suite (a warm machine keeps /tmp)
-    # shellcheck disable=SC2046 (the words split on purpose)
-    x "$R/capture-$w.txt" 150 python3 -m prism capture -n 2 --gpus 0 --record 0 --out "$cap" --progress off -- \
-      $(workload_args "$w")
+    # a fresh capture per run of the suite (a warm machine keeps /tmp); REUSE=1: the last one there, if any
+    cap=; [ "${REUSE:-0}" = 1 ] && cap=$(ls -td /tmp/ab-cap-$w-* 2>/dev/null | head -1)
+    if [ -n "$cap" ]; then
+      echo "sandbox-ab: $w reuses the capture $cap" | tee -a "$R/sandbox_ab.txt"
+    else
+      cap=/tmp/ab-cap-$w-$$; rm -rf "$cap"
+      # shellcheck disable=SC2046 (the words split on purpose)
+      x "$R/capture-$w.txt" 150 python3 -m prism capture -n 2 --gpus 0 --record 0 --out "$cap" --progress off -- \
+        $(workload_args "$w")
+    fi
     for k in $(seq 1 "${REPS:-1}"); do
       for v in ${VARIANTS:-rec rec-carrymin comp comp-carrymin}; do
         env=(PRISM_STACK_DUMP_S=20)
@@ -266,10 +276,11 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
         case $v in *-torchpool*) env+=(PRISM_POOL_NATIVE=0) ;; esac
         [ "${CALLLOG:-0}" = 1 ] && [ "$k" = 1 ] && env+=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-$v-r{rank}.jsonl")
         local rec=(); case $v in comp*) rec=(--no-recording) ;; esac
+        local name="$v-$k"; [ -d "$cap/emulation/$name" ] && name="$v-$k-$$"  # a reused capture has run it before
         x "$R/emulate-$w-$v-$k.txt" 120 env "${env[@]}" python3 -m prism emulate "$cap" --sandbox 0 --device-path \
-          "${rec[@]}" --net "$NET" --warmup 3 --name "$v-$k" --quiet 25 --progress off
+          "${rec[@]}" --net "$NET" --warmup 3 --name "$name" --quiet 25 --progress off
         [ -n "${DRY:-}" ] && continue
-        cp "$cap/emulation/$v-$k/summary.json" "$R/ab-$w-$v-$k.json" 2>/dev/null
+        cp "$cap/emulation/$name/summary.json" "$R/ab-$w-$v-$k.json" 2>/dev/null
         echo "$w $v $k: $(grep -E 'emulated vs predicted' "$R/emulate-$w-$v-$k.txt") $(grep -oE '[0-9,]+ of them released before' "$R/emulate-$w-$v-$k.txt")" >> "$R/sandbox_ab.txt"
         local ran=excess; case $v in *-carrymin*) ran=min ;; *-carryall*) ran=all ;; esac
         [ -f "$R/calls-$w-$v-r0.jsonl" ] && [ "$k" = 1 ] && python3 bench/late_carry.py "$R/calls-$w-$v-r0.jsonl" \
