@@ -32,6 +32,10 @@ from late_carry import read_calls  # noqa: E402
 #: (label, start moment, end moment); the CPU key of moment ``t_x`` is ``c_x``, of ``f_x`` ``cf_x``.
 STAGES = [
     ("entry -> record (wall only)", "t0", "t_rec"),
+    ("   (entry -> device path, wall)", "t0", "t_on"),
+    ("   (releaser, feed)", "t_on", "t_feed"),
+    ("   (message, op made)", "t_feed", "t_op"),
+    ("   (stream query, charge)", "t_op", "t_rec"),
     ("record -> message", "t_rec", "t_msg"),
     ("-> sent", "t_msg", "t_sent"),
     ("-> release wait queued", "t_sent", "t_wait"),

@@ -617,6 +617,9 @@ class PrismProcessGroup(dist.ProcessGroup):
         """A GPU sandbox's call answered by virtual members only
         (``prism.rank.devicepath``): the stream waits for the release and
         forms the outputs in place; the CPU goes on at once."""
+        marks = devicepath.entry_marks()  # the call log's moments before its record (None: no log)
+        if marks is not None:
+            devicepath.stamp(marks, "t_on")
         rel = devicepath.releaser()
         slot, value = rel.reserve()
         reach = rel.reports_reach and devicepath.reach_from_gpu()
@@ -627,6 +630,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         feed = devicepath.recorded_feed(rt.rank, anyt[0].device if anyt else None)
         refs = [PL.coll_ref(self.gid, seq, "out", i, len(outputs)) for i in range(len(outputs))]
         recorded = feed is not None and all(feed.can_deliver(r, o) for r, o in zip(refs, outputs))
+        if marks is not None:
+            devicepath.stamp(marks, "t_feed")
         msg = protocol.CollectiveArrive(
             rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
             in_shapes=tuple(_shape(t) for t in declared),
@@ -637,11 +642,13 @@ class PrismProcessGroup(dist.ProcessGroup):
         pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
         pending.release_flag = (rel, slot, value)
+        if marks is not None:
+            devicepath.stamp(marks, "t_op")
         dev = anyt[0].device if anyt else None
         busy0 = devicepath.stream_busy(dev)
         drained = self._charge_entry(rt, t0, busy0)
         rec = pending.call_log = devicepath.call_record(op=op, gid=self.gid, seq=seq, t0=t0, async_op=async_op,
-                                                        recorded=recorded, busy0=busy0)
+                                                        recorded=recorded, busy0=busy0, marks=marks)
         pending.hold_weakly()
         nbytes = sum(t.numel() * t.element_size() for t in declared)
 

@@ -128,6 +128,12 @@ def _thread_marks() -> tuple[int, int, int]:
         return time.thread_time_ns(), 0, 0
 
 
+def entry_marks() -> dict | None:
+    """Moments of a device-path call before its record exists (``call_record``
+    takes them: ``marks=``), or None unless the call log is on."""
+    return {} if os.environ.get(CALL_LOG_ENV) else None
+
+
 def call_record(**fields: Any) -> dict | None:
     """A new record of the call log (None unless ``PRISM_DEVICE_CALL_LOG`` is
     set). It notes when it was made (``t_rec``) with the thread's CPU time
@@ -141,7 +147,10 @@ def call_record(**fields: Any) -> dict | None:
     if _call_log is None:
         _call_log = []
         _threads_at_start = thread_times()
+    marks = fields.pop("marks", None)
     rec = dict(fields)
+    if marks:
+        rec.update(marks)
     rec["t_rec"] = time.monotonic_ns()
     rec["c_rec"], rec["v_rec"], rec["i_rec"] = _thread_marks()
     _call_log.append(rec)

@@ -150,6 +150,7 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     assert all(r["c_rec"] <= r["c_msg"] <= r["c_sent"] <= r["c_out"] <= r["c_ret"] and r["t1"] <= r["t_ret"] and r["v1"] >= r["v_rec"]
                and r["i1"] >= r["i_rec"] for r in colls), colls[:3]
     assert all(r["cf_lock"] <= r["cf_copy"] <= r["c_out"] for r in fed), fed[:3]
+    assert all(r["t0"] <= r["t_on"] <= r["t_feed"] <= r["t_op"] <= r["t_rec"] for r in colls), colls[:3]
     threads = json.loads((gpt_run.parent / "devrec-calls-4.jsonl.threads.json").read_text())
     assert any(t["name"] == "MainThread" and t["cpu_ns"] > 0 for t in threads), threads
     assert any(t["name"].startswith("prism-io") for t in threads), threads
