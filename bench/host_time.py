@@ -27,6 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _results import write_json  # noqa: E402
 from late_carry import read_calls  # noqa: E402
 
 #: (label, start moment, end moment); the CPU key of moment ``t_x`` is ``c_x``, of ``f_x`` ``cf_x``.
@@ -129,8 +130,7 @@ def main() -> int:
                 print(f"    {th['name'][:32]:32s} {th['cpu_ns'] / 1e6:9.1f} ms ({th['cpu_ns'] / 1e9 / span:6.1%})"
                       f"  voluntary {th['vcsw']:7d}  involuntary {th['ivcsw']:6d}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=2)
+        write_json(a.json, doc)
     return 0
 
 
