@@ -219,8 +219,12 @@ class _Op:
         self.done = threading.Event()
         self._error: BaseException | None = None
         self.lock = threading.Lock()
-        devices = sorted({t.device for t in result if t.device.type == "cuda"}, key=str)
-        self.torch_future = _PrismFuture(self, devices=devices)
+        self._devices = sorted({t.device for t in result if t.device.type == "cuda"}, key=str)
+        #: The torch future (``get_future``), made when first asked for: most
+        #: calls never are, and making one (and completing it) costs each call
+        #: host time (~16 us on the VM inside a rank, 2026-12-07).
+        self._torch_future: _PrismFuture | None = None
+        self._settled = False
         #: Builds the trace events once the op completed: f(op) -> events.
         self.finish_events: Callable[[_Op], list[Any]] = lambda op: []
         #: Run before the op completes (a pruned call: the members' real
@@ -313,15 +317,38 @@ class _Op:
             self.done.set()
             self.settle_future()
 
+    @property
+    def torch_future(self) -> "_PrismFuture":
+        """The call's torch future, made at the first ask (completed at once
+        if the call is done already)."""
+        with self.lock:
+            fut = self._torch_future
+            if fut is None:
+                fut = self._torch_future = _PrismFuture(self, devices=self._devices)
+                late = self._settled
+            else:
+                late = False
+        if late:
+            self._complete(fut)
+        return fut
+
     def settle_future(self) -> None:
-        """Give the torch future its result (or error), then cut it loose.
+        """Give the torch future, if one was asked for, its result (or error),
+        then cut it loose (one asked for later is completed as it is made).
 
         The future no longer needs this op once done: without the cut the pair
         is a reference cycle, and the call's tensors (GPU memory the real run
         has freed) live until Python's cyclic collector runs: +16 MiB per step
         and ~190 MiB above the truth's peak in the NCCL bench (GPT tp2).
         """
-        fut = self.torch_future
+        with self.lock:
+            self._settled = True
+            fut = self._torch_future
+        if fut is not None:
+            self._complete(fut)
+        self.outputs = []
+
+    def _complete(self, fut: "_PrismFuture") -> None:
         if self._error is None:
             if self.stream_done is not None:
                 # A CUDA future orders its consumers behind the streams current
@@ -334,7 +361,6 @@ class _Op:
         else:
             fut.set_exception(self._error)
         fut._op = None
-        self.outputs = []
 
     def _copy_out(self, payloads: Sequence[Any]) -> None:
         if not payloads:

@@ -151,6 +151,11 @@ res["async_all_reduce"] = ts
 t = base()
 fut = dist.all_reduce(t, async_op=True).get_future()
 res["future_value"] = fut.wait()[0].clone()
+t = base(k=5)
+w = dist.all_reduce(t, async_op=True)
+w.wait()
+late = w.get_future()  # asked for after the call completed: done at once, with its result
+res["late_future_value"] = late.wait()[0].clone() if late.done() else torch.full_like(t, float("nan"))
 
 dist.barrier()
 
