@@ -8,11 +8,11 @@
 #   bash bench/device.sh list                  # the suites
 #
 # Every suite writes under $OUT/r (default $OUT=/tmp/prism-out) and the runner
-# bundles it into $OUT/results.tgz at the end. Keep that file and drop $OUT/r
-# (`bash bench/device.sh ...; rm -rf $OUT/r`): the device returns only a
-# handful of files from $OUT, and a call that deleted the tarball lost its
-# call logs (2026-12-07). Copy what is worth keeping to bench/results/ under
-# the names bench/README.md gives.
+# bundles it into $OUT/results.tgz at the end, then removes $OUT/r (KEEP_R=1:
+# not): the device returns only a handful of loose files from $OUT, and a call
+# that deleted the tarball lost its call logs (2026-12-07). Do not delete
+# results.tgz. Copy what is worth keeping to bench/results/ under the names
+# bench/README.md gives.
 #
 # The device machine lacks some wheels (trio, pyzmq, orjson, pytest-trio):
 # carry them in .whl/ (from ../shared/tools/device-wheels); the runner
@@ -454,4 +454,7 @@ for s in "$@"; do
   echo "== $s"
   "suite_${s//-/_}"
 done
-[ -n "${DRY:-}" ] || tar czf "$OUT/results.tgz" -C "$OUT" r
+# one tarball comes back whole; the device returns only a handful of loose files (KEEP_R=1 keeps $OUT/r too)
+if [ -z "${DRY:-}" ] && tar czf "$OUT/results.tgz" -C "$OUT" r; then
+  [ "${KEEP_R:-0}" = 1 ] || rm -rf "$R"  # only once the tarball holds it
+fi
