@@ -111,7 +111,14 @@ CALL_LOG_ENV = "PRISM_DEVICE_CALL_LOG"
 #: the wait ended past its due moment, ``t_flip`` when its result arrived and
 #: its flag was flipped, ``t_res`` when the rank's completion thread took it; a recorded delivery adds its steps
 #: (``RecordedFeed.deliver``: ``f_lock``, ``f_adv0``, ``f_copy``, ``f_adv1``,
-#: ``f_staged``).
+#: ``f_staged``). Where the host time went: ``t_on``, ``t_feed``, ``t_op``
+#: (the device path entered; the releaser and the feed asked; the message and
+#: the op made), ``t_rec`` (the record made), ``t_ret`` (after the return's
+#: bookkeeping), each ``t_x`` / ``f_x`` with the calling thread's CPU time
+#: then as ``c_x`` / ``cf_x``, and its context switches at the record and the
+#: return (``v_rec``/``i_rec``, ``v1``/``i1``); beside the log,
+#: ``PATH.threads.json``: each thread's CPU time and switches
+#: (``bench/host_time.py`` reads both).
 _call_log: list[dict] | None = None
 
 
