@@ -21,7 +21,7 @@ feed
     blocks staged per call. Every delivered output is checked against its
     recording at the end of each step. Once per ``--variants`` (``native``:
     the prefetch pool's copies and events as single calls into the compiled
-    extension, the GIL held; ``torch``: through torch's Python API,
+    extension; ``torch``: through torch's Python API,
     ``PRISM_POOL_NATIVE=0``) and per ``--contend`` (1: a thread beside that
     wakes every 100 us and runs ~20 us of Python, as a sandbox's transport
     and completion threads do: each torch call that lets the GIL go may then

@@ -283,7 +283,7 @@ class DevicePool:
 
 #: "0": a GPU ``PrefetchPool`` queues its copies and events through torch's
 #: Python API (about 20 torch calls a delivery) even where the compiled
-#: extension offers its native calls (one a delivery, the GIL held).
+#: extension offers its native calls (one a delivery).
 POOL_NATIVE_ENV = "PRISM_POOL_NATIVE"
 
 
@@ -293,10 +293,12 @@ class PrefetchPool:
     collective's ``(gid, seq)``).
 
     On a GPU with the compiled extension (``native``), each fill, delivery
-    and event is one call into it that holds the GIL throughout, with raw
-    CUDA events made once and reused; else torch's streams and events (the
-    same stream order, more host time: every torch call lets the GIL go and
-    waits to take it back, behind whatever other thread wanted it)."""
+    and event is one call into it, with raw CUDA events made once and
+    reused (a call that queues stream work lets the GIL go once, around its
+    CUDA calls, which may block on a full queue behind a release wait);
+    else torch's streams and events (the same stream order, more host time:
+    ~20 torch calls a delivery, each letting the GIL go and waiting to take
+    it back, behind whatever other thread wanted it)."""
 
     def __init__(self, nbytes: int, device: torch.device | str, *, host_mirror: bool = False) -> None:
         self.pool = DevicePool(nbytes, device)
@@ -305,7 +307,11 @@ class PrefetchPool:
         self.stream = torch.cuda.Stream(device=self.device) if cuda else None
         #: key -> (block id, start, nbytes, fill event or None, host data kept alive, taken)
         self._items: dict[Any, list] = {}
-        self._retired: collections.deque[tuple[int, Any]] = collections.deque()
+        #: (block id, the consumer's finish event, host data the fill read): the block and the
+        #: host data go back once the consumer's stream has passed the event (the native fill's
+        #: cudaMemcpyAsync is not known to torch's pinned-memory cache, which would otherwise
+        #: hand a dropped staging buffer out again before the copy ran)
+        self._retired: collections.deque[tuple[int, Any, Any]] = collections.deque()
         self._reserved: dict[Any, tuple[int, int, int]] = {}
         self.staged_bytes = 0
         mod = kernels() if cuda and os.environ.get(POOL_NATIVE_ENV, "1") != "0" else None
@@ -391,7 +397,11 @@ class PrefetchPool:
             return None
         if self._native is not None:
             ev = self._event()
-            self._native.pool_fill(self._dev, self._slab_ptr + start, src_ptr, nbytes, self._stream_ptr, ev)
+            try:
+                self._native.pool_fill(self._dev, self._slab_ptr + start, src_ptr, nbytes, self._stream_ptr, ev)
+            except BaseException:
+                self._events.append(ev)
+                raise
             return ev
         with torch.cuda.stream(self.stream):
             self.pool.slab[start:start + nbytes].copy_(src, non_blocking=True)
@@ -405,7 +415,7 @@ class PrefetchPool:
         """Return to the pool the blocks whose consumers have passed them (in
         order); with ``block``, wait for the oldest first."""
         while self._retired:
-            bid, fin = self._retired[0]
+            bid, fin, _ = self._retired[0]
             if not self._passed(fin, block):
                 return
             block = False
@@ -450,7 +460,11 @@ class PrefetchPool:
             src, ptr = pinned, None
         if ptr is None and self.stream is not None and self._native is not None:
             ptr = src.data_ptr()
-        ev = self._fill(start, ptr or 0, src, n)
+        try:
+            ev = self._fill(start, ptr or 0, src, n)
+        except BaseException:
+            self.pool.free(bid)  # nothing was queued into it
+            raise
         self._items[key] = [bid, start, n, ev, src if self.stream is not None else None, False]
         self.staged_bytes += n
 
@@ -471,11 +485,12 @@ class PrefetchPool:
     def commit(self, key: Any) -> None:
         """The host block of ``key`` is filled: queue its copy to the device on
         the side stream (on a CPU pool the host block is the device block)."""
-        bid, start, n = self._reserved.pop(key)
+        bid, start, n = self._reserved[key]
         ev = None
         if self.stream is not None:
             hview = self.host[start:start + n]
             ev = self._fill(start, self.host.data_ptr() + start if self._native is not None else 0, hview, n)
+        del self._reserved[key]
         # the host block is reused only with its device block, after the consumer passed it
         self._items[key] = [bid, start, n, ev, None, False]
         self.staged_bytes += n
@@ -494,11 +509,13 @@ class PrefetchPool:
         current stream, after its fill, and the block returns to the pool once
         the stream has passed the copy: ``take``, a copy and ``done`` in one
         (one native call where the pool is native)."""
-        if self._native is None or not out.is_contiguous():
-            out.reshape(-1).view(torch.uint8).copy_(self.take(key, torch.uint8, (self._items[key][2],)))
+        if (self._native is None or not out.is_contiguous() or out.device.type != "cuda"
+                or out.device.index != self._dev):
+            # (a non-contiguous out: its elements in order, as the recording holds them)
+            out.copy_(self.take(key, out.dtype, tuple(out.shape)))
             self.done(key)
             return
-        bid, start, n, ev, _, _ = self._items[key]
+        bid, start, n, ev, keep, _ = self._items[key]
         fin = self._event()
         try:
             self._native.pool_deliver(out, self._slab_ptr + start, n, ev or 0, fin)
@@ -507,7 +524,7 @@ class PrefetchPool:
             raise
         del self._items[key]
         self._free_event(ev)  # the stream's wait took its state: it may be recorded again
-        self._retired.append((bid, fin))
+        self._retired.append((bid, fin, keep))
         self._reclaim()
 
     def done(self, key: Any) -> None:
@@ -516,12 +533,13 @@ class PrefetchPool:
         is not torch's, so torch's stream bookkeeping does not cover it). A
         block never taken (a refused delivery) is waited for on the stream
         first, so that its fill cannot land in the block's next use."""
-        bid, _, _, ev, _, taken = self._items.pop(key)
+        bid, _, _, ev, keep, taken = self._items[key]
         if not taken:
             self._wait(ev)
         fin = self._mark()
+        del self._items[key]
         self._free_event(ev)
-        self._retired.append((bid, fin))
+        self._retired.append((bid, fin, keep))
         self._reclaim()
 
     def __contains__(self, key: Any) -> bool:

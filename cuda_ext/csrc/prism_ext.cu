@@ -163,7 +163,11 @@ void wait_flag_kernel(torch::Tensor flags, int64_t slot, int64_t value, torch::T
   unsigned long long* st = stamps.numel() ? reinterpret_cast<unsigned long long*>(stamps.data_ptr<int64_t>()) + 2 * slot
                                           : nullptr;
   long long* dl = deadlines.numel() ? reinterpret_cast<long long*>(deadlines.data_ptr<int64_t>()) + 2 * slot : nullptr;
-  wait_kernel<<<1, 1, 0, stream>>>(flags.data_ptr<int>() + slot, (int)value, st, dl);
+  int* fl = flags.data_ptr<int>() + slot;
+  // A launch may block (the stream's queue full behind an earlier wait): the
+  // thread that flips the flag needs the GIL, so it is not held meanwhile.
+  pybind11::gil_scoped_release no_gil;
+  wait_kernel<<<1, 1, 0, stream>>>(fl, (int)value, st, dl);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -174,6 +178,7 @@ void wait_flag_memop(torch::Tensor flags, int64_t slot, int64_t value) {
   void* host = flags.data_ptr<int>() + slot;
   CUresult r = cuMemHostGetDevicePointer(&dptr, host, 0);
   TORCH_CHECK(r == CUDA_SUCCESS, "cuMemHostGetDevicePointer failed (", (int)r, ")");
+  pybind11::gil_scoped_release no_gil;  // as in wait_flag_kernel
   r = cuStreamWaitValue32((CUstream)stream.stream(), dptr, (cuuint32_t)value, CU_STREAM_WAIT_VALUE_GEQ);
   TORCH_CHECK(r == CUDA_SUCCESS, "cuStreamWaitValue32 failed (", (int)r, "); this GPU or driver may not support "
               "stream memory operations: use the wait kernel");
@@ -193,6 +198,7 @@ void stamp(torch::Tensor stamps, int64_t index, torch::Tensor acks, int64_t ack_
   unsigned long long* st = stamps.numel() ? reinterpret_cast<unsigned long long*>(stamps.data_ptr<int64_t>()) + index
                                           : nullptr;
   int* ak = acks.numel() ? acks.data_ptr<int>() + ack_slot : nullptr;
+  pybind11::gil_scoped_release no_gil;  // as in wait_flag_kernel
   stamp_kernel<<<1, 1, 0, stream>>>(st, ak, (int)value);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -225,11 +231,12 @@ int64_t wait_stamps(torch::Tensor stamps, int64_t a, int64_t b, torch::Tensor ge
 }
 
 // ---- the prefetch pool's stream work (cuda_ext.PrefetchPool, native path) -------------
-// Each is one call from Python that holds the GIL throughout: a torch op
-// lets the GIL go and must take it back, and in a sandbox another thread
-// (the transport's, the completion thread) is often waiting for it, so a
-// delivery made of ~20 torch ops waited ~20 times. Events are raw handles
-// (no timing), made once and reused by the pool.
+// Each is one call from Python where a delivery through torch was ~20 torch
+// calls, each slow in a busy rank and each letting the GIL go and waiting to
+// take it back. The calls that queue work on a stream let the GIL go once,
+// around the CUDA calls: a stream's queue may be full behind a release wait,
+// the call then blocks, and the thread that flips the release needs the GIL.
+// Events are raw handles (no timing), made once and reused by the pool.
 
 int64_t event_new(int64_t device) {
   c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
@@ -262,13 +269,17 @@ void event_sync(int64_t e) {
 
 // The current stream of `device` waits for event `e` (the GPU waits, not the host).
 void stream_wait(int64_t device, int64_t e) {
+  c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
   auto stream = c10::cuda::getCurrentCUDAStream((c10::DeviceIndex)device);
+  pybind11::gil_scoped_release no_gil;
   C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), (cudaEvent_t)(intptr_t)e, 0));
 }
 
 // Records event `e` on the current stream of `device`.
 void stream_mark(int64_t device, int64_t e) {
+  c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
   auto stream = c10::cuda::getCurrentCUDAStream((c10::DeviceIndex)device);
+  pybind11::gil_scoped_release no_gil;
   C10_CUDA_CHECK(cudaEventRecord((cudaEvent_t)(intptr_t)e, stream.stream()));
 }
 
@@ -277,6 +288,7 @@ void stream_mark(int64_t device, int64_t e) {
 void pool_fill(int64_t device, int64_t dst, int64_t src, int64_t nbytes, int64_t stream, int64_t e) {
   c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
   cudaStream_t s = (cudaStream_t)(intptr_t)stream;
+  pybind11::gil_scoped_release no_gil;
   C10_CUDA_CHECK(cudaMemcpyAsync((void*)(intptr_t)dst, (const void*)(intptr_t)src, (size_t)nbytes,
                                  cudaMemcpyHostToDevice, s));
   C10_CUDA_CHECK(cudaEventRecord((cudaEvent_t)(intptr_t)e, s));
@@ -292,8 +304,10 @@ void pool_deliver(torch::Tensor out, int64_t src, int64_t nbytes, int64_t fill, 
               out.numel() * out.element_size(), " bytes, the block ", nbytes);
   c10::cuda::CUDAGuard g(out.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
+  void* dst = out.data_ptr();
+  pybind11::gil_scoped_release no_gil;
   if (fill) C10_CUDA_CHECK(cudaStreamWaitEvent(s, (cudaEvent_t)(intptr_t)fill, 0));
-  C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), (const void*)(intptr_t)src, (size_t)nbytes,
+  C10_CUDA_CHECK(cudaMemcpyAsync(dst, (const void*)(intptr_t)src, (size_t)nbytes,
                                  cudaMemcpyDeviceToDevice, s));
   C10_CUDA_CHECK(cudaEventRecord((cudaEvent_t)(intptr_t)fin, s));
 }

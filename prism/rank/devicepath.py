@@ -1036,10 +1036,10 @@ class RecordedFeed:
                 if log is not None:
                     stamp(log, "f_adv0")
                 if ref in self.pool:
-                    self.pool.deliver(ref, out)  # after its fill, on the current stream; the block goes back after
+                    self._deliver_staged(ref, out)  # after its fill, on the current stream; the block goes back after
                 else:  # not staged (the pool is full of what comes later): from the host, behind the release
                     self._drop(rec)
-                    out.reshape(-1).view(torch.uint8).copy_(self._host[ref], non_blocking=out.is_cuda)
+                    out.copy_(_as(self._host[ref], out), non_blocking=out.is_cuda)
                     self.direct += 1
                 self.delivered += 1
                 if log is not None:
@@ -1049,12 +1049,11 @@ class RecordedFeed:
                     stamp(log, "f_adv1")
                     log["f_staged"] = log.get("f_staged", 0) + staged - len(self._order)
             return True
-        dst = out.reshape(-1).view(torch.uint8)
         with self._cond:
             while ref not in self.pool and (self._reading == ref or (not self._full and self._ahead(ref))):
                 self._cond.wait(0.01)
             if ref in self.pool:
-                self.pool.deliver(ref, out)
+                self._deliver_staged(ref, out)
                 self.delivered += 1
                 self._cond.notify_all()
                 return True
@@ -1062,10 +1061,20 @@ class RecordedFeed:
         # The reader has not got to it and will not soon: read it here.
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=out.is_cuda)
         self._read_into(rec, host)
-        dst.copy_(host, non_blocking=out.is_cuda)
+        out.copy_(_as(host, out), non_blocking=out.is_cuda)
         self.direct += 1
         self.delivered += 1
         return True
+
+    def _deliver_staged(self, ref: str, out: torch.Tensor) -> None:
+        """The pool's delivery of ``ref`` into ``out`` (under the lock); if it
+        fails, the block is refused, so that the ring does not stop at it."""
+        try:
+            self.pool.deliver(ref, out)
+        except BaseException:
+            if ref in self.pool:
+                self.pool.done(ref)
+            raise
 
     def _ahead(self, ref: str) -> bool:
         """Whether the reader will still get to ``ref`` (under the lock)."""
@@ -1099,6 +1108,12 @@ class RecordedFeed:
               f"outputs delivered ({s['direct']} not staged ahead), {s['staged_bytes'] / 2**20:.1f} MiB "
               f"staged ahead" + (f"; reader failed: {self.error}" if self.error else ""),
               file=sys.stderr, flush=True)
+
+
+def _as(raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Recorded bytes (uint8, contiguous) as ``out``'s dtype and shape, its
+    elements in order: ``out.copy_`` of it fills a non-contiguous ``out`` too."""
+    return raw.view(out.dtype).view(out.shape)
 
 
 #: ``RecordedFeed``'s pinned host memory for a whole recording (bytes; default

@@ -182,6 +182,21 @@ def test_prefetch_pool_stages_takes_and_reclaims():
         pp.stage(("x", 0), torch.zeros(1))
 
 
+def test_prefetch_pool_deliver_fills_any_layout_and_a_refused_block_goes_back():
+    pp = cuda_ext.PrefetchPool(1 << 12, "cpu")
+    assert not pp.native  # the CPU pool: torch's copies
+    data = torch.arange(6, dtype=torch.float32)
+    pp.stage("a", data)
+    out = torch.zeros(2, 3).T  # not contiguous: its elements in order get the recording's
+    pp.deliver("a", out)
+    assert torch.equal(out, data.view(3, 2)) and "a" not in pp
+    pp.stage("b", data)
+    pp.stage("c", data)
+    pp.done("b")  # refused, never taken: its block goes back
+    pp.deliver("c", torch.empty(6))
+    assert pp.pool.used == 0
+
+
 def test_release_flags_host_mode_orders_the_wait_after_the_release():
     flags = cuda_ext.ReleaseFlags(4, "cpu")
     assert flags.default_mode() == "host"
