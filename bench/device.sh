@@ -290,10 +290,11 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
   done
 }
 
-suite_feed_check() {  # the prefetch pool's native path: build, its GPU tests, bench/recorded_feed.py (native vs torch, with and without a GIL-taking thread)
+suite_feed_check() {  # the prefetch pool's native path: build, cuda_ext's and the device path's GPU tests, bench/recorded_feed.py (native vs torch, with and without a GIL-taking thread)
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
-  x "$R/feed-tests.txt" 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_cuda_ext_gpu.py -k "prefetch or pool"
+  x "$R/feed-tests.txt" 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_cuda_ext_gpu.py \
+    tests/unit/test_devicepath_gpu.py
   x "$R/recorded_feed.txt" 120 python3 bench/recorded_feed.py --out "$R/recorded_feed.json"
 }
 
