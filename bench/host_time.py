@@ -2,7 +2,7 @@
 or waiting off it (the GIL, a lock, the driver), stage by stage.
 
     python bench/host_time.py CALLS.jsonl [CALLS.jsonl ...] [--skip 0.25] [--json OUT]
-    python bench/host_time.py bench/results/gpu_sandbox-2026-12-07-calllogs.json.gz:calls-gpt-tp2-device-r0.jsonl
+    python bench/host_time.py bench/results/gpu_sandbox-2026-12-07-h100-nativepool-calllogs.json.gz:B/calls-gpt-tp2-rec-r0.jsonl
 
 Reads the call logs ``PRISM_DEVICE_CALL_LOG`` writes (``bench/device.sh``'s
 ``CALLLOG=1``; a ``BUNDLE.json.gz:NAME`` names one kept in ``bench/results``).
