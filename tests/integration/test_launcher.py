@@ -233,6 +233,19 @@ def test_a_prestarted_fork_server_serves_the_next_launch_of_the_same_environment
     assert unused.poll() is not None and launcher._early is None
 
 
+def _served_by_zygote(n: int, folder, script, codes: list[int], **kw) -> None:
+    """Launch ``script`` as ``n`` ranks into ``folder``: they exit with ``codes``
+    and their fork server came from the warm zygote."""
+    from prism.shell import launcher
+
+    procs = launch_ranks(n, None, folder, [str(script)], **kw)
+    try:
+        assert procs.wait(timeout=60) == codes
+    finally:
+        procs.close()
+    assert isinstance(procs._server, launcher._ZygoteServer)
+
+
 def test_a_zygote_forks_each_launchs_fork_server_and_refuses_a_changed_environment(tmp_path, monkeypatch, capfd):
     # The warm fork server the test session runs (and a daemon could): a
     # launch's fork server forked from it gets the launch's pipes, stderr,
@@ -254,12 +267,7 @@ def test_a_zygote_forks_each_launchs_fork_server_and_refuses_a_changed_environme
         script = tmp_path / "env.py"
         script.write_text("import os, sys\nprint('marker', os.environ.get('PRISM_TEST_MARKER'), os.environ.get('TEST_OTHER'),"
                           " os.getcwd())\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
-        procs = launch_ranks(2, None, tmp_path / "a", [str(script)], show_ranks=(0,), cwd=tmp_path)
-        try:
-            assert procs.wait(timeout=60) == [0, 3]
-        finally:
-            procs.close()
-        assert isinstance(procs._server, launcher._ZygoteServer)
+        _served_by_zygote(2, tmp_path / "a", script, [0, 3], show_ranks=(0,), cwd=tmp_path)
         assert f"marker served None {tmp_path}" in log(tmp_path / "a", 1)
         err = capfd.readouterr().err
         assert f"[rank 0] marker served None {tmp_path}" in err  # the launcher's stderr
@@ -306,12 +314,7 @@ def test_a_zygote_forks_each_launchs_fork_server_and_refuses_a_changed_environme
             assert s.recv(100) == b""
         assert zlog.read_text().splitlines()[5].startswith("bad request: ")
         monkeypatch.delenv("TEST_OTHER")
-        procs = launch_ranks(1, None, tmp_path / "f", [str(script)], show_ranks=())
-        try:
-            assert procs.wait(timeout=60) == [0]
-        finally:
-            procs.close()
-        assert isinstance(procs._server, launcher._ZygoteServer)
+        _served_by_zygote(1, tmp_path / "f", script, [0], show_ranks=())
     finally:
         zygote.stdin.close()
         assert zygote.wait(timeout=30) == 0
@@ -355,12 +358,7 @@ def test_warm_forkserver_serves_its_block_and_its_children_and_then_goes(tmp_pat
         deadline = time.monotonic() + 60
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
-        procs = launch_ranks(1, None, tmp_path / "a", [str(script)], show_ranks=())
-        try:
-            assert procs.wait(timeout=60) == [0]
-        finally:
-            procs.close()
-        assert isinstance(procs._server, launcher._ZygoteServer)
+        _served_by_zygote(1, tmp_path / "a", script, [0], show_ranks=())
         seen = subprocess.run([sys.executable, "-c", f"import os; print(os.environ['{ZYGOTE_ENV}'])"],
                               capture_output=True, text=True, check=True).stdout.strip()
         assert seen == path
