@@ -644,8 +644,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         (``prism.rank.devicepath``): the stream waits for the release and
         forms the outputs in place; the CPU goes on at once."""
         marks = devicepath.entry_marks()  # the call log's moments before its record (None: no log)
-        if marks is not None:
-            devicepath.stamp(marks, "t_on")
+        devicepath.stamp(marks, "t_on")
         rel = devicepath.releaser()
         slot, value = rel.reserve()
         reach = rel.reports_reach and devicepath.reach_from_gpu()
@@ -656,8 +655,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         feed = devicepath.recorded_feed(rt.rank, anyt[0].device if anyt else None)
         refs = [PL.coll_ref(self.gid, seq, "out", i, len(outputs)) for i in range(len(outputs))]
         recorded = feed is not None and all(feed.can_deliver(r, o) for r, o in zip(refs, outputs))
-        if marks is not None:
-            devicepath.stamp(marks, "t_feed")
+        devicepath.stamp(marks, "t_feed")
         msg = protocol.CollectiveArrive(
             rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
             in_shapes=tuple(_shape(t) for t in declared),
@@ -668,13 +666,12 @@ class PrismProcessGroup(dist.ProcessGroup):
         pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
         pending.release_flag = (rel, slot, value)
-        if marks is not None:
-            devicepath.stamp(marks, "t_op")
+        devicepath.stamp(marks, "t_op")
         dev = anyt[0].device if anyt else None
         busy0 = devicepath.stream_busy(dev)
         drained = self._charge_entry(rt, t0, busy0)
-        rec = pending.call_log = devicepath.call_record(op=op, gid=self.gid, seq=seq, t0=t0, async_op=async_op,
-                                                        recorded=recorded, busy0=busy0, marks=marks)
+        rec = pending.call_log = None if marks is None else devicepath.call_record(
+            op=op, gid=self.gid, seq=seq, t0=t0, async_op=async_op, recorded=recorded, busy0=busy0, marks=marks)
         pending.hold_weakly()
         nbytes = sum(t.numel() * t.element_size() for t in declared)
 
@@ -687,15 +684,13 @@ class PrismProcessGroup(dist.ProcessGroup):
 
         pending.finish_events = finish
         fut = rt.client.future(("coll", self.gid, seq))
-        if rec is not None:
-            devicepath.stamp(rec, "t_msg")
+        devicepath.stamp(rec, "t_msg")
         # The call goes out before anything is queued on the GPU: whatever
         # blocks this thread next (a kernel's first launch, a copy), the
         # release can come (the flags only grow: a release before the wait
         # is queued lets it pass at once).
         rt.send_call(msg)
-        if rec is not None:
-            devicepath.stamp(rec, "t_sent")
+        devicepath.stamp(rec, "t_sent")
         _on_result(rt, pending, fut)
         side = devicepath.side_stream(anyt[0].device) if async_op and anyt else None
         with side.run(pending, anyt) if side is not None else contextlib.nullcontext():
@@ -704,8 +699,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             rel.enqueue_wait(slot, value)
             if reach:
                 rel.watch(slot, t0, _reach_reporter(rt, self.gid, seq), rt.add_dilation, rec, drained)
-            if rec is not None:
-                devicepath.stamp(rec, "t_wait")
+            devicepath.stamp(rec, "t_wait")
             if recorded:
                 with torch.no_grad():
                     for r, o in zip(refs, outputs):
@@ -713,8 +707,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             else:
                 devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs,
                                         in_splits, out_splits)
-            if rec is not None:
-                devicepath.stamp(rec, "t_out")
+            devicepath.stamp(rec, "t_out")
         work = self._issued(PrismWork(pending))
         t1 = time.monotonic_ns()
         devicepath.count_issue(t1 - t0)

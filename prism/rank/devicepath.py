@@ -1028,13 +1028,11 @@ class RecordedFeed:
             return False
         if self.preloaded:
             with self._cond:
-                if log is not None:
-                    log["f_lock"], staged = time.monotonic_ns(), len(self._order)
-                    log["cf_lock"] = time.thread_time_ns()
+                stamp(log, "f_lock")
+                staged = len(self._order)
                 if ref not in self.pool:  # room made since the last call may hold it now
                     self._advance()
-                if log is not None:
-                    stamp(log, "f_adv0")
+                stamp(log, "f_adv0")
                 if ref in self.pool:
                     self._deliver_staged(ref, out)  # after its fill, on the current stream; the block goes back after
                 else:  # not staged (the pool is full of what comes later): from the host, behind the release
@@ -1042,11 +1040,10 @@ class RecordedFeed:
                     out.copy_(_as(self._host[ref], out), non_blocking=out.is_cuda)
                     self.direct += 1
                 self.delivered += 1
-                if log is not None:
-                    stamp(log, "f_copy")
+                stamp(log, "f_copy")
                 self._advance()
+                stamp(log, "f_adv1")
                 if log is not None:
-                    stamp(log, "f_adv1")
                     log["f_staged"] = log.get("f_staged", 0) + staged - len(self._order)
             return True
         with self._cond:
