@@ -188,6 +188,8 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
   # (PRISM_PROFILE_RANK: $R/prof-WL/rank-0.prof; a diagnostic run apart, cProfile slows it).
   # HCAB="moe ...": for those workloads, the compensated run again with PRISM_DEVICE_HOST_CHARGE=0 (device-comp-hc0).
   # REPS=N: the device (and COMP) emulations N times each on the one capture (device, device-2, ...), interleaved.
+  # CAPS=N: N captures of each workload (cap-WL, cap-WL-c2, ...), each with its REPS emulations (call logs: the first's);
+  # PROFILE, HCAB, HOST and OOM use the first capture.
   export PRISM_CUDA_EXT_DIR=${PRISM_CUDA_EXT_DIR:-/tmp/cuext}
   x "$R/cuda_ext-build.txt" 200 python3 -c "import cuda_ext; print(cuda_ext.info())"
   if [ "${KERNELS:-1}" != 0 ]; then
@@ -200,13 +202,16 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
   [ -n "${POOL:-}" ] && pool=(--prefetch-pool "$POOL")
   local sw=(PRISM_STACK_DUMP_S=20)  # the emulations' environment (not the captures')
   [ -n "${SWITCH:-}" ] && sw+=(PRISM_SWITCH_INTERVAL_US="$SWITCH")
-  for w in ${WL:-gpt-tp2}; do
-    first=${first:-$w}
+  local w0 c
+  for w0 in ${WL:-gpt-tp2}; do
+   first=${first:-$w0}
+   for c in $(seq 1 "${CAPS:-1}"); do  # CAPS=N: N captures of each workload (cap-WL, cap-WL-c2, ...)
+    w=$w0; [ "$c" -gt 1 ] && w=$w0-c$c
     # shellcheck disable=SC2046 (the words split on purpose)
     x "$R/capture-$w.txt" 120 python3 -m prism capture -n 2 --gpus 0 "${rec[@]}" --out "$R/cap-$w" --progress off -- \
-      $(workload_args "$w")
+      $(workload_args "$w0")
     local cl=() clc=()
-    [ "${CALLLOG:-0}" = 1 ] && cl=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-device-r{rank}.jsonl") \
+    [ "${CALLLOG:-0}" = 1 ] && [ "$c" = 1 ] && cl=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-device-r{rank}.jsonl") \
       && clc=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-device-comp-r{rank}.jsonl")
     local k sfx
     for k in $(seq 1 "${REPS:-1}"); do  # REPS=N: each emulation N times on the one capture (its own spread)
@@ -217,6 +222,8 @@ suite_gpu_sandbox() {  # cuda_ext (build, GPU tests, bench), then WL (default gp
         emulate "$R/cap-$w" --sandbox 0 --device-path --no-recording --net "$NET" --warmup 3 --name "device-comp$sfx" \
         --quiet 25 --progress off
     done
+   done
+   w=$w0
     case " ${PROFILE:-} " in  # a diagnostic run apart (cProfile slows the sandbox): the recorded run profiled
       *" $w "*) x "$R/emulate-$w-device-prof.txt" 120 env "${sw[@]}" PRISM_PROFILE_RANK="$R/prof-$w" python3 -m prism \
         emulate "$R/cap-$w" --sandbox 0 --device-path --net "$NET" --warmup 3 --name device-prof --quiet 25 \

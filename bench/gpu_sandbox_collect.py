@@ -18,6 +18,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -31,7 +32,8 @@ SPLITS = [("t0", "t_msg"), ("t_msg", "t_sent"), ("t_sent", "t_wait"), ("t_wait",
 def rows_of(root: str, label: str) -> list[dict]:
     rows = []
     for f in sorted(glob.glob(os.path.join(root, "r", "cap-*", "emulation", "*", "summary.json"))):
-        wl = f.split(os.sep + "cap-")[1].split(os.sep)[0]
+        cap = f.split(os.sep + "cap-")[1].split(os.sep)[0]
+        wl = re.sub(r"-c[0-9]+$", "", cap)  # CAPS=N: cap-WL-c2, ... are more captures of WL
         name = f.split(os.sep + "emulation" + os.sep)[1].split(os.sep)[0]
         with open(f) as fh:
             s = json.load(fh)
@@ -40,7 +42,7 @@ def rows_of(root: str, label: str) -> list[dict]:
         t = TRUTH_MS.get(wl)
         steps = r0.get("iteration_ns", [])[s.get("warmup", 0):]
         rows.append({
-            "call": label, "workload": wl, "variant": name, "status": s.get("status"),
+            "call": label, "workload": wl, "capture": cap, "variant": name, "status": s.get("status"),
             "emulated_ms": e / 1e6 if e else None, "predicted_ms": p / 1e6 if p else None, "truth_ms": t,
             "vs_prediction": e / p - 1 if e and p else None, "vs_truth": e / 1e6 / t - 1 if e and t else None,
             "step_sd_ms": statistics.stdev(steps) / 1e6 if len(steps) > 1 else None,
@@ -49,6 +51,41 @@ def rows_of(root: str, label: str) -> list[dict]:
             "capture_peak_allocated": r0.get("capture_peak_allocated"), "calls": s.get("calls"),
         })
     return rows
+
+
+#: Student's t, two-sided 95%, by degrees of freedom (1..10; beyond, 2.0).
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
+
+
+def path_of(variant: str) -> str:
+    """An emulation's path from its name (gpu-sandbox's ``device``, ``device-2``,
+    ``device-comp``...; sandbox-ab's ``rec-1``, ``comp-2``...)."""
+    v = re.sub(r"-[0-9]+$", "", variant)
+    return {"device": "recorded", "rec": "recorded", "device-comp": "compensated", "comp": "compensated"}.get(v, v)
+
+
+def cells_of(rows: list[dict]) -> list[dict]:
+    """Per workload and path, every emulation against the truth: n, median,
+    mean with its 95% t-interval (n >= 2), and the captures it came from.
+    The emulations of one capture share that capture's error, so the
+    interval is the spread of these runs, not of independent captures."""
+    cells: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if r["vs_truth"] is not None:
+            cells.setdefault((r["workload"], path_of(r["variant"])), []).append(r)
+    out = []
+    for (wl, path), rs in sorted(cells.items()):
+        xs = [r["vs_truth"] for r in rs]
+        n = len(xs)
+        mean = statistics.fmean(xs)
+        half = T95.get(n - 1, 2.0) * statistics.stdev(xs) / n ** 0.5 if n > 1 else None
+        out.append({"workload": wl, "path": path, "n": n, "captures": len({r["capture"] for r in rs}),
+                    "median_vs_truth": statistics.median(xs), "mean_vs_truth": mean,
+                    "ci95": [mean - half, mean + half] if half is not None else None,
+                    "min": min(xs), "max": max(xs), "within_2pct": abs(statistics.median(xs)) <= 0.02,
+                    "losses_equal": sorted({str(r["losses_equal"]) for r in rs}),
+                    "peaks_equal": sorted({str(r["peaks_equal"]) for r in rs})})
+    return out
 
 
 def splits_of(root: str, label: str) -> list[dict]:
@@ -99,6 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['call']:4} {r['workload']:8} {r['variant']:16} {r['emulated_ms'] or 0:9.2f} "
               f"{r['predicted_ms'] or 0:9.2f} {pct(r['vs_prediction']):>8} {pct(r['vs_truth']):>8} "
               f"{r['step_sd_ms'] or 0:6.2f}  {str(r['losses_equal']):6}  {r['peaks_equal']}")
+    cells = cells_of(rows)
+    if cells:
+        print("\nagainst the stored truth, per workload and path (all calls' emulations):")
+        print(f"  {'workload':8} {'path':12} {'n':>2} {'caps':>4} {'median':>7} {'mean':>7} {'95% CI of mean':>17} "
+              f"{'range':>17}  within 2%")
+        for c in cells:
+            ci = f"[{pct(c['ci95'][0])}, {pct(c['ci95'][1])}]" if c["ci95"] else "-"
+            print(f"  {c['workload']:8} {c['path']:12} {c['n']:2d} {c['captures']:4d} {pct(c['median_vs_truth']):>7} "
+                  f"{pct(c['mean_vs_truth']):>7} {ci:>17} {'[' + pct(c['min']) + ', ' + pct(c['max']) + ']':>17}  "
+                  f"{'yes' if c['within_2pct'] else 'no'}")
     if splits:
         print("\ncall-log medians per device-path call, us (steps after the first quarter):")
         for s in splits:
@@ -107,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {s['call']} {s['log']} ({s['calls']} calls): {parts}{extra}")
     if a.out:
         with open(a.out, "w") as fh:
-            json.dump({"benchmark": "gpu_sandbox", "truth_ms": TRUTH_MS, "rows": rows, "call_logs": splits}, fh,
+            json.dump({"benchmark": "gpu_sandbox", "truth_ms": TRUTH_MS, "rows": rows, "cells": cells,
+                       "call_logs": splits}, fh,
                       indent=1)
         print(f"wrote {a.out}")
     return 0
