@@ -15,6 +15,13 @@ above CPU with voluntary switches: the thread slept (the GIL handed to
 another thread, a futex in the driver); CPU as high as wall: the work
 itself (or a spinning driver call) is slow. Where the log has its
 ``.threads.json`` beside it, each thread's CPU time over the logged calls.
+
+The release's round trip (a collective released at its reach, the default):
+from the GPU's reach to the flag's flip, by leg, where the coordinator's side
+(``...-rcoord.jsonl`` beside a ``-r0`` log, or ``--coord LOG``) was written:
+the watcher seeing the reach, its ``Reached`` handed to the transport, taken
+by the coordinator, its result sent, the flip on the rank; and how late the
+flip came past the release's due moment.
 """
 
 from __future__ import annotations
@@ -77,6 +84,49 @@ def stage_table(rows: list[dict], skip: float) -> dict:
     return out
 
 
+#: (label, start, end) of the release's round trip; ``c_in``/``c_out`` are the coordinator's.
+TRIP = [
+    ("reach -> watcher saw it", "reach", "t_seen"),
+    ("-> Reached handed to the transport", "t_seen", "t_rsent"),
+    ("-> taken by the coordinator", "t_rsent", "c_in"),
+    ("-> result sent by the coordinator", "c_in", "c_out"),
+    ("-> flag flipped on the rank", "c_out", "t_flip"),
+    ("reach -> flip (the round trip)", "reach", "t_flip"),
+    ("due -> flip (lateness)", "due", "t_flip"),
+]
+
+
+def coord_log_of(path: str) -> str | None:
+    """The coordinator's log beside a rank's (``calls-X-r0.jsonl`` -> ``calls-X-rcoord.jsonl``)."""
+    if ".json.gz:" in path:
+        bundle, _, name = path.partition(".json.gz:")
+        head, sep, tail = name.rpartition("-r")
+        return f"{bundle}.json.gz:{head}-rcoord.jsonl" if sep and tail.split(".")[0].isdigit() else None
+    head, sep, tail = path.rpartition("-r")
+    if not sep or not tail.split(".")[0].isdigit():
+        return None
+    side = f"{head}-rcoord.jsonl"
+    return side if os.path.exists(side) else None
+
+
+def trip_table(rows: list[dict], coord: list[dict] | None, skip: float, rank: int = 0) -> dict:
+    """Per leg of the release's round trip, p50 and p90 (us) over the calls after ``skip``."""
+    by_key = {(c["rank"], c["gid"], c["seq"]): c for c in coord or [] if c.get("rank") == rank}
+    calls = [r for r in rows if r.get("op") not in ("send", "recv") and "reach" in r and "t_flip" in r]
+    calls = calls[int(len(calls) * skip):]
+    merged = []
+    for r in calls:
+        c = by_key.get((rank, r.get("gid"), r.get("seq")))
+        merged.append({**r, **({"c_in": c["c_in"], "c_out": c["c_out"]} if c and c.get("c_in") else {})})
+    out: dict = {"calls": len(merged), "with_coordinator": sum("c_in" in m for m in merged), "legs": []}
+    for label, a, b in TRIP:
+        d = sorted((m[b] - m[a]) / 1e3 for m in merged if m.get(a) and m.get(b))
+        if d:
+            out["legs"].append({"leg": label, "n": len(d), "p50_us": statistics.median(d),
+                                "p90_us": d[int(0.9 * (len(d) - 1))]})
+    return out
+
+
 def read_threads(path: str) -> list[dict] | None:
     import gzip
 
@@ -97,6 +147,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logs", nargs="+")
     ap.add_argument("--skip", type=float, default=0.25, help="the fraction of calls left out at the start")
+    ap.add_argument("--coord", help="the coordinator's log (default: the -rcoord.jsonl beside each)")
     ap.add_argument("--json", help="write the tables here")
     a = ap.parse_args()
     doc = {}
@@ -108,6 +159,14 @@ def main() -> int:
             return 2
         t = stage_table(rows, a.skip)
         t["threads"] = read_threads(path)
+        cpath = a.coord or coord_log_of(path)
+        coord = None
+        if cpath:
+            try:
+                coord = read_calls(cpath)
+            except (OSError, ValueError, KeyError):
+                coord = None
+        t["round_trip"] = trip_table(rows, coord, a.skip)
         doc[path] = t
         print(f"\n{path}: {t['calls']} calls after the first {a.skip:.0%}")
         if not t["calls"]:
@@ -129,6 +188,12 @@ def main() -> int:
             for th in t["threads"][:10]:
                 print(f"    {th['name'][:32]:32s} {th['cpu_ns'] / 1e6:9.1f} ms ({th['cpu_ns'] / 1e9 / span:6.1%})"
                       f"  voluntary {th['vcsw']:7d}  involuntary {th['ivcsw']:6d}")
+        rt = t["round_trip"]
+        if rt["legs"]:
+            print(f"  the release's round trip ({rt['calls']} calls, {rt['with_coordinator']} with the "
+                  f"coordinator's side), us:")
+            for leg in rt["legs"]:
+                print(f"    {leg['leg']:38s} p50 {leg['p50_us']:9.1f}  p90 {leg['p90_us']:9.1f}")
     if a.json:
         write_json(a.json, doc)
     return 0

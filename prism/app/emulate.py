@@ -524,6 +524,10 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                        progress=Progress(len(sandbox), mode=config.progress), first_call_ns=first_call,
                        launch=launch, stop_signals=default_stop_signals(),
                        curve_keys=None if config.insecure else config.keys, authenticated=bool(config.agents))
+        from prism.rank.envnames import CALL_LOG_ENV
+
+        call_log = os.environ.get(CALL_LOG_ENV)
+        emu.stats.keep_trips = bool(call_log)
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         # What setup made lives as long as the emulation: out of the collector's
         # sight, so a full collection does not walk the graph's groups and the
@@ -535,6 +539,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
             result = trio.run(emu.run)
         finally:
             gc.unfreeze()
+            if call_log and emu.stats.trips:
+                _write_trips(call_log, emu.stats.trips)
     finally:
         if agent_procs is not None:
             agent_procs.close()
@@ -700,6 +706,23 @@ class _PayloadCache:
             # The slow path names what is wrong.
             return memoryview(runfolder.load_payload(self.run, record))
         return view
+
+
+def _write_trips(template: str, trips: list[dict]) -> None:
+    """The coordinator's side of the device path's call log (``--device-path``
+    with ``PRISM_DEVICE_CALL_LOG``): per released collective, when its
+    ``Reached`` came in (``c_in``) and its result went out (``c_out``), host
+    monotonic ns, as rank ``coord`` beside the ranks' logs
+    (``bench/host_time.py`` joins them into the release's round trip)."""
+    import orjson
+
+    path = template.replace("{rank}", "coord") if "{rank}" in template else template + ".coord"
+    try:
+        with open(path, "wb") as f:
+            for t in trips:
+                f.write(orjson.dumps(t) + b"\n")
+    except OSError as e:
+        print(f"prism: could not write the coordinator's call log {path}: {e}", flush=True)
 
 
 def _mean(times: Sequence[float], warmup: int) -> float | None:

@@ -97,7 +97,7 @@ def count_issue(ns: int) -> None:
     _issued[2] = max(_issued[2], ns)
 
 
-CALL_LOG_ENV = "PRISM_DEVICE_CALL_LOG"
+from prism.rank.envnames import CALL_LOG_ENV  # noqa: E402 (beside its use; the coordinator reads it too)
 #: ``PRISM_DEVICE_CALL_LOG=PATH`` (a diagnostic): every device-path call's
 #: host and GPU moments, one JSON line each, written to PATH (``{rank}`` is
 #: filled in) when the rank ends: ``t0`` the backend's entry, ``t_msg`` the
@@ -118,7 +118,10 @@ CALL_LOG_ENV = "PRISM_DEVICE_CALL_LOG"
 #: then as ``c_x`` / ``cf_x``, and its context switches at the record and the
 #: return (``v_rec``/``i_rec``, ``v1``/``i1``); beside the log,
 #: ``PATH.threads.json``: each thread's CPU time and switches
-#: (``bench/host_time.py`` reads both).
+#: (``bench/host_time.py`` reads both). The release's round trip: ``t_seen``
+#: the reach watcher saw the reach, ``t_rsent`` its ``Reached`` handed to the
+#: transport; the coordinator writes its side as rank ``coord`` (``c_in`` the
+#: ``Reached`` taken, ``c_out`` the result sent), then ``t_flip`` above.
 _call_log: list[dict] | None = None
 
 
@@ -705,7 +708,10 @@ class _Watcher:
                     on_late(carried)
                 if rec is not None:
                     rec["reach"] = reach
+                    rec["t_seen"] = time.monotonic_ns()  # the watcher saw the reach (the round trip's first leg)
                 on_reach(reach)
+                if rec is not None:
+                    rec["t_rsent"] = time.monotonic_ns()  # its Reached handed to the transport
                 self._reached.append((slot, rec))
                 moved = True
             if not moved:

@@ -8,6 +8,10 @@ SANDBOX_ENV = "PRISM_SANDBOX_RANKS"
 GPU_SANDBOX_ENV = "PRISM_GPU_SANDBOX"
 #: Comma-separated physical GPUs shared by the run (``prism.rank.devices``).
 GPUS_ENV = "PRISM_GPUS"
+#: A diagnostic: the device path's call log (``prism.rank.devicepath``), a path
+#: with ``{rank}``; the emulating coordinator writes its side of each call's
+#: round trip beside it, as rank ``coord``.
+CALL_LOG_ENV = "PRISM_DEVICE_CALL_LOG"
 #: The capture's payload records for any rank (``RUN/payloads/rank-{rank:06d}.jsonl``),
 #: whose recorded outputs a device-path sandbox delivers from its prefetch
 #: pool (``prism.rank.devicepath.RecordedFeed``).

@@ -57,6 +57,7 @@ import heapq
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,6 +145,12 @@ class EmulationStats:
     #: and of those, how many the engine then completed at another time than released (a bug if any)
     early_releases: int = 0
     early_off: int = 0
+    #: device-path collectives' round trip through the coordinator (host monotonic ns): per
+    #: ``(rank, the rank's gid, seq)`` when its ``Reached`` came in and when its result went out
+    #: (kept only where ``keep_trips``: the call log is on, ``PRISM_DEVICE_CALL_LOG``)
+    keep_trips: bool = False
+    reach_in_ns: dict[tuple[int, str, int], int] = field(default_factory=dict)
+    trips: list[dict] = field(default_factory=list)
 
 
 class Emulator(Coordinator):
@@ -429,6 +436,8 @@ class Emulator(Coordinator):
 
     async def _on_reached(self, session: RankSession, msg: P.Reached, now: int) -> None:
         self._reach[(session.rank, msg.gid, msg.seq)] = msg.reach_ns
+        if self.stats.keep_trips:
+            self.stats.reach_in_ns[(session.rank, msg.gid, msg.seq)] = time.monotonic_ns()
         await self._pump()
 
     @staticmethod
@@ -706,6 +715,10 @@ class Emulator(Coordinator):
         if isinstance(msg, P.CollectiveResult):
             msg = P.CollectiveResult(self.groups.to_rank(rank, msg.gid), msg.seq, payloads=msg.payloads,
                                      release_ns=release, tail_ns=msg.tail_ns)
+            if self.stats.keep_trips:
+                got = self.stats.reach_in_ns.pop((rank, msg.gid, msg.seq), None)
+                self.stats.trips.append({"rank": rank, "gid": msg.gid, "seq": msg.seq, "c_in": got,
+                                         "c_out": time.monotonic_ns()})
         else:
             msg = P.P2PData(msg.src, msg.dst, msg.tag, msg.pseq, payloads=msg.payloads, release_ns=release)
         await self._send(rank, msg)

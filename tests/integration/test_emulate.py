@@ -154,6 +154,11 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     threads = json.loads((gpt_run.parent / "devrec-calls-4.jsonl.threads.json").read_text())
     assert any(t["name"] == "MainThread" and t["cpu_ns"] > 0 for t in threads), threads
     assert any(t["name"].startswith("prism-io") for t in threads), threads
+    # the coordinator's side of each release's round trip, as rank "coord" beside the ranks' logs
+    coord = [json.loads(line) for line in (gpt_run.parent / "devrec-calls-coord.jsonl").read_text().splitlines()]
+    keys = {(r["gid"], r["seq"]) for r in colls}
+    assert coord and {(c["gid"], c["seq"]) for c in coord if c["rank"] == 4} <= keys, (coord[:3], colls[:3])
+    assert all(c["c_in"] is None or c["c_in"] <= c["c_out"] for c in coord), coord[:3]
 
 
 # A variant of test_the_device_path_delivers_the_recording_from_the_prefetch_pool

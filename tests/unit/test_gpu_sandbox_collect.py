@@ -45,3 +45,31 @@ def test_captures_of_one_workload_make_one_cell_against_its_truth(tmp_path, caps
     assert gc.main([str(tmp_path), "--out", str(out)]) == 0
     assert "against the stored truth" in capsys.readouterr().out
     assert len(json.loads(out.read_text())["cells"]) == 2
+
+
+def _host_time():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("host_time", ROOT / "bench" / "host_time.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_round_trip_joins_the_coordinators_side_by_rank_group_and_sequence(tmp_path):
+    ht = _host_time()
+    rank_log = tmp_path / "calls-gpt-device-r0.jsonl"
+    rows = [{"op": "all_reduce", "gid": "g1", "seq": s, "reach": 1000 * s, "t_seen": 1000 * s + 30,
+             "t_rsent": 1000 * s + 50, "t_flip": 1000 * s + 900, "due": 1000 * s + 100} for s in range(8)]
+    coord = [{"rank": 0, "gid": "g1", "seq": s, "c_in": 1000 * s + 300, "c_out": 1000 * s + 500} for s in range(8)]
+    coord.append({"rank": 1, "gid": "g1", "seq": 0, "c_in": 5, "c_out": 6})  # another rank's: not joined
+    rank_log.write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "calls-gpt-device-rcoord.jsonl").write_text("\n".join(json.dumps(c) for c in coord))
+    assert ht.coord_log_of(str(rank_log)) == str(tmp_path / "calls-gpt-device-rcoord.jsonl")
+    t = ht.trip_table(rows, ht.read_calls(ht.coord_log_of(str(rank_log))), skip=0.25)
+    legs = {leg["leg"].strip(): leg["p50_us"] for leg in t["legs"]}
+    assert t["calls"] == 6 and t["with_coordinator"] == 6
+    assert legs["-> taken by the coordinator"] == 0.25 and legs["-> result sent by the coordinator"] == 0.2
+    assert legs["-> flag flipped on the rank"] == 0.4 and legs["reach -> flip (the round trip)"] == 0.9
+    assert legs["due -> flip (lateness)"] == 0.8
