@@ -3,21 +3,12 @@ order (an async call's record comes when it completes, after the compute that
 overlapped it), with their CPU time, and the truth's from the step clock's
 call lines."""
 
-import importlib.util
-import pathlib
-import sys
-
 from prism.core.trace import P2P, Compute, Iteration
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from prism.testing.bench import load_bench
 
 
 def _comm_share():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("comm_share", ROOT / "bench" / "comm_share.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("comm_share")
 
 
 def _p2p(op, issue, wait, end):

@@ -3,18 +3,13 @@ workload (``CAPS=N``: ``cap-WL-c2``...) count as that workload against its
 stored truth, and each workload and path gets one cell with its median and
 interval."""
 
-import importlib.util
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from prism.testing.bench import load_bench
 
 
 def _collect():
-    spec = importlib.util.spec_from_file_location("gpu_sandbox_collect", ROOT / "bench" / "gpu_sandbox_collect.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("gpu_sandbox_collect")
 
 
 def _summary(root, cap, name, emulated_ms, predicted_ms=45.0):
@@ -48,13 +43,7 @@ def test_captures_of_one_workload_make_one_cell_against_its_truth(tmp_path, caps
 
 
 def _host_time():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("host_time", ROOT / "bench" / "host_time.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("host_time")
 
 
 def test_the_round_trip_joins_the_coordinators_side_by_rank_group_and_sequence(tmp_path):

@@ -1,18 +1,13 @@
 """bench/late_carry.py: what each late-release carry rule would have carried,
 on a hand-made call log whose figures are worked out below."""
 
-import importlib.util
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from prism.testing.bench import load_bench
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("late_carry", ROOT / "bench" / "late_carry.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("late_carry")
 
 
 # Call 0: 2,000 late, 30,700 ns in Prism (700 beyond NCCL's 30,000); call 1 issued 100
