@@ -549,6 +549,21 @@ class PrefetchPool:
 # --- stream-ordered release ----------------------------------------------------------
 
 
+def _host_register(shared: Any, flags: torch.Tensor) -> None:
+    """Register a shared file's mapping with CUDA (``cudaHostRegister``,
+    portable and mapped) so kernels read it as they read pinned memory."""
+    cudart = torch.cuda.cudart()
+    ptr = shared.header.ctypes.data
+    err = cudart.cudaHostRegister(ptr, shared.layout.nbytes, 0x01 | 0x02)  # Portable | Mapped
+    code = int(err) if not hasattr(err, "value") else int(err.value)
+    if code != 0:
+        raise RuntimeError(f"cuda_ext: cudaHostRegister of the shared release flags {shared.path} failed "
+                           f"(error {code}); unset PRISM_DEVICE_SHARED_RELEASE to release through messages")
+    if not flags.is_pinned():
+        raise RuntimeError(f"cuda_ext: the shared release flags {shared.path} were registered but torch does not "
+                           "see them pinned; unset PRISM_DEVICE_SHARED_RELEASE")
+
+
 class ReleaseFlags:
     """``slots`` release flags in pinned host memory the GPU can read (see the
     module docstring). On a CPU (no streams) ``wait`` blocks the calling
@@ -556,13 +571,25 @@ class ReleaseFlags:
 
     MODES = ("kernel", "memop", "host")
 
-    def __init__(self, slots: int, device: torch.device | str = "cuda") -> None:
+    def __init__(self, slots: int, device: torch.device | str = "cuda", shared: str | None = None) -> None:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
-        self.flags = torch.zeros(slots, dtype=torch.int32, pin_memory=cuda)
+        #: ``shared``: the flags and deadlines live in a file another process
+        #: (the coordinator) maps and releases through (``transport.shared_release``).
+        self.shared = None
+        if shared is not None:
+            from transport.shared_release import H_OFFSET, SharedRelease
+
+            self.shared = SharedRelease.create(shared, slots)
+            self.flags = torch.from_numpy(self.shared.flags)
+            self.deadlines = torch.from_numpy(self.shared.deadlines)
+            if cuda:
+                _host_register(self.shared, self.flags)
+        else:
+            self.flags = torch.zeros(slots, dtype=torch.int32, pin_memory=cuda)
+            #: Per slot (deadline, tail), in the wait's clock (``clock``): see ``release``.
+            self.deadlines = torch.zeros(2 * slots, dtype=torch.int64, pin_memory=cuda)
         self.stamps = torch.zeros(2 * slots, dtype=torch.int64, pin_memory=cuda)
-        #: Per slot (deadline, tail), in the wait's clock (``clock``): see ``release``.
-        self.deadlines = torch.zeros(2 * slots, dtype=torch.int64, pin_memory=cuda)
         # Cheap host-side views of the same memory (a watcher polls them).
         self._st = self.stamps.numpy()
         self._dl = self.deadlines.numpy()
@@ -572,6 +599,17 @@ class ReleaseFlags:
             # Now, while no wait holds the GPU: measuring synchronises it, so
             # a release (which converts its moment) must never have to.
             self.clock_offset_ns()
+        if self.shared is not None:
+            self.shared.header[H_OFFSET] = self.clock_offset_ns()  # the coordinator converts with it
+
+    def publish_dilation(self, dilation_ns: int) -> None:
+        """The rank's dilation (its clock's lag behind the monotonic one) for a
+        coordinator that releases through the shared file (its release times are
+        on the rank's dilated clock). No-op without ``shared``."""
+        if self.shared is not None:
+            from transport.shared_release import H_DILATION
+
+            self.shared.header[H_DILATION] = int(dilation_ns)
 
     def default_mode(self) -> str:
         if self.device.type != "cuda":
@@ -588,7 +626,9 @@ class ReleaseFlags:
             reached = time.monotonic_ns()
             self.stamps[2 * slot] = reached
             with self._cond:
-                self._cond.wait_for(lambda: int(self.flags[slot]) >= value)
+                # shared: another process may write the flag without notifying: look every 0.5 ms
+                while int(self.flags[slot]) < value:
+                    self._cond.wait(0.0005 if self.shared is not None else None)
             until = max(int(self.deadlines[2 * slot]), reached + int(self.deadlines[2 * slot + 1]))
             while (left := until - time.monotonic_ns()) > 0:
                 time.sleep(left / 1e9 if left > 200_000 else 0)

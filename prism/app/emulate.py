@@ -637,6 +637,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                   "on_device": emu.stats.device_calls, "sends_on_device": emu.stats.device_sends,
                   "reached_on_gpu": emu.stats.reached_calls,
                   "released_before_reach": emu.stats.early_releases, "early_release_off": emu.stats.early_off,
+                  # PRISM_DEVICE_SHARED_RELEASE=1: released by the coordinator writing the rank's flag
+                  "released_through_shared_memory": emu.stats.shared_releases,
                   "implicit_waits": emu.stats.implicit_waits, "deliveries": emu.stats.deliveries},
         "pacing": {"lead_ns": LEAD_NS,
                    "turnaround_p50_ns": int(np.percentile(turn, 50)), "turnaround_p99_ns": int(np.percentile(turn, 99)),

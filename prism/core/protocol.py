@@ -23,7 +23,8 @@ from prism.core import codec
 
 #: 2: results carry ``release_ns`` (emulation: when the call completes).
 #: 9: a rank on another host syncs its clock (``ClockProbe``, ``ClockEcho``, ``ClockOffset``).
-PROTOCOL_VERSION = 10
+#: 11: a GPU sandbox may release through shared memory (``ReleaseShared``, ``CollectiveArrive.release_slot``).
+PROTOCOL_VERSION = 11
 #: Largest message (all frames together) a peer may send. Tensors staged
 #: through the coordinator in phase 1 are gradient buckets and activations:
 #: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
@@ -150,7 +151,26 @@ class CollectiveArrive:
     #: when it has one (then the reply carries the recorded outputs, which the
     #: rank puts in place of its own once the real call has finished).
     in_digests: tuple[str, ...] = ()
+    #: With ``on_device`` and the rank's ``ReleaseShared`` file (protocol 11):
+    #: the flag slot and value its stream waits on, which the coordinator
+    #: writes as the result goes out (-1: none, the rank flips it itself).
+    release_slot: int = -1
+    release_value: int = 0
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseShared:
+    """Emulation, a GPU sandbox (protocol 11): its release flags live in the
+    shared-memory file ``path`` of ``slots`` flags (``transport.shared_release``);
+    the coordinator may map it and release a device-path collective by writing
+    its flag (``CollectiveArrive.release_slot``) as the result goes out. Sent
+    before the first call that names a slot; on one host only."""
+
+    TYPE: ClassVar[str] = "release_shared"
+    rank: int
+    path: str
+    slots: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,6 +415,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ClockOffset,
     GroupCreate,
     CollectiveArrive,
+    ReleaseShared,
     Reached,
     Send,
     RecvPost,
@@ -416,9 +437,9 @@ MESSAGE_TYPES: tuple[type, ...] = (
 _BY_TYPE: dict[str, type] = {m.TYPE: m for m in MESSAGE_TYPES}
 
 Message = (
-    Hello | ClockProbe | ClockOffset | ClockEcho | GroupCreate | CollectiveArrive | Reached | Send | RecvPost
-    | Wait | TraceRecords | SlotRequest | SlotRelease | Taken | Heartbeat | Goodbye | Welcome | CollectiveResult
-    | P2PData | SlotGrant | Error | Shutdown
+    Hello | ClockProbe | ClockOffset | ClockEcho | GroupCreate | CollectiveArrive | ReleaseShared | Reached | Send
+    | RecvPost | Wait | TraceRecords | SlotRequest | SlotRelease | Taken | Heartbeat | Goodbye | Welcome
+    | CollectiveResult | P2PData | SlotGrant | Error | Shutdown
 )
 
 

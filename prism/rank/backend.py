@@ -648,6 +648,9 @@ class PrismProcessGroup(dist.ProcessGroup):
         rel = devicepath.releaser()
         slot, value = rel.reserve()
         reach = rel.reports_reach and devicepath.reach_from_gpu()
+        shared = rel.shared_path is not None
+        if shared and not rel.announced:
+            _announce_shared_release(rt, rel)
         declared = inputs if inputs or op != "broadcast" else outputs  # as in _collective
         # The capture's recorded outputs, where this rank has them (its
         # prefetch pool, ``devicepath.RecordedFeed``); else compensated.
@@ -661,7 +664,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             in_shapes=tuple(_shape(t) for t in declared),
             out_shapes=tuple(_shape(t) for t in outputs), root=root, in_splits=tuple(int(x) for x in in_splits),
             out_splits=tuple(int(x) for x in out_splits), premul=premul, async_op=async_op,
-            issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach, recorded=recorded)
+            issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach, recorded=recorded,
+            release_slot=slot if shared else -1, release_value=value if shared else 0)
         what = f"{op} on group {self.gid} (seq {seq})"
         pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
@@ -1126,6 +1130,17 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def split_group(self, *args: Any, **kwargs: Any) -> Any:
         raise _unsupported("split_group (create groups with dist.new_group instead)")
+
+
+def _announce_shared_release(rt: Any, rel: Any) -> None:
+    """Tell the coordinator where this rank's release flags live
+    (``devicepath.SHARED_RELEASE_ENV``), before the first call naming a slot,
+    and keep the rank's dilation in the file from now on (the coordinator's
+    release times are on the rank's dilated clock)."""
+    rel.flags.publish_dilation(rt.dilation_ns)
+    rt.on_dilation = rel.flags.publish_dilation
+    rt.client.send(protocol.ReleaseShared(rt.rank, rel.shared_path, len(rel.flags.flags)))
+    rel.announced = True
 
 
 def _flip_release(pending: _Op, fut: Any) -> None:

@@ -149,6 +149,8 @@ class RankRuntime:
         #: keeps the wall clock. The main thread adds its waits' excess, a GPU
         #: sandbox's reach watcher its stream's (``add_dilation``).
         self.dilation_ns = 0
+        #: Told the new dilation as it moves (a GPU sandbox's shared release flags).
+        self.on_dilation: Callable[[int], None] | None = None
         self._dilation_lock = threading.Lock()
         #: When the main thread last came back from a blocking wait
         #: (``waited``; emulation only): the front-end wrapper dilates out
@@ -236,6 +238,8 @@ class RankRuntime:
         """Prism delayed this rank by ``ns`` more (any thread)."""
         with self._dilation_lock:
             self.dilation_ns += ns
+            if self.on_dilation is not None:
+                self.on_dilation(self.dilation_ns)
 
     def waited(self, release_mono_ns: int, wait_start_ns: int, resumed_ns: int) -> None:
         """The main thread waited from ``wait_start_ns`` to ``resumed_ns`` for a

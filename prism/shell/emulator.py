@@ -149,6 +149,10 @@ class EmulationStats:
     #: ``(rank, the rank's gid, seq)`` when its ``Reached`` came in and when its result went out
     #: (kept only where ``keep_trips``: the call log is on, ``PRISM_DEVICE_CALL_LOG``)
     keep_trips: bool = False
+    #: sandbox ranks whose release flags the coordinator maps (``P.ReleaseShared``), and the
+    #: device-path collectives it released by writing their flag there
+    shared_release_ranks: list[int] = field(default_factory=list)
+    shared_releases: int = 0
     reach_in_ns: dict[tuple[int, str, int], int] = field(default_factory=dict)
     trips: list[dict] = field(default_factory=list)
 
@@ -217,10 +221,15 @@ class Emulator(Coordinator):
         #: (rank, gid, seq) -> (after, cost) of a device-path collective released early
         self._early: dict[tuple[int, str, int], tuple[int, int]] = {}
         self._early_on = os.environ.get(EARLY_RELEASE_ENV, "0") == "1"
+        #: rank -> its shared release flags (``P.ReleaseShared``, ``transport.shared_release``), and
+        #: (rank, the graph's gid, seq) -> (slot, value) of a device-path collective waiting on one
+        self._shared: dict[int, Any] = {}
+        self._slots: dict[tuple[int, str, int], tuple[int, int]] = {}
         self._last_activity = 0
         self._message_handlers.update({
             P.CollectiveArrive: self._on_coll,
             P.Reached: self._on_reached,
+            P.ReleaseShared: self._on_release_shared,
             P.Send: self._on_send,
             P.RecvPost: self._on_recv,
             P.Wait: self._on_wait,
@@ -428,11 +437,22 @@ class Emulator(Coordinator):
             ok = rank in self.recordings and same is not False
         self._on_record[key] = self._on_record.get(key, True) and ok
         self._calls.setdefault(key, {})[g] = msg
+        if msg.release_slot >= 0 and rank in self._shared:
+            self._slots[(rank, msg.gid, msg.seq)] = (msg.release_slot, msg.release_value)
         # A device-path call whose reach follows waits in the queue (and holds
         # the rank's later calls behind it) until ``Reached`` gives its arrival.
         t = None if msg.reach_follows else (msg.issue_ns or now)
         self._queue[rank].append(("coll", msg, Call("coll", msg.op, msg.gid, msg.seq), t))
         await self._pump()
+
+    async def _on_release_shared(self, session: RankSession, msg: P.ReleaseShared, now: int) -> None:
+        from transport.shared_release import SharedRelease
+
+        try:
+            self._shared[session.rank] = SharedRelease.open(msg.path, msg.slots)
+            self.stats.shared_release_ranks.append(session.rank)
+        except ValueError as e:  # the rank still flips its flags itself: note it and go on
+            log.warning("rank %d: %s; its releases go through messages", session.rank, e)
 
     async def _on_reached(self, session: RankSession, msg: P.Reached, now: int) -> None:
         self._reach[(session.rank, msg.gid, msg.seq)] = msg.reach_ns
@@ -713,8 +733,12 @@ class Emulator(Coordinator):
         self.stats.deliveries += 1
         release -= self.clock_offsets.get(rank, 0)  # on the rank's own clock
         if isinstance(msg, P.CollectiveResult):
+            slot = self._slots.pop((rank, msg.gid, msg.seq), None)  # the graph's gid, as ``_on_coll`` keyed it
             msg = P.CollectiveResult(self.groups.to_rank(rank, msg.gid), msg.seq, payloads=msg.payloads,
                                      release_ns=release, tail_ns=msg.tail_ns)
+            if slot is not None:  # the GPU goes on now; the message follows for the rank's bookkeeping
+                self._shared[rank].release(slot[0], slot[1], release, msg.tail_ns)
+                self.stats.shared_releases += 1
             if self.stats.keep_trips:
                 got = self.stats.reach_in_ns.pop((rank, msg.gid, msg.seq), None)
                 self.stats.trips.append({"rank": rank, "gid": msg.gid, "seq": msg.seq, "c_in": got,

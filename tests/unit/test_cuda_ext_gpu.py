@@ -192,3 +192,47 @@ def test_wait_stamps_returns_on_a_stamp_or_a_new_generation_with_the_gil_release
     stamps[0] = 7
     t.join(5)
     assert not t.is_alive() and n > 10_000
+
+
+SHARED_WRITER = """
+import sys, time
+from transport.shared_release import SharedRelease
+s = SharedRelease.open(sys.argv[1])
+time.sleep(0.1)
+at = time.monotonic_ns() + 20_000_000 - int(s.header[4])  # due 20 ms from now, on the rank's dilated clock
+s.release(int(sys.argv[2]), 1, at_rank_ns=at, tail_ns=0)
+print(at + int(s.header[4]))
+"""
+
+
+def test_another_process_releases_the_gpu_through_shared_flags(tmp_path):
+    """``ReleaseFlags(shared=...)``: the flags and deadlines in a file
+    registered with CUDA; another process (the coordinator) writes a deadline
+    and the flag, and the stream goes on at that deadline, with no call of
+    this process's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    flags = cuda_ext.ReleaseFlags(8, "cuda", shared=str(tmp_path / "rel"))
+    assert flags.flags.is_pinned() and flags.default_mode() == "kernel"
+    flags.publish_dilation(5_000)
+    off = flags.clock_offset_ns()
+    flags.clear_stamps(3)
+    flags.wait(3, 1, mode="kernel")
+    ev = torch.cuda.Event()
+    ev.record()
+    proc = subprocess.run([sys.executable, "-c", SHARED_WRITER, str(tmp_path / "rel"), "3"], capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr
+    due_mono = int(proc.stdout.strip())
+    deadline = time.monotonic() + 10
+    while not ev.query() and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    if not ev.query():
+        flags.release(3, 1)  # never leave the GPU spinning
+        torch.cuda.synchronize()
+        pytest.fail("the stream did not go on after the other process's release")
+    assert flags.released_ns(3) + off >= due_mono - 100_000  # held until the deadline the writer asked for
+    late = flags.late_ns(3)
+    assert late is not None and late < 2_000_000, late

@@ -321,7 +321,7 @@ def test_the_dilated_clock_takes_out_only_what_a_wait_spent_past_its_release():
 
     import threading
 
-    rt = SimpleNamespace(hybrid=True, dilation_ns=0, _dilation_lock=threading.Lock())
+    rt = SimpleNamespace(hybrid=True, dilation_ns=0, _dilation_lock=threading.Lock(), on_dilation=None)
     rt.add_dilation = RankRuntime.add_dilation.__get__(rt)
     waited = RankRuntime.waited.__get__(rt)
     waited(1_000, 500, 1_300)  # released at 1000, resumed at 1300: Prism's 300
