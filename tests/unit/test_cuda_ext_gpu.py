@@ -222,17 +222,21 @@ def test_another_process_releases_the_gpu_through_shared_flags(tmp_path):
     flags.wait(3, 1, mode="kernel")
     ev = torch.cuda.Event()
     ev.record()
-    proc = subprocess.run([sys.executable, "-c", SHARED_WRITER, str(tmp_path / "rel"), "3"], capture_output=True,
-                          text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
-    assert proc.returncode == 0, proc.stderr
-    due_mono = int(proc.stdout.strip())
-    deadline = time.monotonic() + 10
-    while not ev.query() and time.monotonic() < deadline:
-        time.sleep(1e-3)
-    if not ev.query():
-        flags.release(3, 1)  # never leave the GPU spinning
-        torch.cuda.synchronize()
-        pytest.fail("the stream did not go on after the other process's release")
+    went_on = False
+    try:
+        proc = subprocess.run([sys.executable, "-c", SHARED_WRITER, str(tmp_path / "rel"), "3"],
+                              capture_output=True, text=True, timeout=20, cwd=Path(__file__).resolve().parents[2])
+        assert proc.returncode == 0, proc.stderr
+        due_mono = int(proc.stdout.strip())
+        deadline = time.monotonic() + 10
+        while not ev.query() and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        went_on = ev.query()
+    finally:
+        if not ev.query():  # never leave the GPU spinning (the next test would hang)
+            flags.release(3, 1)
+            torch.cuda.synchronize()
+    assert went_on, "the stream did not go on after the other process's release"
     assert flags.released_ns(3) + off >= due_mono - 100_000  # held until the deadline the writer asked for
     late = flags.late_ns(3)
     assert late is not None and late < 2_000_000, late
