@@ -284,6 +284,22 @@ class DevicePool:
 #: "0": a GPU ``PrefetchPool`` queues its copies and events through torch's
 #: Python API (about 20 torch calls a delivery) even where the compiled
 #: extension offers its native calls (one a delivery).
+HOLD_GIL_ENV = "PRISM_CUDA_EXT_HOLD_GIL"
+
+
+def hold_gil(hold: bool) -> bool:
+    """Keep the GIL held in the compiled calls that queue stream work (the
+    wait kernel, stamps, the prefetch pool's fills and deliveries) instead of
+    letting it go around their CUDA calls (the default; see
+    ``csrc/prism_ext.cu``). Whether the setting took: False without the
+    compiled extension (the fallback holds nothing) or one built before it."""
+    mod = kernels()
+    if mod is None or not hasattr(mod, "set_hold_gil"):
+        return False
+    mod.set_hold_gil(bool(hold))
+    return True
+
+
 POOL_NATIVE_ENV = "PRISM_POOL_NATIVE"
 
 

@@ -12,7 +12,9 @@
 #include <cuda_bf16.h>
 #include <time.h>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <optional>
 
 namespace {
 
@@ -119,6 +121,25 @@ torch::Tensor device_slab(int64_t nbytes, int64_t device) {
   return torch::from_blob(p, {nbytes}, [](void* q) { cudaFree(q); }, opts);
 }
 
+// ---- the GIL around calls that queue stream work ------------------------------------
+// By default the calls below that queue work on a stream let the GIL go around
+// their CUDA calls: a launch or copy may block on a stream's full queue behind a
+// release wait whose flag a Python thread flips. In a busy sandbox each such
+// release lets another thread take the GIL and the caller waits its turn (1-2
+// switches a call on an H100's host, 2026-12-08). set_hold_gil(true) keeps it
+// held (an experiment for ranks whose collectives the coordinator releases
+// through shared memory, with no Python thread of theirs on the way).
+static std::atomic<bool> g_hold_gil{false};
+
+void set_hold_gil(bool hold) { g_hold_gil.store(hold, std::memory_order_relaxed); }
+
+struct MaybeReleaseGil {
+  std::optional<pybind11::gil_scoped_release> released;
+  MaybeReleaseGil() {
+    if (!g_hold_gil.load(std::memory_order_relaxed)) released.emplace();
+  }
+};
+
 // ---- stream-ordered release ------------------------------------------------------
 // flags: a pinned host int32 tensor (mapped: with unified addressing the host
 // pointer is the device pointer); stamps: pinned int64, two per slot.
@@ -166,7 +187,7 @@ void wait_flag_kernel(torch::Tensor flags, int64_t slot, int64_t value, torch::T
   int* fl = flags.data_ptr<int>() + slot;
   // A launch may block (the stream's queue full behind an earlier wait): the
   // thread that flips the flag needs the GIL, so it is not held meanwhile.
-  pybind11::gil_scoped_release no_gil;
+  MaybeReleaseGil no_gil;
   wait_kernel<<<1, 1, 0, stream>>>(fl, (int)value, st, dl);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -178,7 +199,7 @@ void wait_flag_memop(torch::Tensor flags, int64_t slot, int64_t value) {
   void* host = flags.data_ptr<int>() + slot;
   CUresult r = cuMemHostGetDevicePointer(&dptr, host, 0);
   TORCH_CHECK(r == CUDA_SUCCESS, "cuMemHostGetDevicePointer failed (", (int)r, ")");
-  pybind11::gil_scoped_release no_gil;  // as in wait_flag_kernel
+  MaybeReleaseGil no_gil;  // as in wait_flag_kernel
   r = cuStreamWaitValue32((CUstream)stream.stream(), dptr, (cuuint32_t)value, CU_STREAM_WAIT_VALUE_GEQ);
   TORCH_CHECK(r == CUDA_SUCCESS, "cuStreamWaitValue32 failed (", (int)r, "); this GPU or driver may not support "
               "stream memory operations: use the wait kernel");
@@ -198,7 +219,7 @@ void stamp(torch::Tensor stamps, int64_t index, torch::Tensor acks, int64_t ack_
   unsigned long long* st = stamps.numel() ? reinterpret_cast<unsigned long long*>(stamps.data_ptr<int64_t>()) + index
                                           : nullptr;
   int* ak = acks.numel() ? acks.data_ptr<int>() + ack_slot : nullptr;
-  pybind11::gil_scoped_release no_gil;  // as in wait_flag_kernel
+  MaybeReleaseGil no_gil;  // as in wait_flag_kernel
   stamp_kernel<<<1, 1, 0, stream>>>(st, ak, (int)value);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -271,7 +292,7 @@ void event_sync(int64_t e) {
 void stream_wait(int64_t device, int64_t e) {
   c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
   auto stream = c10::cuda::getCurrentCUDAStream((c10::DeviceIndex)device);
-  pybind11::gil_scoped_release no_gil;
+  MaybeReleaseGil no_gil;
   C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), (cudaEvent_t)(intptr_t)e, 0));
 }
 
@@ -279,7 +300,7 @@ void stream_wait(int64_t device, int64_t e) {
 void stream_mark(int64_t device, int64_t e) {
   c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
   auto stream = c10::cuda::getCurrentCUDAStream((c10::DeviceIndex)device);
-  pybind11::gil_scoped_release no_gil;
+  MaybeReleaseGil no_gil;
   C10_CUDA_CHECK(cudaEventRecord((cudaEvent_t)(intptr_t)e, stream.stream()));
 }
 
@@ -288,7 +309,7 @@ void stream_mark(int64_t device, int64_t e) {
 void pool_fill(int64_t device, int64_t dst, int64_t src, int64_t nbytes, int64_t stream, int64_t e) {
   c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
   cudaStream_t s = (cudaStream_t)(intptr_t)stream;
-  pybind11::gil_scoped_release no_gil;
+  MaybeReleaseGil no_gil;
   C10_CUDA_CHECK(cudaMemcpyAsync((void*)(intptr_t)dst, (const void*)(intptr_t)src, (size_t)nbytes,
                                  cudaMemcpyHostToDevice, s));
   C10_CUDA_CHECK(cudaEventRecord((cudaEvent_t)(intptr_t)e, s));
@@ -305,7 +326,7 @@ void pool_deliver(torch::Tensor out, int64_t src, int64_t nbytes, int64_t fill, 
   c10::cuda::CUDAGuard g(out.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
   void* dst = out.data_ptr();
-  pybind11::gil_scoped_release no_gil;
+  MaybeReleaseGil no_gil;
   if (fill) C10_CUDA_CHECK(cudaStreamWaitEvent(s, (cudaEvent_t)(intptr_t)fill, 0));
   C10_CUDA_CHECK(cudaMemcpyAsync(dst, (const void*)(intptr_t)src, (size_t)nbytes,
                                  cudaMemcpyDeviceToDevice, s));
@@ -317,6 +338,7 @@ void pool_deliver(torch::Tensor out, int64_t src, int64_t nbytes, int64_t fill, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine", &combine, "out = own (op) folded, float32 math, rounded once");
   m.def("device_slab", &device_slab, "device memory from cudaMalloc, outside torch's caching allocator");
+  m.def("set_hold_gil", &set_hold_gil, "keep the GIL held in the calls that queue stream work (default: released)");
   m.def("wait_flag_kernel", &wait_flag_kernel, "the stream waits (a spinning kernel) until flags[slot] >= value, then until its deadline");
   m.def("wait_flag_memop", &wait_flag_memop, "the stream waits (cuStreamWaitValue32) until flags[slot] >= value");
   m.def("wait_stamps", &wait_stamps, "wait with the GIL released until stamps[a] or stamps[b] is set or gen moves");

@@ -405,6 +405,12 @@ class Releaser:
         self.mode = self.flags.default_mode()
         if self.mode != "kernel" and self.shared_path is not None:
             self.shared_path = None  # a memop wait cannot take a deadline: the rank times its release itself
+        if os.environ.get(cuda_ext.HOLD_GIL_ENV, "0") == "1" and cuda_ext.hold_gil(True):
+            # An experiment (sandbox-ab's -holdgil): safe where the coordinator releases the collectives
+            # through shared memory; a receive's release still needs this rank's transport thread.
+            risk = "" if self.shared_path else "; without the shared release a launch blocked by a wait can deadlock"
+            print(f"prism: device path: the GIL stays held in cuda_ext's stream calls ({cuda_ext.HOLD_GIL_ENV}=1"
+                  f"{risk})", file=sys.stderr, flush=True)
         self._n = 0
         self._lock = threading.Lock()
         #: Whether the stream's reach is stamped as it happens (and on this host's clock).

@@ -108,6 +108,12 @@ def test_this_machine_runs_the_fallback_and_says_why():
     assert i.path == "fallback" and "no CUDA device" in i.reason
 
 
+def test_holding_the_gil_is_refused_without_the_compiled_extension():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: tests/unit/test_cuda_ext_gpu.py checks the kernels")
+    assert cuda_ext.hold_gil(True) is False  # the fallback has no stream calls to hold it in
+
+
 def test_fallback_is_forced_by_the_environment(monkeypatch):
     monkeypatch.setenv("PRISM_CUDA_EXT", "off")
     mod, i = cuda_ext._load()

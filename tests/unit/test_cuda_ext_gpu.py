@@ -240,3 +240,20 @@ def test_another_process_releases_the_gpu_through_shared_flags(tmp_path):
     assert flags.released_ns(3) + off >= due_mono - 100_000  # held until the deadline the writer asked for
     late = flags.late_ns(3)
     assert late is not None and late < 2_000_000, late
+
+
+def test_the_stream_calls_can_keep_the_gil_held():
+    """``hold_gil(True)``: a release wait and a delivery queue with the GIL
+    held throughout; the stream still waits for the release and goes on at it."""
+    assert cuda_ext.hold_gil(True)
+    try:
+        flags = cuda_ext.ReleaseFlags(4, "cuda")
+        flags.wait(0, 1, mode="kernel")
+        ev = torch.cuda.Event()
+        ev.record()
+        time.sleep(0.005)
+        assert not ev.query()
+        flags.release(0, 1)
+        ev.synchronize()
+    finally:
+        cuda_ext.hold_gil(False)
