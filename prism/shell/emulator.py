@@ -149,12 +149,12 @@ class EmulationStats:
     #: ``(rank, the rank's gid, seq)`` when its ``Reached`` came in and when its result went out
     #: (kept only where ``keep_trips``: the call log is on, ``PRISM_DEVICE_CALL_LOG``)
     keep_trips: bool = False
+    reach_in_ns: dict[tuple[int, str, int], int] = field(default_factory=dict)
+    trips: list[dict] = field(default_factory=list)
     #: sandbox ranks whose release flags the coordinator maps (``P.ReleaseShared``), and the
     #: device-path collectives it released by writing their flag there
     shared_release_ranks: list[int] = field(default_factory=list)
     shared_releases: int = 0
-    reach_in_ns: dict[tuple[int, str, int], int] = field(default_factory=dict)
-    trips: list[dict] = field(default_factory=list)
 
 
 class Emulator(Coordinator):
@@ -451,7 +451,7 @@ class Emulator(Coordinator):
         try:
             self._shared[session.rank] = SharedRelease.open(msg.path, msg.slots)
             self.stats.shared_release_ranks.append(session.rank)
-        except ValueError as e:  # the rank still flips its flags itself: note it and go on
+        except (ValueError, OSError) as e:  # the rank still flips its flags itself: note it and go on
             log.warning("rank %d: %s; its releases go through messages", session.rank, e)
 
     async def _on_reached(self, session: RankSession, msg: P.Reached, now: int) -> None:
