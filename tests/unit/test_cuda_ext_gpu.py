@@ -210,11 +210,15 @@ def test_another_process_releases_the_gpu_through_shared_flags(tmp_path):
     registered with CUDA; another process (the coordinator) writes a deadline
     and the flag, and the stream goes on at that deadline, with no call of
     this process's."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    flags = cuda_ext.ReleaseFlags(8, "cuda", shared=str(tmp_path / "rel"))
+    # where the device path puts it (tmpfs): a disk file's page cache is not what a sandbox registers
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    path = os.path.join(shm, f"prism-test-release-{os.getpid()}")
+    flags = cuda_ext.ReleaseFlags(8, "cuda", shared=path)
     assert flags.flags.is_pinned() and flags.default_mode() == "kernel"
     flags.publish_dilation(5_000)
     off = flags.clock_offset_ns()
@@ -224,7 +228,7 @@ def test_another_process_releases_the_gpu_through_shared_flags(tmp_path):
     ev.record()
     went_on = False
     try:
-        proc = subprocess.run([sys.executable, "-c", SHARED_WRITER, str(tmp_path / "rel"), "3"],
+        proc = subprocess.run([sys.executable, "-c", SHARED_WRITER, path, "3"],
                               capture_output=True, text=True, timeout=20, cwd=Path(__file__).resolve().parents[2])
         assert proc.returncode == 0, proc.stderr
         due_mono = int(proc.stdout.strip())
@@ -236,6 +240,7 @@ def test_another_process_releases_the_gpu_through_shared_flags(tmp_path):
         if not ev.query():  # never leave the GPU spinning (the next test would hang)
             flags.release(3, 1)
             torch.cuda.synchronize()
+        os.unlink(path)
     assert went_on, "the stream did not go on after the other process's release"
     assert flags.released_ns(3) + off >= due_mono - 100_000  # held until the deadline the writer asked for
     late = flags.late_ns(3)
