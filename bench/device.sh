@@ -20,7 +20,8 @@
 #
 # Knobs (environment):
 #   H200_SUITES, OTHER_SUITES  by-card: the suites to run on an H200, and on any other card (a call for
-#            nvidia-h200 may get an H100), e.g. H200_SUITES=gpu-sandbox OTHER_SUITES=comm-share OTHER_CPU=1
+#            nvidia-h200 may get an H100), e.g. H200_SUITES=gpu-sandbox OTHER_SUITES=comm-share OTHER_CPU=1;
+#            H200_ENV, OTHER_ENV: each card's own knobs, ';'-separated, e.g. H200_ENV="REPS=1;WL=gpt-tp2 moe"
 #            (OTHER_CPU=1: the other card's suites run with CUDA_VISIBLE_DEVICES= set, for CPU truths,
 #            after host-check)
 #   CPUS     the CPUs the steps may use (taskset list; default all)
@@ -421,9 +422,10 @@ suite_by_card() {  # the suites of whichever card came: H200_SUITES on an H200, 
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
   echo "card: ${card:-none}"
   [ -n "${DRY:-}" ] || echo "${card:-none}" > "$R/card.txt"
+  local kv envs
   case $card in
-    *H200*) suites=${H200_SUITES:-} ;;
-    *) suites=${OTHER_SUITES:-}
+    *H200*) suites=${H200_SUITES:-}; envs=${H200_ENV:-} ;;
+    *) suites=${OTHER_SUITES:-}; envs=${OTHER_ENV:-}
        # CPU suites (the gloo truths) must not see the GPU: the bundled workloads would take it; and
        # host-check goes first, so the call says whether the host was quiet enough for CPU truths
        if [ "${OTHER_CPU:-}" = 1 ]; then
@@ -432,6 +434,14 @@ suite_by_card() {  # the suites of whichever card came: H200_SUITES on an H200, 
        fi ;;
   esac
   [ -n "$suites" ] || { echo "by-card: give H200_SUITES and OTHER_SUITES (suite names)" >&2; return 2; }
+  # H200_ENV / OTHER_ENV: that card's knobs, ';'-separated assignments (values may hold spaces)
+  local IFS_=$IFS; IFS=';'
+  for kv in $envs; do
+    kv=${kv#"${kv%%[![:space:]]*}"}
+    [ -n "$kv" ] || continue
+    case $kv in [A-Za-z_]*=*) export "$kv"; echo "by-card: $kv" ;; *) IFS=$IFS_; echo "by-card: not an assignment: $kv" >&2; return 2 ;; esac
+  done
+  IFS=$IFS_
   for s in $suites; do
     case " $(echo $SUITES) " in *" $s "*) ;; *) echo "by-card: unknown suite $s" >&2; return 2 ;; esac
     [ "$s" = by-card ] && { echo "by-card: cannot run itself" >&2; return 2; }
