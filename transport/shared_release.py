@@ -10,7 +10,9 @@ and value it waits on (``CollectiveArrive.release_slot``). The coordinator
 maps the same file (``SharedRelease.open``) and, as a result goes out, writes
 that call's deadline and tail, then its flag (``release``). The rank still
 gets the result message and flips the flag itself as before (the same value:
-whichever comes first releases the GPU).
+whichever comes first releases the GPU). Once the coordinator has mapped the
+file it unlinks it: both mappings stay, and no file is left behind however
+the rank ends.
 
 Layout (little-endian, native alignment; ``layout``): a header of eight
 int64 (magic, version, slots, the wait clock's offset from the rank's

@@ -453,6 +453,11 @@ class Emulator(Coordinator):
             self.stats.shared_release_ranks.append(session.rank)
         except (ValueError, OSError) as e:  # the rank still flips its flags itself: note it and go on
             log.warning("rank %d: %s; its releases go through messages", session.rank, e)
+            return
+        try:  # both sides hold their mappings now: no file is left behind, whatever ends the rank
+            os.unlink(msg.path)
+        except OSError:
+            pass
 
     async def _on_reached(self, session: RankSession, msg: P.Reached, now: int) -> None:
         self._reach[(session.rank, msg.gid, msg.seq)] = msg.reach_ns

@@ -129,6 +129,7 @@ def test_the_emulator_writes_a_shared_flag_as_the_result_goes_out(tmp_path):
         await coord._handle(Received(b"r0", P.ReleaseShared(0, str(tmp_path / "flags"), 16)))
         await coord._handle(Received(b"r1", P.ReleaseShared(0, str(tmp_path / "nope"), 16)))  # refused: logged
         assert list(coord._shared) == [0] and coord.stats.shared_release_ranks == [0]
+        assert not (tmp_path / "flags").exists()  # mapped by both sides, then unlinked: none left behind
         coord._slots[(0, "g1", 4)] = (5, 2)  # as _on_coll keeps it for a call naming slot 5, value 2
         await coord._deliver(0, P.CollectiveResult("g1", 4, tail_ns=300), 5_000, 4_000)
         coord._close_traces()
