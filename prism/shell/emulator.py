@@ -438,7 +438,12 @@ class Emulator(Coordinator):
         self._on_record[key] = self._on_record.get(key, True) and ok
         self._calls.setdefault(key, {})[g] = msg
         if msg.release_slot >= 0 and rank in self._shared:
-            self._slots[(rank, msg.gid, msg.seq)] = (msg.release_slot, msg.release_value)
+            if msg.release_slot < self._shared[rank].layout.slots:
+                self._slots[(rank, msg.gid, msg.seq)] = (msg.release_slot, msg.release_value)
+            else:  # the rank's bug, not the run's: it still flips its own flag when the result comes
+                log.warning("rank %d: %s on group %s (seq %d) names release slot %d, its file has %d; released "
+                            "through the message", rank, msg.op, msg.gid, msg.seq, msg.release_slot,
+                            self._shared[rank].layout.slots)
         # A device-path call whose reach follows waits in the queue (and holds
         # the rank's later calls behind it) until ``Reached`` gives its arrival.
         t = None if msg.reach_follows else (msg.issue_ns or now)
