@@ -97,16 +97,13 @@ TRIP = [
 
 
 def coord_log_of(path: str) -> str | None:
-    """The coordinator's log beside a rank's (``calls-X-r0.jsonl`` -> ``calls-X-rcoord.jsonl``)."""
-    if ".json.gz:" in path:
-        bundle, _, name = path.partition(".json.gz:")
-        head, sep, tail = name.rpartition("-r")
-        return f"{bundle}.json.gz:{head}-rcoord.jsonl" if sep and tail.split(".")[0].isdigit() else None
+    """The coordinator's log beside a rank's (``calls-X-r0.jsonl`` -> ``calls-X-rcoord.jsonl``;
+    in a bundle, ``BUNDLE.json.gz:.../calls-X-rcoord.jsonl``, read whether or not it is there)."""
     head, sep, tail = path.rpartition("-r")
     if not sep or not tail.split(".")[0].isdigit():
         return None
     side = f"{head}-rcoord.jsonl"
-    return side if os.path.exists(side) else None
+    return side if ".json.gz:" in path or os.path.exists(side) else None
 
 
 def trip_table(rows: list[dict], coord: list[dict] | None, skip: float, rank: int = 0) -> dict:

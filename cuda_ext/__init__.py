@@ -594,8 +594,9 @@ class ReleaseFlags:
         #: (the coordinator) maps and releases through (``transport.shared_release``).
         self.shared = None
         if shared is not None:
-            from transport.shared_release import H_OFFSET, SharedRelease
+            from transport.shared_release import H_DILATION, H_OFFSET, SharedRelease
 
+            self._h_dilation = H_DILATION  # publish_dilation's word (called as the dilation moves)
             self.shared = SharedRelease.create(shared, slots)
             self.flags = torch.from_numpy(self.shared.flags)
             self.deadlines = torch.from_numpy(self.shared.deadlines)
@@ -623,9 +624,7 @@ class ReleaseFlags:
         coordinator that releases through the shared file (its release times are
         on the rank's dilated clock). No-op without ``shared``."""
         if self.shared is not None:
-            from transport.shared_release import H_DILATION
-
-            self.shared.header[H_DILATION] = int(dilation_ns)
+            self.shared.header[self._h_dilation] = int(dilation_ns)
 
     def default_mode(self) -> str:
         if self.device.type != "cuda":

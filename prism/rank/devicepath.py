@@ -752,7 +752,6 @@ class _Watcher:
                 self._wait(flags.stamps, end, reach, self._gen, seen, period_ns, NATIVE_WAIT_TIMEOUT_NS)
 
 
-SHARED_RELEASE_ENV = "PRISM_DEVICE_SHARED_RELEASE"
 #: ``PRISM_DEVICE_SHARED_RELEASE=1`` (opt-in, an experiment): the release flags
 #: live in a shared-memory file the emulating coordinator maps
 #: (``transport.shared_release``) and releases a device-path collective by
@@ -761,6 +760,7 @@ SHARED_RELEASE_ENV = "PRISM_DEVICE_SHARED_RELEASE"
 #: (290-400 us of a ~900 us round trip on an H100's host, 2026-12-08,
 #: ``bench/results/gpu_sandbox-2026-12-08-h100.md``). The rank still flips
 #: the same flag when the result arrives.
+SHARED_RELEASE_ENV = "PRISM_DEVICE_SHARED_RELEASE"
 
 
 def _shared_release_path() -> str:
