@@ -314,6 +314,7 @@ def child_main(command: Sequence[str], *, rank: int, world_size: int, local_rank
     """
     rt = None
     status, message, code = "ok", "", 0
+    end_ns = None
     try:
         if endpoint is not None:
             rt = start_runtime(endpoint, rank, world_size, local_rank)
@@ -333,6 +334,7 @@ def child_main(command: Sequence[str], *, rank: int, world_size: int, local_rank
             status, message = "oom", report + "\n\n" + message
             print(f"prism: {report}", file=sys.stderr)
     finally:
+        end_ns = time.monotonic_ns()  # the script's end: what follows is Prism's (runtime.finish)
         if "prism.rank.devicepath" in sys.modules:
             try:
                 sys.modules["prism.rank.devicepath"].report()
@@ -342,7 +344,7 @@ def child_main(command: Sequence[str], *, rank: int, world_size: int, local_rank
         sys.stderr.flush()
     if rt is not None:
         try:
-            rt.finish(status, message)
+            rt.finish(status, message, end_ns=end_ns)
             rt.client.close()
             # The fork server's children leave through os._exit, which skips
             # ZeroMQ's linger: terminating the context here blocks until the

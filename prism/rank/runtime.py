@@ -214,8 +214,14 @@ class RankRuntime:
             self._acquire_locked()
         self.recorder.start_segment(time.monotonic_ns())
 
-    def finish(self, status: str, message: str = "") -> None:
-        """Flush the trace (RankEnd) and say Goodbye; idempotent."""
+    def finish(self, status: str, message: str = "", end_ns: int | None = None) -> None:
+        """Flush the trace (RankEnd) and say Goodbye; idempotent. ``end_ns``:
+        when the script ended (monotonic; default now). The Goodbye carries it
+        on the dilated clock, so Prism's own work after the script (the device
+        path's report and call log, the trace's last flush) is not the job's:
+        an emulation closes the sandbox's last segment there, and counted it
+        in the last step before (2026-12-08: 3-5 ms on a GPU sandbox whose
+        call log was written)."""
         if self._finished:
             return
         with self._slot_lock:
@@ -226,7 +232,7 @@ class RankRuntime:
             step_tracker.flush_pending()
         self.recorder.finish(time.monotonic_ns(), status, message)
         self.client.send(protocol.Goodbye(rank=self.rank, status=status, message=message,
-                                          t_ns=self.emu_ns(time.monotonic_ns())))
+                                          t_ns=self.emu_ns(time.monotonic_ns() if end_ns is None else end_ns)))
 
     # --- the dilated clock (emulation) -----------------------------------------
 

@@ -444,3 +444,47 @@ def test_the_clock_probes_knob(monkeypatch):
         monkeypatch.setenv(CLOCK_PROBES_ENV, bad)
         with pytest.raises(SystemExit, match=f"PRISM_CLOCK_PROBES='{bad}': give how many clock probes"):
             clock_probes_from_env()
+
+
+def test_goodbye_carries_the_scripts_end_on_the_dilated_clock(rt):
+    rt.add_dilation(1_000)
+    rt.finish("ok", end_ns=50_000)
+    bye = rt.client.sent[-1]
+    assert isinstance(bye, protocol.Goodbye) and bye.t_ns == 49_000
+
+
+def test_a_rank_says_its_script_ended_before_prisms_own_reports(monkeypatch):
+    # child_main takes the script's end before the device path's report (its
+    # call log may take milliseconds to write): an emulation closes the
+    # sandbox's last step at the Goodbye's time, and counted Prism's report
+    # in the job's last step before.
+    import sys
+    import types
+
+    from prism.rank import bootstrap
+
+    seen: dict = {}
+
+    class FakeRt:
+        client = types.SimpleNamespace(close=lambda: None)
+
+        def finish(self, status, message="", end_ns=None):
+            seen["finish"] = (status, end_ns, time.monotonic_ns())
+
+    fake_dp = types.ModuleType("prism.rank.devicepath")
+
+    def report():
+        seen["report"] = time.monotonic_ns()
+        time.sleep(0.02)
+
+    fake_dp.report = report
+    monkeypatch.setitem(sys.modules, "prism.rank.devicepath", fake_dp)
+    monkeypatch.setattr(bootstrap, "start_runtime", lambda *a, **k: FakeRt())
+    monkeypatch.setattr(bootstrap, "patch_torch_distributed", lambda: None)
+    monkeypatch.setattr(bootstrap, "run_command", lambda command: seen.setdefault("ran", time.monotonic_ns()))
+    monkeypatch.setitem(sys.modules, "zmq", types.SimpleNamespace(
+        Context=types.SimpleNamespace(instance=lambda: types.SimpleNamespace(term=lambda: None))))
+    assert bootstrap.child_main(["x.py"], rank=0, world_size=1, local_rank=0, endpoint="ipc://nowhere") == 0
+    status, end_ns, t_finish = seen["finish"]
+    assert status == "ok" and end_ns is not None
+    assert seen["ran"] <= end_ns <= seen["report"] and t_finish - end_ns >= 20_000_000
