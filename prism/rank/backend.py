@@ -509,6 +509,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         in_splits: Sequence[int] = (),
         out_splits: Sequence[int] = (),
     ) -> PrismWork:
+        t_in = time.monotonic_ns()  # the backend's entry (a device-path call's issue time counts from here)
         rt = _rt.current()
         reduce_name, premul = _reduce_op(reduce) if reduce is not None else ("", None)
         on_device = rt.hybrid and devicepath.eligible(op, self.global_ranks, rt.rank, [*inputs, *outputs],
@@ -526,7 +527,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             async_op = bool(getattr(opts, "asyncOp", True))
             if on_device:
                 return self._on_device(rt, op, seq, reduce_name, premul, dtype, inputs, outputs, result, root,
-                                       in_splits, out_splits, async_op, t0)
+                                       in_splits, out_splits, async_op, t0, t_in)
             ours = (pruned.members(op, reduce_name, dtype, self.global_ranks, rt.rank, [*inputs, *outputs])
                     if rt.hybrid and len(inputs) == len(outputs) == 1 else None)
             if ours is not None:
@@ -639,7 +640,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     def _on_device(self, rt: Any, op: str, seq: int, reduce_name: str, premul: float | None, dtype: str,
                    inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                    result: Sequence[torch.Tensor] | None, root: int, in_splits: Sequence[int],
-                   out_splits: Sequence[int], async_op: bool, t0: int) -> PrismWork:
+                   out_splits: Sequence[int], async_op: bool, t0: int, t_in: int) -> PrismWork:
         """A GPU sandbox's call answered by virtual members only
         (``prism.rank.devicepath``): the stream waits for the release and
         forms the outputs in place; the CPU goes on at once."""
@@ -714,7 +715,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             devicepath.stamp(rec, "t_out")
         work = self._issued(PrismWork(pending))
         t1 = time.monotonic_ns()
-        devicepath.count_issue(t1 - t0)
+        devicepath.count_issue(t1 - t_in)
         self._charge_return(rel, slot, t0, t1, drained, sync=not async_op)
         if rec is not None:
             devicepath.mark_return(rec, t1, devicepath.stream_busy(dev))

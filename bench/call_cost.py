@@ -1,0 +1,122 @@
+"""A device-path call's host time in Prism's backend, this tree against a base
+revision, side by side on one machine (no GPU: the device path's CPU test mode).
+
+    python bench/call_cost.py [--base REV] [--runs 3] [--steps 20] [--json OUT]
+
+The GPU sandbox's remaining error is Prism's host time per call (300-500 us on
+an H100's host against NCCL's 25-42; docs/DESIGN.md). Most of it is Python
+bookkeeping that the device path's CPU test mode (``PRISM_GPU_SANDBOX=cpu-test``:
+the same backend code on CPU tensors, no stream to wait on) runs as well, so
+its cost can be cut and measured here. The bench captures the bundled GPT once
+(8 ranks, tp2 pp2 dp2, small, ``--record 4``) with this tree, then emulates
+sandbox rank 4 in CPU test mode ``--runs`` times with each tree, alternating
+(base, this, base, this...), and reads each run's rank log: ``prism: device
+path: N calls issued, X us ... (median M us ...)`` (the time from the
+backend's entry to its return, per call; the base must print the median, i.e.
+be 2026-12-08's ``call_cost`` commit or later). It prints per tree the median
+over runs of each run's median and mean, and this tree's over the base's as
+a ratio; the JSON has every run. Not covered: the GPU's own calls (stream
+queries, the release wait, the pool's delivery), which take their own time
+on a GPU host (``bench/host_time.py`` on a GPU run's call log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _results import result_path, write_json  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GPT = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--dp", "2", "--layers", "2", "--hidden", "32",
+       "--heads", "2", "--seq-len", "16"]
+ISSUED = re.compile(r"prism: device path: (\d+) calls issued, ([\d.]+) us .*?\(median ([\d.]+) us, max ([\d.]+) us\)")
+
+
+def run(cmd: list[str], tree: pathlib.Path, env: dict[str, str] | None = None, timeout: int = 600) -> str:
+    e = dict(os.environ, PYTHONPATH=str(tree), **(env or {}))
+    p = subprocess.run([sys.executable, *cmd], cwd=tree, env=e, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise SystemExit(f"call_cost: {' '.join(cmd[:3])} in {tree} failed ({p.returncode}):\n"
+                         f"{p.stderr[-3000:]}{p.stdout[-1000:]}")
+    return p.stdout
+
+
+def issued(run_dir: pathlib.Path, name: str, rank: int) -> dict:
+    log = run_dir / "emulation" / name / "logs" / f"rank-{rank:06d}.log"
+    m = ISSUED.search(log.read_text()) if log.is_file() else None
+    if m is None:
+        raise SystemExit(f"call_cost: no 'calls issued ... (median ...)' line in {log}; is the base tree older "
+                         "than the bench (give --base a revision that prints the median)?")
+    return {"calls": int(m.group(1)), "mean_us": float(m.group(2)), "median_us": float(m.group(3)),
+            "max_us": float(m.group(4))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="HEAD", help="the revision to compare with (default HEAD: the last commit)")
+    ap.add_argument("--runs", type=int, default=3, help="emulations per tree, alternating (default 3)")
+    ap.add_argument("--steps", type=int, default=20, help="the workload's steps (default 20)")
+    ap.add_argument("--sandbox", type=int, default=4, help="the sandbox rank (default 4)")
+    ap.add_argument("--json", default=None, help="where to write the results (default bench/results/call_cost-DATE.json)")
+    args = ap.parse_args()
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="prism-call-cost-"))
+    base = work / "base"
+    rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), rev], cwd=ROOT, check=True)
+    try:
+        cap = work / "gpt"
+        t = time.perf_counter()
+        run(["-m", "prism", "capture", "-n", "8", "--record", str(args.sandbox), "--out", str(cap), "--progress",
+             "off", "--show-ranks", "none", "--", *GPT, "--steps", str(args.steps)], ROOT)
+        print(f"captured in {time.perf_counter() - t:.1f} s: {cap}")
+        env = {"PRISM_GPU_SANDBOX": "cpu-test"}
+        rows = []
+        for i in range(args.runs):
+            for label, tree in (("base", base), ("this", ROOT)):
+                name = f"{label}-{i}"
+                run(["-m", "prism", "emulate", str(cap), "--sandbox", str(args.sandbox), "--name", name,
+                     "--progress", "off", "--prefetch-pool", "1"], tree, env)
+                r = {"tree": label, "run": i, **issued(cap, name, args.sandbox)}
+                rows.append(r)
+                print(f"  {name:<8} {r['calls']:>5} calls  median {r['median_us']:7.1f} us  mean {r['mean_us']:7.1f} us"
+                      f"  max {r['max_us']:8.1f} us")
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT)
+        shutil.rmtree(work, ignore_errors=True)
+
+    def agg(label: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["tree"] == label)
+
+    table = {label: {k: agg(label, k) for k in ("median_us", "mean_us")} for label in ("base", "this")}
+    print(f"\nper device-path call in Prism's backend (cpu-test, sandbox rank {args.sandbox}, median of {args.runs} runs):")
+    print(f"  {'tree':<24}{'median us':>12}{'mean us':>12}")
+    for label, name in (("base", f"base {rev}"), ("this", f"this {here}{' + changes' if dirty else ''}")):
+        print(f"  {name:<24}{table[label]['median_us']:>12.1f}{table[label]['mean_us']:>12.1f}")
+    ratio = {k: table["this"][k] / table["base"][k] for k in ("median_us", "mean_us")}
+    print(f"  {'this / base':<24}{ratio['median_us']:>12.2f}{ratio['mean_us']:>12.2f}")
+    doc = {"benchmark": "call_cost", "date": time.strftime("%Y-%m-%d", time.gmtime()), "base": rev,
+           "this": here + (" + uncommitted changes" if dirty else ""), "runs": args.runs, "steps": args.steps,
+           "workload": " ".join(GPT), "rows": rows, "table": table, "ratio": ratio}
+    write_json(args.json or result_path("call_cost"), doc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
