@@ -1,7 +1,7 @@
 """A device-path call's host time in Prism's backend, this tree against a base
 revision, side by side on one machine (no GPU: the device path's CPU test mode).
 
-    python bench/call_cost.py [--base REV] [--runs 3] [--steps 20] [--json OUT]
+    python bench/call_cost.py [--base REV] [--runs 3] [--steps 20] [--call-log] [--json OUT]
 
 The GPU sandbox's remaining error is Prism's host time per call (300-500 us on
 an H100's host against NCCL's 25-42; docs/DESIGN.md). Most of it is Python
@@ -15,7 +15,10 @@ path: N calls issued, X us ... (median M us ...)`` (the time from the
 backend's entry to its return, per call; the base must print the median, i.e.
 be 2026-12-08's ``call_cost`` commit or later). It prints per tree the median
 over runs of each run's median and mean, and this tree's over the base's as
-a ratio; the JSON has every run. Not covered: the GPU's own calls (stream
+a ratio; the JSON has every run. With ``--call-log`` each run also writes
+the device path's call log and the table adds each stage's median wall time
+(``bench/host_time.py``'s stages; the log's own stamps cost every call a
+little, the same in both trees). Not covered: the GPU's own calls (stream
 queries, the release wait, the pool's delivery), which take their own time
 on a GPU host (``bench/host_time.py`` on a GPU run's call log).
 """
@@ -36,6 +39,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _results import result_path, write_json  # noqa: E402
+from host_time import stage_table  # noqa: E402
+from late_carry import read_calls  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPT = ["-m", "prism.workloads.gpt", "--tp", "2", "--pp", "2", "--dp", "2", "--layers", "2", "--hidden", "32",
@@ -68,6 +73,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="emulations per tree, alternating (default 3)")
     ap.add_argument("--steps", type=int, default=20, help="the workload's steps (default 20)")
     ap.add_argument("--sandbox", type=int, default=4, help="the sandbox rank (default 4)")
+    ap.add_argument("--call-log", action="store_true", help="also write call logs and compare stage by stage")
     ap.add_argument("--json", default=None, help="where to write the results (default bench/results/call_cost-DATE.json)")
     args = ap.parse_args()
 
@@ -91,9 +97,14 @@ def main() -> int:
         for i in range(args.runs):
             for label, tree in (("base", base), ("this", ROOT)):
                 name = f"{label}-{i}"
+                log = work / f"calls-{name}-{{rank}}.jsonl"
                 run(["-m", "prism", "emulate", str(cap), "--sandbox", str(args.sandbox), "--name", name,
-                     "--progress", "off", "--prefetch-pool", "1"], tree, env)
+                     "--progress", "off", "--prefetch-pool", "1"], tree,
+                    dict(env, PRISM_DEVICE_CALL_LOG=str(log)) if args.call_log else env)
                 r = {"tree": label, "run": i, **issued(cap, name, args.sandbox)}
+                if args.call_log:
+                    st = stage_table(read_calls(str(log).format(rank=args.sandbox)), 0.25)
+                    r["stages_wall_us_p50"] = {x["stage"].strip(): x["wall_us_p50"] for x in st["stages"]}
                 rows.append(r)
                 print(f"  {name:<8} {r['calls']:>5} calls  median {r['median_us']:7.1f} us  mean {r['mean_us']:7.1f} us"
                       f"  max {r['max_us']:8.1f} us")
@@ -111,6 +122,17 @@ def main() -> int:
         print(f"  {name:<24}{table[label]['median_us']:>12.1f}{table[label]['mean_us']:>12.1f}")
     ratio = {k: table["this"][k] / table["base"][k] for k in ("median_us", "mean_us")}
     print(f"  {'this / base':<24}{ratio['median_us']:>12.2f}{ratio['mean_us']:>12.2f}")
+    if args.call_log:
+        stages = list(rows[0]["stages_wall_us_p50"])
+        for label in ("base", "this"):
+            table[label]["stages_wall_us_p50"] = {
+                st: statistics.median(r["stages_wall_us_p50"][st] for r in rows
+                                      if r["tree"] == label and st in r["stages_wall_us_p50"]) for st in stages}
+        print("\nby stage, the call log's wall p50 (median of the runs), us:")
+        print(f"  {'stage':<36}{'base':>10}{'this':>10}{'this - base':>13}")
+        for st in stages:
+            b, t = table["base"]["stages_wall_us_p50"][st], table["this"]["stages_wall_us_p50"][st]
+            print(f"  {st:<36}{b:>10.1f}{t:>10.1f}{t - b:>+13.1f}")
     doc = {"benchmark": "call_cost", "date": time.strftime("%Y-%m-%d", time.gmtime()), "base": rev,
            "this": here + (" + uncommitted changes" if dirty else ""), "runs": args.runs, "steps": args.steps,
            "workload": " ".join(GPT), "rows": rows, "table": table, "ratio": ratio}

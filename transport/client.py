@@ -291,7 +291,14 @@ class BlockingClient:
         """
         if self._closing:
             raise RuntimeError(f"send({type(msg).__name__}) on a closed BlockingClient ({self.endpoint})")
-        frames = protocol.encode(msg, max_bytes=self.max_message_bytes)
+        return self.send_frames(protocol.encode(msg, max_bytes=self.max_message_bytes))
+
+    def send_frames(self, frames: list[Any]) -> concurrent.futures.Future[None]:
+        """``send`` of a message already encoded (``protocol.encode``'s frames:
+        a caller that sends many alike keeps their header and fills in what
+        changes, as a GPU sandbox's device path does)."""
+        if self._closing:
+            raise RuntimeError(f"send_frames on a closed BlockingClient ({self.endpoint})")
         tracked = any(memoryview(f).nbytes >= self._copy_threshold for f in frames[1:])
         if tracked:
             sent: concurrent.futures.Future[None] = concurrent.futures.Future()

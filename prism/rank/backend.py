@@ -150,10 +150,16 @@ def _from_payload(buf: Any, like: torch.Tensor, where: str) -> torch.Tensor:
     return flat.view(like.dtype).reshape(like.shape)
 
 
+#: RedOpType -> its name (pybind's ``.name`` costs a call 10-20 us inside a rank, cold; 2026-12-08).
+_REDUCE_NAMES: dict[Any, str] = {}
+
+
 def _reduce_op(op: Any) -> tuple[str, float | None]:
     """(name, PREMUL_SUM factor) of a ReduceOp or RedOpType."""
     kind = op.op if isinstance(op, ReduceOp) else op
-    name = kind.name
+    name = _REDUCE_NAMES.get(kind)
+    if name is None:
+        name = _REDUCE_NAMES[kind] = kind.name
     if name == "PREMUL_SUM":
         factor = getattr(op, "factor", None)
         if factor is None:
@@ -431,6 +437,37 @@ class PrismWork(dist._Work):
         return self._op.torch_future
 
 
+class _DeviceTemplate:
+    """What every device-path call of one signature (op, reduction, dtypes,
+    shapes, splits, root, async) sends and records, made at its first call:
+    its ``CollectiveArrive``'s header with the per-call fields still to set
+    (``seq``, ``issue_ns``, ``recorded``, ``release_slot``,
+    ``release_value``), the declared shapes and splits, the bytes moved.
+    A call then copies the header and encodes it: building and encoding the
+    message took 20-30 us of each call inside a rank (cold caches; 5-13 hot),
+    the copy ~1 (2026-12-08, the 2-core VM, ``bench/call_cost.py``)."""
+
+    __slots__ = ("header", "in_shapes", "out_shapes", "in_splits", "out_splits", "nbytes")
+
+    def __init__(self, rank: int, gid: str, op: str, reduce_name: str, premul: float | None, dtype: str,
+                 declared: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], root: int,
+                 in_splits: Sequence[int], out_splits: Sequence[int], async_op: bool, reach: bool) -> None:
+        self.in_shapes = tuple(_shape(t) for t in declared)
+        self.out_shapes = tuple(_shape(t) for t in outputs)
+        self.in_splits = tuple(int(x) for x in in_splits)
+        self.out_splits = tuple(int(x) for x in out_splits)
+        self.nbytes = sum(t.numel() * t.element_size() for t in declared)
+        self.header = protocol.header_template(protocol.CollectiveArrive(
+            rank=rank, gid=gid, seq=0, op=op, reduce_op=reduce_name, dtype=dtype, in_shapes=self.in_shapes,
+            out_shapes=self.out_shapes, root=root, in_splits=self.in_splits, out_splits=self.out_splits,
+            premul=premul, async_op=async_op, issue_ns=0, on_device=True, reach_follows=reach, recorded=False,
+            release_slot=-1, release_value=0))
+        for name in ("seq", "issue_ns", "recorded", "release_slot", "release_value"):
+            if name not in self.header:  # a protocol change that renamed one: fail at the first call, by name
+                raise RuntimeError(f"the device path's CollectiveArrive template has no field {name!r}: "
+                                   "a Prism bug, please report it")
+
+
 def _value(ref: str, t: torch.Tensor) -> trace.TensorValue:
     return trace.TensorValue(ref=ref, dtype=_dtype_name(t.dtype), shape=_shape(t), data=bytes(_buffer(_host(t))))
 
@@ -467,6 +504,11 @@ class PrismProcessGroup(dist.ProcessGroup):
         self._seq_lock = threading.Lock()
         #: Ops issued since ``_start_coalescing`` (None: not coalescing).
         self._coalesced: list[Any] | None = None
+        #: Whether this group's calls may take the GPU sandbox's device path
+        #: (``devicepath.group_eligible``; None: not asked yet).
+        self._device_group: bool | None = None
+        #: The device path's per-signature templates (``_DeviceTemplate``).
+        self._device_templates: dict[tuple, "_DeviceTemplate"] = {}
 
     @property
     def _device_types(self) -> list[torch.device]:
@@ -512,8 +554,10 @@ class PrismProcessGroup(dist.ProcessGroup):
         t_in = time.monotonic_ns()  # the backend's entry (a device-path call's issue time counts from here)
         rt = _rt.current()
         reduce_name, premul = _reduce_op(reduce) if reduce is not None else ("", None)
-        on_device = rt.hybrid and devicepath.eligible(op, self.global_ranks, rt.rank, [*inputs, *outputs],
-                                                      in_splits, out_splits, reduce_name)
+        group_ok = self._device_group
+        if group_ok is None:  # the group's part of the device path's eligibility, decided once
+            group_ok = self._device_group = bool(rt.hybrid) and devicepath.group_eligible(self.global_ranks, rt.rank)
+        on_device = group_ok and devicepath.call_eligible(op, (*inputs, *outputs), reduce_name)
         if rt.recorder.gpu is None and not on_device:
             _settle([*inputs, *outputs])
         rt.ensure_slot()
@@ -653,6 +697,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         if shared and not rel.announced:
             _announce_shared_release(rt, rel)
         declared = inputs if inputs or op != "broadcast" else outputs  # as in _collective
+        tmpl = self._device_template(rt.rank, op, reduce_name, premul, dtype, declared, outputs, root, in_splits,
+                                     out_splits, async_op, reach)
         # The capture's recorded outputs, where this rank has them (its
         # prefetch pool, ``devicepath.RecordedFeed``); else compensated.
         anyt = [*outputs, *inputs]
@@ -660,13 +706,12 @@ class PrismProcessGroup(dist.ProcessGroup):
         refs = [PL.coll_ref(self.gid, seq, "out", i, len(outputs)) for i in range(len(outputs))]
         recorded = feed is not None and all(feed.can_deliver(r, o) for r, o in zip(refs, outputs))
         devicepath.stamp(marks, "t_feed")
-        msg = protocol.CollectiveArrive(
-            rank=rt.rank, gid=self.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype,
-            in_shapes=tuple(_shape(t) for t in declared),
-            out_shapes=tuple(_shape(t) for t in outputs), root=root, in_splits=tuple(int(x) for x in in_splits),
-            out_splits=tuple(int(x) for x in out_splits), premul=premul, async_op=async_op,
-            issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach, recorded=recorded,
-            release_slot=slot if shared else -1, release_value=value if shared else 0)
+        # The CollectiveArrive, from the signature's header (``_DeviceTemplate``).
+        header = dict(tmpl.header)
+        header["seq"], header["issue_ns"], header["recorded"] = seq, rt.emu_ns(t0), recorded
+        if shared:
+            header["release_slot"], header["release_value"] = slot, value
+        frames = protocol.encode_header(header)
         what = f"{op} on group {self.gid} (seq {seq})"
         pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
@@ -678,13 +723,13 @@ class PrismProcessGroup(dist.ProcessGroup):
         rec = pending.call_log = None if marks is None else devicepath.call_record(
             op=op, gid=self.gid, seq=seq, t0=t0, async_op=async_op, recorded=recorded, busy0=busy0, marks=marks)
         pending.hold_weakly()
-        nbytes = sum(t.numel() * t.element_size() for t in declared)
+        gid = self.gid
 
         def finish(p: _Op) -> list[Any]:
             return [trace.Collective(
-                gid=msg.gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype, in_shapes=msg.in_shapes,
-                out_shapes=msg.out_shapes, bytes=nbytes, root=root, in_splits=msg.in_splits,
-                out_splits=msg.out_splits, premul=premul, async_op=async_op, issue_ns=p.issue_ns,
+                gid=gid, seq=seq, op=op, reduce_op=reduce_name, dtype=dtype, in_shapes=tmpl.in_shapes,
+                out_shapes=tmpl.out_shapes, bytes=tmpl.nbytes, root=root, in_splits=tmpl.in_splits,
+                out_splits=tmpl.out_splits, premul=premul, async_op=async_op, issue_ns=p.issue_ns,
                 wait_ns=p.wait_ns or p.end_ns, end_ns=p.end_ns, step=p.step)]
 
         pending.finish_events = finish
@@ -694,7 +739,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         # blocks this thread next (a kernel's first launch, a copy), the
         # release can come (the flags only grow: a release before the wait
         # is queued lets it pass at once).
-        rt.send_call(msg)
+        rt.send_call(None, frames)
         devicepath.stamp(rec, "t_sent")
         _on_result(rt, pending, fut)
         side = devicepath.side_stream(anyt[0].device) if async_op and anyt else None
@@ -720,6 +765,20 @@ class PrismProcessGroup(dist.ProcessGroup):
         if rec is not None:
             devicepath.mark_return(rec, t1, devicepath.stream_busy(dev))
         return work
+
+    def _device_template(self, rank: int, op: str, reduce_name: str, premul: float | None, dtype: str,
+                         declared: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], root: int,
+                         in_splits: Sequence[int], out_splits: Sequence[int], async_op: bool,
+                         reach: bool) -> "_DeviceTemplate":
+        """The device-path template of this call's signature, made at its first call."""
+        key = (op, reduce_name, premul, dtype, root, async_op, reach, tuple(in_splits), tuple(out_splits),
+               tuple([(tuple(t.shape), t.dtype) for t in declared]), tuple([tuple(t.shape) for t in outputs]))
+        tmpl = self._device_templates.get(key)
+        if tmpl is None:
+            tmpl = self._device_templates[key] = _DeviceTemplate(
+                rank, self.gid, op, reduce_name, premul, dtype, declared, outputs, root, in_splits, out_splits,
+                async_op, reach)
+        return tmpl
 
     @staticmethod
     def _charge_entry(rt: Any, t0: int, busy0: bool | None) -> bool:

@@ -146,10 +146,51 @@ def _thread_marks() -> tuple[int, int, int]:
         return time.thread_time_ns(), 0, 0
 
 
+class _EnvFlags:
+    """The device path's switches, read from the environment once, at a
+    rank's first call that asks (its environment is fixed by then; a test
+    that changes it in process calls ``reset_env``). Each call read them
+    anew before: five environment reads, cold, 5-20 us of every call inside
+    a rank (2026-12-08, the 2-core VM, ``bench/call_cost.py``)."""
+
+    __slots__ = ("enabled", "cpu_test", "call_log", "reach_gpu", "side_stream")
+
+    def __init__(self) -> None:
+        env = os.environ
+        mode = env.get(GPU_SANDBOX_ENV)
+        self.enabled = mode in ("1", "cpu-test")
+        self.cpu_test = mode == "cpu-test"
+        self.call_log = bool(env.get(CALL_LOG_ENV))
+        self.reach_gpu = env.get(REACH_ENV, "gpu") != "issue"
+        self.side_stream = env.get(SIDE_STREAM_ENV, "1") != "0"
+
+
+_env: _EnvFlags | None = None
+
+
+def _flags() -> _EnvFlags:
+    f = _env
+    return f if f is not None else _read_env()
+
+
+def _read_env() -> _EnvFlags:
+    global _env
+    _env = _EnvFlags()
+    return _env
+
+
+def reset_env() -> None:
+    """Forget what was read from the environment (the switches and the
+    sandbox ranks): for tests that change it in process."""
+    global _env, _sandbox
+    _env = None
+    _sandbox = None
+
+
 def entry_marks() -> dict | None:
     """Moments of a device-path call before its record exists (``call_record``
     takes them: ``marks=``), or None unless the call log is on."""
-    return {} if os.environ.get(CALL_LOG_ENV) else None
+    return {} if _flags().call_log else None
 
 
 def call_record(**fields: Any) -> dict | None:
@@ -160,7 +201,7 @@ def call_record(**fields: Any) -> dict | None:
     whether a call's host time was spent on the CPU or waiting off it (the
     GIL, a lock, the driver)."""
     global _call_log, _threads_at_start
-    if not os.environ.get(CALL_LOG_ENV):
+    if not _flags().call_log:
         return None
     if _call_log is None:
         _call_log = []
@@ -321,18 +362,18 @@ def reach_from_gpu() -> bool:
     """Whether a device-path call's arrival is the GPU's reach (the default)
     or, with ``PRISM_DEVICE_REACH=issue``, the CPU's issue (for comparison:
     the engine then sees the CPU's lead over its stream as early arrivals)."""
-    return os.environ.get(REACH_ENV, "gpu") != "issue"
+    return _flags().reach_gpu
 
 
 def enabled() -> bool:
-    return os.environ.get(GPU_SANDBOX_ENV) in ("1", "cpu-test")
+    return _flags().enabled
 
 
 def _cpu_test() -> bool:
     """``PRISM_GPU_SANDBOX=cpu-test``: the device path's protocol and in-place
     outputs on CPU tensors, with no stream to wait on (the outputs are formed
     at the call, not at the release): for tests of the path without a GPU."""
-    return os.environ.get(GPU_SANDBOX_ENV) == "cpu-test"
+    return _flags().cpu_test
 
 
 def sandbox_ranks() -> frozenset[int]:
@@ -343,18 +384,35 @@ def sandbox_ranks() -> frozenset[int]:
     return _sandbox
 
 
+_REDUCES = frozenset({"SUM", "AVG", "PREMUL_SUM", "MIN", "MAX"})
+
+
 def eligible(op: str, members: Sequence[int], rank: int, tensors: Sequence[torch.Tensor],
              in_splits: Sequence[int], out_splits: Sequence[int], reduce_name: str) -> bool:
     """Whether this call takes the device path (see the module docstring)."""
-    if op not in _OPS or not enabled():
+    return group_eligible(members, rank) and call_eligible(op, tensors, reduce_name)
+
+
+def group_eligible(members: Sequence[int], rank: int) -> bool:
+    """The part of ``eligible`` that depends on the group alone (a backend
+    keeps it per group): the device path is on, and no other member is a
+    sandbox (whose real data the host path exchanges)."""
+    return enabled() and not any(m in sandbox_ranks() for m in members if m != rank)
+
+
+def call_eligible(op: str, tensors: Sequence[torch.Tensor], reduce_name: str) -> bool:
+    """The part of ``eligible`` that depends on the call: its op, its tensors
+    (on the GPU, contiguous), its reduction, and a releaser to be had."""
+    if op not in _OPS:
         return False
-    if any(m in sandbox_ranks() for m in members if m != rank):
-        return False  # another sandbox's real data is needed: the host path exchanges it
-    if tensors and not all((t.is_cuda or _cpu_test()) and t.is_contiguous() for t in tensors):
+    if tensors:
+        cpu = _flags().cpu_test
+        for t in tensors:
+            if not ((cpu or t.is_cuda) and t.is_contiguous()):
+                return False
+    if reduce_name and reduce_name not in _REDUCES:
         return False
-    if reduce_name and reduce_name not in ("SUM", "AVG", "PREMUL_SUM", "MIN", "MAX"):
-        return False
-    return releaser() is not None
+    return _releaser is not None or releaser() is not None
 
 
 def eligible_p2p(peer: int, tensor: torch.Tensor) -> bool:
@@ -1277,7 +1335,7 @@ class SideStream:
 def side_stream(device: torch.device) -> SideStream | None:
     """The side stream for ``device``'s async device-path calls; None on
     CPU tensors (``cpu-test``) or with ``PRISM_DEVICE_SIDE_STREAM=0``."""
-    if device.type != "cuda" or os.environ.get(SIDE_STREAM_ENV, "1") == "0":
+    if device.type != "cuda" or not _flags().side_stream:
         return None
     with _lock:
         s = _sides.get(device)

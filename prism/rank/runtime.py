@@ -320,19 +320,23 @@ class RankRuntime:
             self._acquire_locked()
         self.recorder.comm_exit(time.monotonic_ns())
 
-    def send_call(self, msg: Any) -> None:
+    def send_call(self, msg: Any, frames: list[Any] | None = None) -> None:
         """Send a communication call's message (``CollectiveArrive``, ``Send``,
         ``RecvPost``) holding the slot. The stall monitor may have given the
         slot away after ``ensure_slot`` while the main thread staged the
         payload (it waited for the GIL or a device copy with no CPU use):
         take it back first, under the lock the monitor takes, so the message
-        can never leave without a slot."""
+        can never leave without a slot. ``frames``: the message already
+        encoded (``BlockingClient.send_frames``; ``msg`` is then None)."""
         with self._slot_lock:
             retaken = self._implicit and not self._holds_slot
             if retaken:
                 self._implicit = False
                 self._acquire_locked()
-            self.client.send(msg)
+            if frames is None:
+                self.client.send(msg)
+            else:
+                self.client.send_frames(frames)
         if retaken:
             self.recorder.comm_exit(time.monotonic_ns())
 

@@ -15,6 +15,14 @@ from prism.rank import devicepath
 from prism.shell.runfolder import payload_index_path
 
 
+@pytest.fixture(autouse=True)
+def _fresh_env():
+    # the device path reads its switches once (devicepath._flags); these tests change them in process
+    devicepath.reset_env()
+    yield
+    devicepath.reset_env()
+
+
 def _arrive(op, dtype, x_shape, out_shape, reduce_op="", premul=None, splits=()):
     return P.CollectiveArrive(rank=0, gid="g", seq=0, op=op, reduce_op=reduce_op, dtype=dtype,
                               in_shapes=(x_shape,), out_shapes=(out_shape,), premul=premul,
@@ -79,6 +87,8 @@ def test_eligibility_keeps_the_host_path_where_it_must(monkeypatch):
     assert devicepath.eligible("all_to_all_single", (0, 2), 0, [t], (1, 3), (2, 2), "")  # uneven: formed on the GPU
     assert not devicepath.eligible("all_reduce", (0, 2), 0, [t], (), (), "PRODUCT")
     monkeypatch.delenv(devicepath.GPU_SANDBOX_ENV)
+    assert devicepath.eligible("all_reduce", (0, 2), 0, [t], (), (), "SUM")  # the switches are read once
+    devicepath.reset_env()
     assert not devicepath.eligible("all_reduce", (0, 2), 0, [t], (), (), "SUM")
 
 

@@ -277,3 +277,21 @@ def test_a_pruned_arrival_round_trips_without_payloads():
     got = decode(encode(msg))
     assert got == msg and got.pruned is True and got.payloads == ()
     assert CollectiveArrive(0, "g", 4, "all_reduce", "SUM", "float32", (), ()).pruned is False
+
+
+def test_a_header_template_encodes_as_the_message_does():
+    # the device path sends its CollectiveArrives from a per-signature template
+    P = protocol
+    base = P.CollectiveArrive(rank=3, gid="g1-ab", seq=0, op="all_reduce", reduce_op="PREMUL_SUM", dtype="bfloat16",
+                              in_shapes=((4, 8),), out_shapes=((4, 8),), premul=0.25, async_op=True, issue_ns=0,
+                              on_device=True, reach_follows=True, recorded=False, release_slot=-1, release_value=0)
+    tmpl = P.header_template(base)
+    header = dict(tmpl)
+    header.update(seq=17, issue_ns=123_456_789_012, recorded=True, release_slot=5, release_value=9)
+    frames = P.encode_header(header)
+    want = dataclasses.replace(base, seq=17, issue_ns=123_456_789_012, recorded=True, release_slot=5, release_value=9)
+    assert frames == [bytes(P.encode(want)[0])]
+    assert P.decode(frames) == want
+    assert tmpl["seq"] == 0  # the template itself is left as it was
+    with pytest.raises(ValueError, match="payloads"):
+        P.header_template(dataclasses.replace(base, payloads=(b"\0" * 4,)))
