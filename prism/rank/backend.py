@@ -721,7 +721,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         busy0 = devicepath.stream_busy(dev)
         drained = self._charge_entry(rt, t0, busy0)
         rec = pending.call_log = None if marks is None else devicepath.call_record(
-            op=op, gid=self.gid, seq=seq, t0=t0, async_op=async_op, recorded=recorded, busy0=busy0, marks=marks)
+            op=op, gid=self.gid, seq=seq, t0=t0, async_op=async_op, recorded=recorded, busy0=busy0, marks=marks,
+            step=rt.recorder.step)
         pending.hold_weakly()
         gid = self.gid
 

@@ -108,7 +108,8 @@ def count_issue(ns: int) -> None:
 from prism.rank.envnames import CALL_LOG_ENV  # noqa: E402 (beside its use; the coordinator reads it too)
 #: ``PRISM_DEVICE_CALL_LOG=PATH`` (a diagnostic): every device-path call's
 #: host and GPU moments, one JSON line each, written to PATH (``{rank}`` is
-#: filled in) when the rank ends: ``t0`` the backend's entry, ``t_msg`` the
+#: filled in) when the rank ends: ``step`` the program's step at the call
+#: (a collective's; since 2026-12-08), ``t0`` the backend's entry, ``t_msg`` the
 #: message built (before it is sent), ``t_sent`` the call's message out,
 #: ``t_wait`` the release wait queued, ``t_out`` the outputs' delivery or
 #: compensation queued, ``t1`` its return (monotonic ns); ``busy0``/``busy1``
@@ -185,6 +186,10 @@ def reset_env() -> None:
     global _env, _sandbox
     _env = None
     _sandbox = None
+
+
+# A fork server's child gets its own environment after the fork: it reads it anew.
+os.register_at_fork(after_in_child=reset_env)
 
 
 def entry_marks() -> dict | None:
