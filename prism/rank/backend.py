@@ -150,7 +150,7 @@ def _from_payload(buf: Any, like: torch.Tensor, where: str) -> torch.Tensor:
     return flat.view(like.dtype).reshape(like.shape)
 
 
-#: RedOpType -> its name (pybind's ``.name`` costs a call 10-20 us inside a rank, cold; 2026-12-08).
+#: RedOpType -> its name (``_reduce_op`` took 9-26 us a call inside a rank, 1.7 in a hot loop; 2026-12-08).
 _REDUCE_NAMES: dict[Any, str] = {}
 
 
@@ -443,9 +443,13 @@ class _DeviceTemplate:
     its ``CollectiveArrive``'s header with the per-call fields still to set
     (``seq``, ``issue_ns``, ``recorded``, ``release_slot``,
     ``release_value``), the declared shapes and splits, the bytes moved.
-    A call then copies the header and encodes it: building and encoding the
-    message took 20-30 us of each call inside a rank (cold caches; 5-13 hot),
-    the copy ~1 (2026-12-08, the 2-core VM, ``bench/call_cost.py``)."""
+    A call then copies the header and encodes it instead of building and
+    encoding a message: 12 us less a call in the CPU test mode, 2 more to look
+    the template up (2026-12-08, the 2-core VM, ``bench/call_cost.py
+    --call-log``). At most ``MAX`` signatures a group are kept (a PREMUL_SUM
+    whose factor changes each call would make one each)."""
+
+    MAX = 256
 
     __slots__ = ("header", "in_shapes", "out_shapes", "in_splits", "out_splits", "nbytes")
 
@@ -776,6 +780,8 @@ class PrismProcessGroup(dist.ProcessGroup):
                tuple([(tuple(t.shape), t.dtype) for t in declared]), tuple([tuple(t.shape) for t in outputs]))
         tmpl = self._device_templates.get(key)
         if tmpl is None:
+            if len(self._device_templates) >= _DeviceTemplate.MAX:
+                self._device_templates.clear()
             tmpl = self._device_templates[key] = _DeviceTemplate(
                 rank, self.gid, op, reduce_name, premul, dtype, declared, outputs, root, in_splits, out_splits,
                 async_op, reach)
