@@ -636,6 +636,8 @@ def emulate(config: EmulateConfig) -> EmulationOutcome:
                   "pruned": emu.stats.pruned_calls,
                   "on_device": emu.stats.device_calls, "sends_on_device": emu.stats.device_sends,
                   "reached_on_gpu": emu.stats.reached_calls,
+                  # protocol 12: the arrival sent at the reach, with it (no Reached of its own)
+                  "arrived_with_reach": emu.stats.arrived_with_reach,
                   "released_before_reach": emu.stats.early_releases, "early_release_off": emu.stats.early_off,
                   # PRISM_DEVICE_SHARED_RELEASE=1: released by the coordinator writing the rank's flag
                   "released_through_shared_memory": emu.stats.shared_releases,

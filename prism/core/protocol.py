@@ -24,7 +24,7 @@ from prism.core import codec
 #: 2: results carry ``release_ns`` (emulation: when the call completes).
 #: 9: a rank on another host syncs its clock (``ClockProbe``, ``ClockEcho``, ``ClockOffset``).
 #: 11: a GPU sandbox may release through shared memory (``ReleaseShared``, ``CollectiveArrive.release_slot``).
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 #: Largest message (all frames together) a peer may send. Tensors staged
 #: through the coordinator in phase 1 are gradient buckets and activations:
 #: 1 GiB leaves room for a 25 MiB DDP bucket many times over while stopping a
@@ -156,6 +156,10 @@ class CollectiveArrive:
     #: writes as the result goes out (-1: none, the rank flips it itself).
     release_slot: int = -1
     release_value: int = 0
+    #: With ``reach_follows`` (protocol 12): the stream's reach, known as the
+    #: rank sent the arrival (it leaves from the reach watcher, at the reach),
+    #: on the rank's dilated clock; no ``Reached`` follows. 0: not known yet.
+    reach_ns: int = 0
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
 
 

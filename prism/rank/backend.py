@@ -715,7 +715,6 @@ class PrismProcessGroup(dist.ProcessGroup):
         header["seq"], header["issue_ns"], header["recorded"] = seq, rt.emu_ns(t0), recorded
         if shared:
             header["release_slot"], header["release_value"] = slot, value
-        frames = protocol.encode_header(header)
         what = f"{op} on group {self.gid} (seq {seq})"
         pending = _Op(what, [], list(result if result is not None else outputs), t0, False, rt.recorder.step)
         pending.wait_key = wait_key_coll(self.gid, seq)
@@ -740,11 +739,17 @@ class PrismProcessGroup(dist.ProcessGroup):
         pending.finish_events = finish
         fut = rt.client.future(("coll", self.gid, seq))
         devicepath.stamp(rec, "t_msg")
-        # The call goes out before anything is queued on the GPU: whatever
-        # blocks this thread next (a kernel's first launch, a copy), the
-        # release can come (the flags only grow: a release before the wait
-        # is queued lets it pass at once).
-        rt.send_call(None, frames)
+        # The call is out of this thread's hands before anything is queued
+        # on the GPU: whatever blocks this thread next (a kernel's first
+        # launch, a copy), the release can come (the flags only grow: a
+        # release before the wait is queued lets it pass at once). Where the
+        # reach is watched (protocol 12) the arrival leaves with the reach,
+        # from the reach watcher, on which the release waited anyway (its
+        # ``Reached``), or before the rank's next ordered message.
+        if reach and devicepath.arrive_at_reach():
+            rt.defer_arrival((self.gid, seq), header)
+        else:
+            rt.send_call(None, protocol.encode_header(header))
         devicepath.stamp(rec, "t_sent")
         _on_result(rt, pending, fut)
         side = devicepath.side_stream(anyt[0].device) if async_op and anyt else None
@@ -1266,9 +1271,11 @@ def _complete_from_future(pending: _Op, fut: Any) -> None:
 
 def _reach_reporter(rt: Any, gid: str, seq: int) -> Callable[[int], Any]:
     """What tells the coordinator that the stream reached the device-path
-    call ``(gid, seq)`` at a moment of this host's clock (``Reached``, on the
-    rank's dilated clock)."""
-    return lambda at: rt.client.send(protocol.Reached(rt.rank, gid, seq, rt.emu_ns(at)))
+    call ``(gid, seq)`` at a moment of this host's clock, on the rank's
+    dilated clock: the call's arrival with the reach in it where it waits for
+    it (``RankRuntime.defer_arrival``), else a ``Reached``."""
+    key = (gid, seq)
+    return lambda at: rt.reached(key, at)
 
 
 def _release_gpu(pending: _Op) -> None:

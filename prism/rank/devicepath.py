@@ -154,7 +154,7 @@ class _EnvFlags:
     anew before: five environment reads a call, 2-7 us each inside a rank
     (cold; 0.3 in a hot loop; 2026-12-08, the 2-core VM)."""
 
-    __slots__ = ("enabled", "cpu_test", "call_log", "reach_gpu", "side_stream")
+    __slots__ = ("enabled", "cpu_test", "call_log", "reach_gpu", "side_stream", "arrive_at_reach")
 
     def __init__(self) -> None:
         env = os.environ
@@ -164,6 +164,8 @@ class _EnvFlags:
         self.call_log = bool(env.get(CALL_LOG_ENV))
         self.reach_gpu = env.get(REACH_ENV, "gpu") != "issue"
         self.side_stream = env.get(SIDE_STREAM_ENV, "1") != "0"
+        # an early release needs the arrival at issue (the coordinator's PRISM_EARLY_RELEASE)
+        self.arrive_at_reach = env.get(ARRIVE_AT_REACH_ENV, "1") != "0" and env.get("PRISM_EARLY_RELEASE") != "1"
 
 
 _env: _EnvFlags | None = None
@@ -372,6 +374,21 @@ def reach_from_gpu() -> bool:
 
 def enabled() -> bool:
     return _flags().enabled
+
+
+#: "0": a device-path collective's arrival leaves at its issue, a ``Reached``
+#: after (protocols 5-11), not at its reach with the reach in it (protocol 12).
+ARRIVE_AT_REACH_ENV = "PRISM_DEVICE_ARRIVE_AT_REACH"
+
+
+def arrive_at_reach() -> bool:
+    """Whether a device-path collective whose reach is watched sends its
+    arrival at the reach (from the reach watcher, with the reach: one
+    message, none on the calling thread) rather than at its issue. The
+    default; off with ``PRISM_DEVICE_ARRIVE_AT_REACH=0`` and where early
+    releases are asked for (``PRISM_EARLY_RELEASE=1``: the coordinator
+    releases a call before its reach, so it must know of it at issue)."""
+    return _flags().arrive_at_reach
 
 
 def _cpu_test() -> bool:

@@ -38,6 +38,7 @@ others did, the iteration is taken to have ended at the previous step's end.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
 import queue
@@ -79,6 +80,7 @@ class Client(Protocol):
     """What the rank needs from ``transport.client.BlockingClient``."""
 
     def send(self, msg: Any) -> None: ...
+    def send_frames(self, frames: list[Any]) -> Any: ...
     def future(self, key: tuple[Any, ...]) -> concurrent.futures.Future: ...
     def close(self) -> None: ...
 
@@ -158,6 +160,10 @@ class RankRuntime:
         self.last_resumed_ns: int | None = None
         self.hybrid = bool(getattr(welcome, "hybrid", False))
         self._slot_lock = threading.Lock()
+        #: Device-path arrivals waiting to leave with their reach (``defer_arrival``; protocol 12):
+        #: ((gid, seq), header), in issue order.
+        self._deferred: collections.deque = collections.deque()
+        self._defer_lock = threading.Lock()
         self._holds_slot = False
         self._blocked = 0
         #: What the main thread waits for in ``block_on`` (None: not waiting).
@@ -231,6 +237,7 @@ class RankRuntime:
         if step_tracker is not None:
             step_tracker.flush_pending()
         self.recorder.finish(time.monotonic_ns(), status, message)
+        self.flush_arrivals()
         self.client.send(protocol.Goodbye(rank=self.rank, status=status, message=message,
                                           t_ns=self.emu_ns(time.monotonic_ns() if end_ns is None else end_ns)))
 
@@ -276,6 +283,7 @@ class RankRuntime:
         ``t_ns`` is when the rank started to wait. Returns holding the slot.
         """
         self.recorder.flush_if_old(FLUSH_BEFORE_BLOCK_NS)
+        self.flush_arrivals()
         self.client.send(protocol.Wait(rank=self.rank, what=what, t_ns=self.emu_ns(t_ns)))
         with self._slot_lock:
             self._blocked += 1
@@ -333,12 +341,54 @@ class RankRuntime:
             if retaken:
                 self._implicit = False
                 self._acquire_locked()
+            self.flush_arrivals()
             if frames is None:
                 self.client.send(msg)
             else:
                 self.client.send_frames(frames)
         if retaken:
             self.recorder.comm_exit(time.monotonic_ns())
+
+    # --- arrivals sent at the reach (protocol 12) ------------------------------
+
+    def defer_arrival(self, key: tuple[str, int], header: dict[str, Any]) -> None:
+        """A device-path collective ``key`` = (gid, seq) whose stream's reach
+        is watched: its arrival (``header``, a ``protocol.header_template``
+        filled in) leaves with the reach (``reached``), one message where an
+        arrival at issue and a ``Reached`` were two, and none on the calling
+        thread; or, without its reach, before the next message the
+        coordinator takes in order (``flush_arrivals``)."""
+        with self._defer_lock:
+            self._deferred.append((key, header))
+
+    def flush_arrivals(self) -> None:
+        """Send, in issue order, the arrivals still waiting for their reach
+        (each announces it later with a ``Reached``): before any call, wait or
+        goodbye message, so the coordinator takes the rank's calls in the
+        order the rank made them."""
+        if not self._deferred:
+            return
+        with self._defer_lock:
+            while self._deferred:
+                _, header = self._deferred.popleft()
+                self.client.send_frames(protocol.encode_header(header))
+
+    def reached(self, key: tuple[str, int], at_mono_ns: int) -> None:
+        """The stream reached the device-path call ``key`` at ``at_mono_ns``:
+        its arrival leaves now with the reach in it if it still waits (those
+        issued before it first, without theirs), else a ``Reached`` says it."""
+        at = self.emu_ns(at_mono_ns)
+        if self._deferred:
+            with self._defer_lock:
+                if any(k == key for k, _ in self._deferred):
+                    while True:
+                        k, header = self._deferred.popleft()
+                        if k == key:
+                            header["reach_ns"] = at
+                            self.client.send_frames(protocol.encode_header(header))
+                            return
+                        self.client.send_frames(protocol.encode_header(header))
+        self.client.send(protocol.Reached(self.rank, key[0], key[1], at))
 
     def before_complete(self, op: Any) -> None:
         """Called by the completion thread before it completes ``op``: if the
@@ -415,6 +465,7 @@ class RankRuntime:
                 # them, raising its peak (+4 KiB on one rank of GPT tp2 dp2
                 # through agents on an H200, 2026-12-04).
                 del op
+                self.flush_arrivals()
                 self.client.send(protocol.Wait(rank=self.rank, what=key, t_ns=self.emu_ns(idle_since)))
                 self.client.send(protocol.SlotRelease(rank=self.rank))
             idle_since = None

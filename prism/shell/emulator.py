@@ -136,6 +136,8 @@ class EmulationStats:
     #: per such call how far the stream reached it after the CPU issued it (ns)
     reached_calls: int = 0
     reach_lag_ns: list[int] = field(default_factory=list)
+    #: of those, the collectives whose arrival came at the reach with the reach in it (protocol 12)
+    arrived_with_reach: int = 0
     #: ns each result went out after its emulated release on its rank's clock (negative: ahead;
     #: the rank holds it until then); positive lag is a wait the rank's dilated clock absorbs
     lag_ns: list[int] = field(default_factory=list)
@@ -445,7 +447,13 @@ class Emulator(Coordinator):
                             "through the message", rank, msg.op, msg.gid, msg.seq, msg.release_slot,
                             self._shared[rank].layout.slots)
         # A device-path call whose reach follows waits in the queue (and holds
-        # the rank's later calls behind it) until ``Reached`` gives its arrival.
+        # the rank's later calls behind it) until ``Reached`` gives its arrival,
+        # or came with it (``reach_ns``, protocol 12: sent at the reach).
+        if msg.reach_follows and msg.reach_ns:
+            self._reach[(rank, msg.gid, msg.seq)] = msg.reach_ns
+            self.stats.arrived_with_reach += 1
+            if self.stats.keep_trips:
+                self.stats.reach_in_ns[(rank, msg.gid, msg.seq)] = time.monotonic_ns()
         t = None if msg.reach_follows else (msg.issue_ns or now)
         self._queue[rank].append(("coll", msg, Call("coll", msg.op, msg.gid, msg.seq), t))
         await self._pump()

@@ -121,6 +121,8 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     # every device-path call's arrival came as a reach (protocol 5's Reached), sends' too (protocol 8),
     # none left waiting
     assert c["reached_on_gpu"] == c["on_device"] + c["sends_on_device"]
+    # early releases need each arrival at its issue: none came with its reach (protocol 12's way)
+    assert c["arrived_with_reach"] == 0
     assert d["pacing"]["reach_lag_p50_ns"] is not None
     # a collective whose other members had all arrived went out before its reach, at the time the
     # engine gave it once the reach came (early releases; how many depends on the message order)
@@ -159,6 +161,18 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     keys = {(r["gid"], r["seq"]) for r in colls}
     assert coord and {(c["gid"], c["seq"]) for c in coord if c["rank"] == 4} <= keys, (coord[:3], colls[:3])
     assert all(c["c_in"] is None or c["c_in"] <= c["c_out"] for c in coord), coord[:3]
+    # without early releases (the default) each collective's arrival leaves at its reach, with it
+    # (protocol 12: one message, from the reach watcher; in CPU test mode the "stream" reaches a call
+    # as it is issued), and the run is the same
+    env12 = {k: v for k, v in env.items() if k not in ("PRISM_EARLY_RELEASE", "PRISM_DEVICE_CALL_LOG")}
+    at_reach = prism("emulate", str(gpt_run), "--sandbox", "4", "--name", "devrec12", "--progress", "off", "--json",
+                     "--prefetch-pool", "1", cwd=gpt_run.parent, env=env12)
+    assert at_reach.returncode == 0, at_reach.stderr[-3000:]
+    d12 = summary(at_reach.stdout)
+    c12 = d12["calls"]
+    assert c12["on_device"] == c["on_device"] and c12["arrived_with_reach"] == len(colls) > 0, c12
+    assert c12["reached_on_gpu"] == c12["on_device"] + c12["sends_on_device"] and c12["released_before_reach"] == 0
+    assert d12["ranks"]["4"]["losses_equal"] is True
 
 
 # A variant of test_the_device_path_delivers_the_recording_from_the_prefetch_pool

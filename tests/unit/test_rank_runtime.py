@@ -488,3 +488,43 @@ def test_a_rank_says_its_script_ended_before_prisms_own_reports(monkeypatch):
     status, end_ns, t_finish = seen["finish"]
     assert status == "ok" and end_ns is not None
     assert seen["ran"] <= end_ns <= seen["report"] and t_finish - end_ns >= 20_000_000
+
+
+def _arrival(seq: int) -> dict:
+    return protocol.header_template(protocol.CollectiveArrive(
+        rank=0, gid="g", seq=seq, op="all_reduce", reduce_op="SUM", dtype="float32", in_shapes=((4,),),
+        out_shapes=((4,),), on_device=True, reach_follows=True))
+
+
+def _sent(rt) -> list:
+    return [protocol.decode(m) if isinstance(m, list) else m for m in rt.client.sent
+            if not isinstance(m, (protocol.SlotRequest, protocol.TraceRecords))]
+
+
+def test_a_deferred_arrival_leaves_with_its_reach_and_those_before_it_first(rt):
+    # protocol 12: a device-path collective's arrival leaves at its stream's reach, with the reach in it
+    rt.client.send_frames = rt.client.sent.append
+    rt.add_dilation(1_000)
+    rt.defer_arrival(("g", 0), _arrival(0))  # async, on a side stream: reached later
+    rt.defer_arrival(("g", 1), _arrival(1))
+    rt.defer_arrival(("g", 2), _arrival(2))
+    assert _sent(rt) == []
+    rt.reached(("g", 1), 50_000)
+    out = _sent(rt)
+    assert [(m.seq, m.reach_ns) for m in out] == [(0, 0), (1, 49_000)]  # issue order kept; seq 0 has no reach yet
+    rt.reached(("g", 0), 60_000)  # already out without its reach: a Reached says it
+    assert _sent(rt)[-1] == protocol.Reached(0, "g", 0, 59_000)
+    # anything the coordinator takes in order sends the waiting ones first, without their reach
+    rt.send_call(protocol.Wait(rank=0, what="x", t_ns=1))
+    assert [type(m).__name__ for m in _sent(rt)[-2:]] == ["CollectiveArrive", "Wait"]
+    assert _sent(rt)[-2].seq == 2 and _sent(rt)[-2].reach_ns == 0
+    rt.reached(("g", 2), 70_000)
+    assert _sent(rt)[-1] == protocol.Reached(0, "g", 2, 69_000)
+
+
+def test_the_goodbye_sends_the_arrivals_still_waiting_first(rt):
+    rt.client.send_frames = rt.client.sent.append
+    rt.defer_arrival(("g", 7), _arrival(7))
+    rt.finish("ok")
+    out = _sent(rt)
+    assert [type(m).__name__ for m in out[-2:]] == ["CollectiveArrive", "Goodbye"] and out[-2].seq == 7
