@@ -19,6 +19,9 @@ Per step (a log's ``step`` field, written since 2026-12-08; older logs need
   GPU's path) and ``between``: the sum of the GPU's time from each wait's end
   to the next reach (the program's kernels, the outputs' delivery, and any
   idle the host caused);
+- ``deliver``: the sum of the outputs' forming on the stream after each wait
+  (the call log's ``deliver``, written with ``PRISM_DEVICE_CARRY_DELIVERY=1``;
+  else 0), Prism's time as lateness is;
 - ``dropped``: the lateness the ``excess`` carry rule (the default) leaves in
   the emulated time because the next call's reach came soon after its issue
   (``prism.core.latecarry``): where a host synchronisation hands the GPU's
@@ -76,6 +79,7 @@ def view(rows: list[dict], per_step: int | None = None) -> list[dict]:
             return r["due"] + r["late"] if r.get("due") is not None and r.get("late") is not None else None
 
         late = sum(r.get("late") or 0 for r in cur)
+        deliver = sum(r.get("deliver") or 0 for r in cur)  # PRISM_DEVICE_CARRY_DELIVERY=1's logs only
         waits = sum(r["due"] - r["reach"] for r in cur if r.get("due") is not None)
         between = dropped = 0
         for r in cur:
@@ -92,7 +96,7 @@ def view(rows: list[dict], per_step: int | None = None) -> list[dict]:
         t = nxt[0]["reach"] - cur[0]["reach"]
         out.append({"step": cur[0].get("step", s), "calls": len(cur), "T_ms": t / 1e6, "late_ms": late / 1e6,
                     "T_less_late_ms": (t - late) / 1e6, "waits_ms": waits / 1e6, "between_ms": between / 1e6,
-                    "dropped_ms": dropped / 1e6})
+                    "dropped_ms": dropped / 1e6, "deliver_ms": deliver / 1e6})
     return out
 
 
@@ -109,10 +113,11 @@ def main() -> int:
         rows = view(read_calls(path), args.calls_per_step)
         doc["logs"][path] = rows
         print(f"\n{path}")
-        print(f"  {'step':>4} {'calls':>5} {'T':>8} {'late':>8} {'T-late':>8} {'waits':>7} {'between':>8} {'dropped':>8}  (ms)")
+        print(f"  {'step':>4} {'calls':>5} {'T':>8} {'late':>8} {'T-late':>8} {'waits':>7} {'between':>8} {'dropped':>8}"
+              f" {'deliver':>8}  (ms)")
         for r in rows:
             print(f"  {r['step']:>4} {r['calls']:>5} {r['T_ms']:8.2f} {r['late_ms']:8.2f} {r['T_less_late_ms']:8.2f} "
-                  f"{r['waits_ms']:7.2f} {r['between_ms']:8.2f} {r['dropped_ms']:8.2f}")
+                  f"{r['waits_ms']:7.2f} {r['between_ms']:8.2f} {r['dropped_ms']:8.2f} {r['deliver_ms']:8.2f}")
         kept = rows[args.skip:]
         if kept:
             m = statistics.median(r["T_less_late_ms"] for r in kept)

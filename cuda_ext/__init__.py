@@ -607,8 +607,12 @@ class ReleaseFlags:
             #: Per slot (deadline, tail), in the wait's clock (``clock``): see ``release``.
             self.deadlines = torch.zeros(2 * slots, dtype=torch.int64, pin_memory=cuda)
         self.stamps = torch.zeros(2 * slots, dtype=torch.int64, pin_memory=cuda)
+        #: Per slot, when the stream got past what followed the wait (``mark_delivered``: a call's
+        #: outputs formed), in the wait's clock; 0: not marked.
+        self.delivered = torch.zeros(slots, dtype=torch.int64, pin_memory=cuda)
         # Cheap host-side views of the same memory (a watcher polls them).
         self._st = self.stamps.numpy()
+        self._dv = self.delivered.numpy()
         self._dl = self.deadlines.numpy()
         self._cond = threading.Condition()
         self._offset: int | None = None
@@ -718,6 +722,26 @@ class ReleaseFlags:
         reach (``reached_mono_ns``) is seen as new."""
         self._st[2 * slot] = 0
         self._st[2 * slot + 1] = 0
+        self._dv[slot] = 0
+
+    def mark_delivered(self, slot: int) -> None:
+        """Stamp, on the current stream, the moment it gets here (after the
+        wait on ``slot`` and the work queued behind it: a device-path call's
+        outputs formed), for ``delivery_ns``. ``host`` mode: now, on this thread."""
+        if self.default_mode() == "host":
+            self._dv[slot] = time.monotonic_ns()
+            return
+        mod = kernels()
+        if mod is not None:
+            mod.stamp(self.delivered, slot, torch.empty(0, dtype=torch.int32), 0, 0)
+
+    def delivery_ns(self, slot: int) -> int:
+        """From the end of the wait on ``slot`` to its ``mark_delivered``
+        (the stream's time forming the call's outputs, which the emulated
+        job's collective would have written itself); 0 while either is not
+        known."""
+        t1, t2 = int(self._st[2 * slot + 1]), int(self._dv[slot])
+        return max(0, t2 - t1) if t1 and t2 else 0
 
     def reached_mono_ns(self, slot: int) -> int:
         """When the stream reached the wait on ``slot``, on this host's

@@ -767,6 +767,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             else:
                 devicepath.form_outputs(op, reduce_name, premul, self._size, self._group_rank, inputs, outputs,
                                         in_splits, out_splits)
+            if reach:
+                rel.mark_delivered(slot)
             devicepath.stamp(rec, "t_out")
         work = self._issued(PrismWork(pending))
         t1 = time.monotonic_ns()

@@ -154,7 +154,7 @@ class _EnvFlags:
     anew before: five environment reads a call, 2-7 us each inside a rank
     (cold; 0.3 in a hot loop; 2026-12-08, the 2-core VM)."""
 
-    __slots__ = ("enabled", "cpu_test", "call_log", "reach_gpu", "side_stream", "arrive_at_reach")
+    __slots__ = ("enabled", "cpu_test", "call_log", "reach_gpu", "side_stream", "arrive_at_reach", "carry_delivery")
 
     def __init__(self) -> None:
         env = os.environ
@@ -166,6 +166,7 @@ class _EnvFlags:
         self.side_stream = env.get(SIDE_STREAM_ENV, "1") != "0"
         # an early release needs the arrival at issue (the coordinator's PRISM_EARLY_RELEASE)
         self.arrive_at_reach = env.get(ARRIVE_AT_REACH_ENV, "1") != "0" and env.get("PRISM_EARLY_RELEASE") != "1"
+        self.carry_delivery = env.get(CARRY_DELIVERY_ENV, "0") == "1"
 
 
 _env: _EnvFlags | None = None
@@ -381,6 +382,21 @@ def enabled() -> bool:
 ARRIVE_AT_REACH_ENV = "PRISM_DEVICE_ARRIVE_AT_REACH"
 
 
+#: "1" (an experiment, opt-in until a GPU A/B says): a device-path call's
+#: outputs' forming on the stream (the pool's copy, or the compensation's
+#: kernels) counts as Prism's delay of the stream, as a late release does:
+#: the rank stamps the stream after it (``ReleaseFlags.mark_delivered``) and
+#: the reach watcher carries it with the lateness (``_Watcher``). NCCL's
+#: kernel writes a collective's output itself within the time the emulated
+#: call takes; the sandbox's copy comes after (GPT tp2 on an H100: 32 copies
+#: of 8 MiB a step, an estimated 0.3 ms, 0.7% of the step; 2026-12-08).
+CARRY_DELIVERY_ENV = "PRISM_DEVICE_CARRY_DELIVERY"
+
+
+def carry_delivery() -> bool:
+    return _flags().carry_delivery
+
+
 def arrive_at_reach() -> bool:
     """Whether a device-path collective whose reach is watched sends its
     arrival at the reach (from the reach watcher, with the reach: one
@@ -549,6 +565,12 @@ class Releaser:
     def enqueue_wait(self, slot: int, value: int) -> None:
         """Make the current stream wait until ``slot`` reaches ``value``."""
         self.flags.wait(slot, value, mode=self.mode)
+
+    def mark_delivered(self, slot: int) -> None:
+        """The call on ``slot`` has its outputs' forming queued: stamp the
+        stream after it (``CARRY_DELIVERY_ENV``; kernel mode only)."""
+        if self.reports_reach and carry_delivery():
+            self.flags.mark_delivered(slot)
 
     def release(self, slot: int, value: int, at_ns: int = 0, tail_ns: int = 0) -> None:
         """Flip the flag now; the wait itself ends at ``max(at_ns, reached + tail_ns)``
@@ -745,6 +767,8 @@ class _Watcher:
         #: the slots whose lateness ``_late`` holds
         self._excess: dict[int, int] = {}
         self._late_slots: list[int] = []
+        self._late_recs: list[dict | None] = []  # their call-log records, beside them
+        self.carry_delivery = carry_delivery()
         self._calls: collections.deque = collections.deque()  # (slot, issue, on_reach, on_late, rec, drained)
         self._reached: collections.deque = collections.deque()  # (slot, rec) reached, their lateness not yet read
         self._late = 0
@@ -763,6 +787,21 @@ class _Watcher:
 
     def note_excess(self, slot: int, ns: int) -> None:
         self._excess[slot] = ns
+
+    def _delivery(self) -> int:
+        """With ``CARRY_DELIVERY_ENV``: the stream's time forming the outputs
+        of the calls whose lateness is held (stamped before this reach, in
+        stream order), carried as their lateness is; the call log's
+        ``deliver``. 0 otherwise."""
+        if not self.carry_delivery:
+            return 0
+        total = 0
+        for s, rec in zip(self._late_slots, self._late_recs):
+            d = self.flags.delivery_ns(s)
+            total += d
+            if rec is not None:
+                rec["deliver"] = d
+        return total
 
     def spend_excess(self, slot: int, ns: int) -> None:
         if slot in self._excess:
@@ -794,6 +833,7 @@ class _Watcher:
                     s, done = self._reached.popleft()
                     self._late += late
                     self._late_slots.append(s)
+                    self._late_recs.append(done)
                     if done is not None:
                         done["late"] = late
                 if not self._calls:
@@ -816,9 +856,11 @@ class _Watcher:
                     # calls' time in Prism beyond NCCL's: not the job's, so the
                     # lateness it hid was not absorbed by a slow host.
                     own = sum(self._excess.pop(s, 0) for s in self._late_slots)
-                    carried = latecarry.carried(self.carry, self._late, reach - issue, own)
+                    held = self._late + self._delivery()
+                    carried = latecarry.carried(self.carry, held, reach - issue, own)
                 self._late = 0
                 self._late_slots.clear()
+                self._late_recs.clear()
                 if carried:
                     on_late(carried)
                 if rec is not None:
@@ -899,6 +941,9 @@ class _NullReleaser:
         return 0, 0
 
     def enqueue_wait(self, slot: int, value: int) -> None:
+        pass
+
+    def mark_delivered(self, slot: int) -> None:
         pass
 
     def release(self, slot: int, value: int, at_ns: int = 0, tail_ns: int = 0) -> None:

@@ -269,3 +269,20 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
     assert cuda_ext._clear_stale_lock(tmp_path)
     assert not lock.exists()
     assert "stale build lock" in capsys.readouterr().err
+
+
+def test_host_mode_delivery_stamp_times_what_follows_the_wait():
+    # the CPU twin of the GPU's mark_delivered: from the wait's end to the mark
+    import time as _time
+
+    import cuda_ext as ce
+
+    flags = ce.ReleaseFlags(2, "cpu")
+    flags.clear_stamps(1)
+    flags.release(1, 1)
+    flags.wait(1, 1)  # released already: returns at once, stamped
+    _time.sleep(0.002)
+    flags.mark_delivered(1)
+    assert 1_000_000 <= flags.delivery_ns(1) < 1_000_000_000
+    flags.clear_stamps(1)
+    assert flags.delivery_ns(1) == 0

@@ -171,6 +171,23 @@ def test_the_wait_kernel_times_a_release_flipped_ahead_of_time():
     assert flags.released_ns(2) - flags.reached_ns(2) >= 20_000_000
 
 
+def test_the_delivery_stamp_times_the_work_queued_behind_a_wait():
+    """``mark_delivered`` stamps the stream after what follows the wait (a
+    call's outputs formed): ``delivery_ns`` is that work's time on the GPU."""
+    flags = cuda_ext.ReleaseFlags(4, "cuda")
+    flags.clear_stamps(3)
+    assert flags.delivery_ns(3) == 0
+    flags.release(3, 1)
+    flags.wait(3, 1, mode="kernel")
+    torch.cuda._sleep(20_000_000)  # ~10 ms of the stream's time after the wait ends
+    flags.mark_delivered(3)
+    torch.cuda.synchronize()
+    d = flags.delivery_ns(3)
+    assert 1_000_000 < d < 200_000_000, d
+    flags.clear_stamps(3)
+    assert flags.delivery_ns(3) == 0
+
+
 def test_wait_stamps_returns_on_a_stamp_or_a_new_generation_with_the_gil_released():
     mod = cuda_ext.kernels()
     stamps = torch.zeros(4, dtype=torch.int64, pin_memory=True)

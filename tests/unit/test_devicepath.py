@@ -140,6 +140,47 @@ def test_the_reach_watcher_reports_reaches_in_order_and_carries_only_the_latenes
     assert got == [("reach", 0, 1000), ("late", 2000), ("reach", 1, 8000), ("late", 100), ("reach", 2, 9100)]
 
 
+def test_with_carry_delivery_the_outputs_forming_counts_as_the_calls_lateness(monkeypatch):
+    # PRISM_DEVICE_CARRY_DELIVERY=1: call 0's wait ends on time at 5,000, its outputs' copy runs on the
+    # stream until 5,400 (its delivery stamp); call 1, issued at 1,500 (the CPU ahead), is reached at
+    # 5,400: the 400 the copy held the stream are carried as a late release would be. Call 1 is 100 late
+    # and its copy takes 300, but call 2 (issued at 9,000) is reached at 9,050: 50 carried of the 400.
+    import threading
+
+    monkeypatch.setenv(devicepath.CARRY_DELIVERY_ENV, "1")
+    flags, w = _host_watcher(3)
+    got: list = []
+    done = threading.Event()
+    rec0, rec1 = {}, {}
+
+    def reach(i):
+        def f(at):
+            got.append(("reach", i, at))
+            if i == 2:
+                done.set()
+        return f
+
+    w.add(0, 900, reach(0), lambda ns: got.append(("late", ns)), rec0)
+    w.add(1, 1500, reach(1), lambda ns: got.append(("late", ns)), rec1)
+    w.add(2, 9000, reach(2), lambda ns: got.append(("late", ns)))
+    flags._dl[0], flags._dl[1] = 5000, 0
+    flags._st[0] = 1000
+    flags._st[1] = 5000  # on time
+    flags._dv[0] = 5400  # its outputs formed
+    flags._st[2] = 5400
+    flags._dl[2], flags._dl[3] = 8500, 0
+    flags._st[3] = 8600  # 100 late
+    flags._dv[1] = 8900
+    flags._st[4] = 9050
+    assert done.wait(5), got
+    assert got == [("reach", 0, 1000), ("late", 400), ("reach", 1, 5400), ("late", 50), ("reach", 2, 9050)]
+    assert rec0["deliver"] == 400 and rec1["deliver"] == 300 and rec1["late"] == 100
+    # off (the default), the copy is not the watcher's business
+    monkeypatch.delenv(devicepath.CARRY_DELIVERY_ENV)
+    devicepath.reset_env()
+    assert devicepath._Watcher(flags, 1e-4)._delivery() == 0
+
+
 def _host_watcher(slots: int):
     """A reach watcher over host-mode flags (the GPU's pinned layout, stamps
     written by hand), its first ``slots`` slots cleared: (flags, watcher)."""
