@@ -213,6 +213,8 @@ class Send:
     payloads: tuple[Buffer, ...] = field(default=(), compare=False)
     on_device: bool = False
     reach_follows: bool = False
+    #: As ``CollectiveArrive.reach_ns`` (protocol 12): sent at the reach, with it; no ``Reached`` follows.
+    reach_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +237,8 @@ class RecvPost:
     reach_follows: bool = False
     #: As ``CollectiveArrive.recorded``: the recorded data, not zeros, behind the release.
     recorded: bool = False
+    #: As ``CollectiveArrive.reach_ns`` (protocol 12): sent at the reach, with it; no ``Reached`` follows.
+    reach_ns: int = 0
 
 
 def recv_reach_gid(src: int, tag: int) -> str:

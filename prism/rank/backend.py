@@ -1076,8 +1076,12 @@ class PrismProcessGroup(dist.ProcessGroup):
         dtype, shape = _dtype_name(t.dtype), _shape(t)
         rel = devicepath.releaser()
         reach = rel is not None and rel.reports_reach and devicepath.reach_from_gpu()
-        rt.send_call(protocol.Send(rank=rt.rank, gid=self.gid, dst=peer, tag=tag, pseq=pseq, dtype=dtype,
-                                   shape=shape, issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach))
+        send = protocol.Send(rank=rt.rank, gid=self.gid, dst=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape,
+                             issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach)
+        if reach and devicepath.arrive_at_reach():
+            rt.defer_arrival((protocol.send_reach_gid(peer, tag), pseq), send)  # protocol 12, as a collective's
+        else:
+            rt.send_call(send)
         if reach:
             slot, value = rel.reserve()
             rel.prepare(slot)
@@ -1131,10 +1135,14 @@ class PrismProcessGroup(dist.ProcessGroup):
         feed = devicepath.recorded_feed(rt.rank, t.device)
         ref = PL.p2p_ref(peer, rt.rank, tag, pseq)
         recorded = feed is not None and feed.can_deliver(ref, t)
-        # As a device-path collective: the call goes out before the wait is queued.
-        rt.send_call(protocol.RecvPost(rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype,
-                                       shape=shape, issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach,
-                                       recorded=recorded))
+        # As a device-path collective: the call is out of this thread's hands before the wait is queued
+        # (at its reach, with it, protocol 12; else now).
+        post = protocol.RecvPost(rank=rt.rank, gid=self.gid, src=peer, tag=tag, pseq=pseq, dtype=dtype, shape=shape,
+                                 issue_ns=rt.emu_ns(t0), on_device=True, reach_follows=reach, recorded=recorded)
+        if reach and devicepath.arrive_at_reach():
+            rt.defer_arrival((protocol.recv_reach_gid(peer, tag), pseq), post)
+        else:
+            rt.send_call(post)
         _on_result(rt, pending, fut)
 
         def queue() -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import os
 import queue
 import socket
@@ -351,15 +352,24 @@ class RankRuntime:
 
     # --- arrivals sent at the reach (protocol 12) ------------------------------
 
-    def defer_arrival(self, key: tuple[str, int], header: dict[str, Any]) -> None:
-        """A device-path collective ``key`` = (gid, seq) whose stream's reach
-        is watched: its arrival (``header``, a ``protocol.header_template``
-        filled in) leaves with the reach (``reached``), one message where an
-        arrival at issue and a ``Reached`` were two, and none on the calling
-        thread; or, without its reach, before the next message the
-        coordinator takes in order (``flush_arrivals``)."""
+    def defer_arrival(self, key: tuple[str, int], arrival: Any) -> None:
+        """A device-path call ``key`` (its ``Reached``'s (gid, seq)) whose
+        stream's reach is watched: its arrival (a ``protocol.header_template``
+        filled in, or a ``Send``/``RecvPost``) leaves with the reach
+        (``reached``), one message where an arrival at issue and a
+        ``Reached`` were two, and none on the calling thread; or, without its
+        reach, before the next message the coordinator takes in order
+        (``flush_arrivals``)."""
         with self._defer_lock:
-            self._deferred.append((key, header))
+            self._deferred.append((key, arrival))
+
+    def _send_arrival(self, arrival: Any, reach_ns: int = 0) -> None:
+        if isinstance(arrival, dict):
+            if reach_ns:
+                arrival["reach_ns"] = reach_ns
+            self.client.send_frames(protocol.encode_header(arrival))
+        else:
+            self.client.send(dataclasses.replace(arrival, reach_ns=reach_ns) if reach_ns else arrival)
 
     def flush_arrivals(self) -> None:
         """Send, in issue order, the arrivals still waiting for their reach
@@ -370,8 +380,7 @@ class RankRuntime:
             return
         with self._defer_lock:
             while self._deferred:
-                _, header = self._deferred.popleft()
-                self.client.send_frames(protocol.encode_header(header))
+                self._send_arrival(self._deferred.popleft()[1])
 
     def reached(self, key: tuple[str, int], at_mono_ns: int) -> None:
         """The stream reached the device-path call ``key`` at ``at_mono_ns``:
@@ -382,12 +391,11 @@ class RankRuntime:
             with self._defer_lock:
                 if any(k == key for k, _ in self._deferred):
                     while True:
-                        k, header = self._deferred.popleft()
+                        k, arrival = self._deferred.popleft()
                         if k == key:
-                            header["reach_ns"] = at
-                            self.client.send_frames(protocol.encode_header(header))
+                            self._send_arrival(arrival, at)
                             return
-                        self.client.send_frames(protocol.encode_header(header))
+                        self._send_arrival(arrival)
         self.client.send(protocol.Reached(self.rank, key[0], key[1], at))
 
     def before_complete(self, op: Any) -> None:

@@ -449,11 +449,7 @@ class Emulator(Coordinator):
         # A device-path call whose reach follows waits in the queue (and holds
         # the rank's later calls behind it) until ``Reached`` gives its arrival,
         # or came with it (``reach_ns``, protocol 12: sent at the reach).
-        if msg.reach_follows and msg.reach_ns:
-            self._reach[(rank, msg.gid, msg.seq)] = msg.reach_ns
-            self.stats.arrived_with_reach += 1
-            if self.stats.keep_trips:
-                self.stats.reach_in_ns[(rank, msg.gid, msg.seq)] = time.monotonic_ns()
+        self._note_reach(rank, msg)
         t = None if msg.reach_follows else (msg.issue_ns or now)
         self._queue[rank].append(("coll", msg, Call("coll", msg.op, msg.gid, msg.seq), t))
         await self._pump()
@@ -478,6 +474,15 @@ class Emulator(Coordinator):
             self.stats.reach_in_ns[(session.rank, msg.gid, msg.seq)] = time.monotonic_ns()
         await self._pump()
 
+    def _note_reach(self, rank: int, msg: Any) -> None:
+        """A device-path call's arrival that came with its reach (protocol 12)."""
+        if msg.reach_follows and msg.reach_ns:
+            key = self._reach_key(rank, msg)
+            self._reach[key] = msg.reach_ns
+            self.stats.arrived_with_reach += 1
+            if self.stats.keep_trips and isinstance(msg, P.CollectiveArrive):
+                self.stats.reach_in_ns[key] = time.monotonic_ns()
+
     @staticmethod
     def _reach_key(rank: int, msg: Any) -> tuple[int, str, int]:
         """The ``Reached`` that gives a device-path call's arrival."""
@@ -496,11 +501,13 @@ class Emulator(Coordinator):
                              lambda i, n: PL.p2p_ref(msg.rank, msg.dst, msg.tag, msg.pseq))
         if msg.dst in self.sandbox:
             self._sent[(msg.rank, msg.dst, msg.tag, msg.pseq)] = msg
+        self._note_reach(rank, msg)
         t = None if msg.reach_follows else (msg.issue_ns or now)  # as a device-path collective's
         self._queue[rank].append(("send", msg, Call("send", peer=msg.dst, tag=msg.tag), t))
         await self._pump()
 
     async def _on_recv(self, session: RankSession, msg: P.RecvPost, now: int) -> None:
+        self._note_reach(session.rank, msg)
         t = None if msg.reach_follows else (msg.issue_ns or now)  # as a device-path collective's
         self._queue[session.rank].append(("recv", msg, Call("recv", peer=msg.src, tag=msg.tag), t))
         await self._pump()

@@ -170,7 +170,9 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     assert at_reach.returncode == 0, at_reach.stderr[-3000:]
     d12 = summary(at_reach.stdout)
     c12 = d12["calls"]
-    assert c12["on_device"] == c["on_device"] and c12["arrived_with_reach"] == len(colls) > 0, c12
+    assert c12["on_device"] == c["on_device"] and len(colls) > 0, c12
+    # every device-path call's: the collectives', the receives' (on_device) and the sends'
+    assert c12["arrived_with_reach"] == c12["on_device"] + c12["sends_on_device"] == len(recs), c12
     assert c12["reached_on_gpu"] == c12["on_device"] + c12["sends_on_device"] and c12["released_before_reach"] == 0
     assert d12["ranks"]["4"]["losses_equal"] is True
 

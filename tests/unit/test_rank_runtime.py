@@ -4,6 +4,7 @@ client that grants every slot at once."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 import time
 
@@ -528,3 +529,20 @@ def test_the_goodbye_sends_the_arrivals_still_waiting_first(rt):
     rt.finish("ok")
     out = _sent(rt)
     assert [type(m).__name__ for m in out[-2:]] == ["CollectiveArrive", "Goodbye"] and out[-2].seq == 7
+
+
+def test_a_deferred_send_leaves_with_its_reach_as_a_collective_does(rt):
+    rt.client.send_frames = rt.client.sent.append
+    send = protocol.Send(rank=0, gid="g", dst=1, tag=0, pseq=3, dtype="float32", shape=(4,), on_device=True,
+                         reach_follows=True)
+    key = (protocol.send_reach_gid(1, 0), 3)
+    rt.defer_arrival(key, send)
+    rt.defer_arrival(("g", 0), _arrival(0))
+    rt.reached(("g", 0), 5_000)  # the later collective reached first (another stream): the send goes before it
+    out = _sent(rt)
+    assert out[0] == send and out[0].reach_ns == 0 and out[1].seq == 0 and out[1].reach_ns == 5_000
+    rt.reached(key, 4_000)
+    assert _sent(rt)[-1] == protocol.Reached(0, key[0], 3, 4_000)
+    rt.defer_arrival(key, send)
+    rt.reached(key, 6_000)
+    assert _sent(rt)[-1] == dataclasses.replace(send, reach_ns=6_000)
