@@ -164,7 +164,8 @@ class RankRuntime:
         #: Device-path arrivals waiting to leave with their reach (``defer_arrival``; protocol 12):
         #: ((gid, seq), header), in issue order.
         self._deferred: collections.deque = collections.deque()
-        self._defer_lock = threading.Lock()
+        # reentrant: a send dispatches the replies that came meanwhile, whose callbacks may send too
+        self._defer_lock = threading.RLock()
         self._holds_slot = False
         self._blocked = 0
         #: What the main thread waits for in ``block_on`` (None: not waiting).
@@ -390,7 +391,7 @@ class RankRuntime:
         if self._deferred:
             with self._defer_lock:
                 if any(k == key for k, _ in self._deferred):
-                    while True:
+                    while self._deferred:  # (a reply's callback, sending, may have flushed the rest meanwhile)
                         k, arrival = self._deferred.popleft()
                         if k == key:
                             self._send_arrival(arrival, at)

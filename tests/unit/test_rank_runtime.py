@@ -546,3 +546,21 @@ def test_a_deferred_send_leaves_with_its_reach_as_a_collective_does(rt):
     rt.defer_arrival(key, send)
     rt.reached(key, 6_000)
     assert _sent(rt)[-1] == dataclasses.replace(send, reach_ns=6_000)
+
+
+def test_a_reply_callback_that_sends_while_an_arrival_goes_out_keeps_the_order(rt):
+    # a send dispatches the replies that arrived meanwhile; their callbacks may send (flushing the
+    # arrivals still waiting) on the same thread, inside reached(): no deadlock, the order kept
+    def send_frames(frames):
+        rt.client.sent.append(frames)
+        if protocol.decode(frames).seq == 0:
+            rt.flush_arrivals()
+
+    rt.client.send_frames = send_frames
+    for seq in range(3):
+        rt.defer_arrival(("g", seq), _arrival(seq))
+    rt.reached(("g", 1), 9_000)
+    out = _sent(rt)
+    assert [(type(m).__name__, getattr(m, "seq", None)) for m in out] == [
+        ("CollectiveArrive", 0), ("CollectiveArrive", 1), ("CollectiveArrive", 2), ("Reached", 1)]
+    assert out[1].reach_ns == 0 and out[3].reach_ns == 9_000
