@@ -92,6 +92,18 @@ def test_eligibility_keeps_the_host_path_where_it_must(monkeypatch):
     assert not devicepath.eligible("all_reduce", (0, 2), 0, [t], (), (), "SUM")
 
 
+def _reach_log(got: list, done, last: int = 2):
+    """For the watcher's tests: ``reach(i)`` is call i's reach callback, noting
+    ("reach", i, at) in ``got``; call ``last``'s sets ``done``."""
+    def reach(i):
+        def f(at):
+            got.append(("reach", i, at))
+            if i == last:
+                done.set()
+        return f
+    return reach
+
+
 def test_the_reach_watcher_reports_reaches_in_order_and_carries_only_the_lateness_that_delayed_them():
     # The GPU's stamps are written by hand into host-mode flags (the same
     # pinned layout): call 0 reached at 1,000 and, due at 5,000, ended at 7,000
@@ -110,12 +122,7 @@ def test_the_reach_watcher_reports_reaches_in_order_and_carries_only_the_latenes
     got: list = []
     done = threading.Event()
 
-    def reach(i):
-        def f(at):
-            got.append(("reach", i, at))
-            if i == 2:
-                done.set()
-        return f
+    reach = _reach_log(got, done)
 
     def late(ns):
         got.append(("late", ns))
@@ -153,12 +160,7 @@ def test_with_carry_delivery_the_outputs_forming_counts_as_the_calls_lateness(mo
     done = threading.Event()
     rec0, rec1 = {}, {}
 
-    def reach(i):
-        def f(at):
-            got.append(("reach", i, at))
-            if i == 2:
-                done.set()
-        return f
+    reach = _reach_log(got, done)
 
     w.add(0, 900, reach(0), lambda ns: got.append(("late", ns)), rec0)
     w.add(1, 1500, reach(1), lambda ns: got.append(("late", ns)), rec1)
