@@ -22,6 +22,10 @@ import re
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpu_view  # noqa: E402
+
 #: The stored two-H200 NCCL truths, ms (runs, CV): GPT tp2 6 runs 1.4%, pp2 8 runs 1.0%, MoE 8 runs 1.8%.
 TRUTH_MS = {"gpt-tp2": 43.89, "pp2": 52.68, "moe": 114.33}
 #: A call's host moments in order (the call log's fields; `f_*`: a recorded delivery's own steps).
@@ -46,6 +50,8 @@ def rows_of(root: str, label: str) -> list[dict]:
             "emulated_ms": e / 1e6 if e else None, "predicted_ms": p / 1e6 if p else None, "truth_ms": t,
             "vs_prediction": e / p - 1 if e and p else None, "vs_truth": e / 1e6 / t - 1 if e and t else None,
             "step_sd_ms": statistics.stdev(steps) / 1e6 if len(steps) > 1 else None,
+            # the last measured step less the others' median (3-5 ms with a call log before 28c41ee)
+            "last_step_excess_ms": (steps[-1] - statistics.median(steps[:-1])) / 1e6 if len(steps) > 2 else None,
             "losses_equal": r0.get("losses_equal"), "max_loss_rel_diff": r0.get("max_loss_rel_diff"),
             "peaks_equal": r0.get("peaks_equal"), "peak_allocated": r0.get("peak_allocated"),
             "capture_peak_allocated": r0.get("capture_peak_allocated"), "calls": s.get("calls"),
@@ -105,6 +111,12 @@ def splits_of(root: str, label: str) -> list[dict]:
         staged = [c["f_staged"] for c in recs if "f_staged" in c]
         if staged:
             row["f_staged_mean"] = sum(staged) / len(staged)
+        # the GPU's view of its steps (bench/gpu_view.py): T - late, median over the steps after the first
+        with open(f) as fh:
+            steps = gpu_view.view([json.loads(line) for line in fh if line.strip()]) if "step" in recs[0] else []
+        if len(steps) > 1:
+            row["gpu_view_ms"] = statistics.median(r["T_less_late_ms"] for r in steps[1:])
+            row["carry_dropped_ms"] = statistics.median(r["dropped_ms"] for r in steps[1:])
         out.append(row)
     return out
 
@@ -131,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         return f"{100 * x:+.1f}%" if x is not None else "-"
 
     print(f"{'call':4} {'workload':8} {'variant':16} {'emulated':>9} {'predicted':>9} {'vs pred':>8} "
-          f"{'vs truth':>8} {'sd ms':>6}  losses  peaks")
+          f"{'vs truth':>8} {'sd ms':>6} {'last+':>6}  losses  peaks")
     for r in rows:
+        last = r.get("last_step_excess_ms")
         print(f"{r['call']:4} {r['workload']:8} {r['variant']:16} {r['emulated_ms'] or 0:9.2f} "
               f"{r['predicted_ms'] or 0:9.2f} {pct(r['vs_prediction']):>8} {pct(r['vs_truth']):>8} "
-              f"{r['step_sd_ms'] or 0:6.2f}  {str(r['losses_equal']):6}  {r['peaks_equal']}")
+              f"{r['step_sd_ms'] or 0:6.2f} {last if last is not None else 0:6.2f}  {str(r['losses_equal']):6}  "
+              f"{r['peaks_equal']}")
     cells = cells_of(rows)
     if cells:
         print("\nagainst the stored truth, per workload and path (all calls' emulations):")
@@ -151,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         for s in splits:
             parts = " ".join(f"{k} {v:.0f}" for k, v in s.items() if "->" in k)
             extra = f" staged/call {s['f_staged_mean']:.2f}" if "f_staged_mean" in s else ""
+            if "gpu_view_ms" in s:
+                extra += (f"; GPU view (T - late) {s['gpu_view_ms']:.2f} ms a step, carry dropped "
+                          f"{s['carry_dropped_ms']:.2f}")
             print(f"  {s['call']} {s['log']} ({s['calls']} calls): {parts}{extra}")
     if a.out:
         with open(a.out, "w") as fh:

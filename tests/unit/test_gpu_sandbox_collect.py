@@ -62,3 +62,24 @@ def test_the_round_trip_joins_the_coordinators_side_by_rank_group_and_sequence(t
     assert legs["-> taken by the coordinator"] == 0.25 and legs["-> result sent by the coordinator"] == 0.2
     assert legs["-> flag flipped on the rank"] == 0.4 and legs["reach -> flip (the round trip)"] == 0.9
     assert legs["due -> flip (lateness)"] == 0.8
+
+
+def test_a_run_says_how_long_its_last_step_was_and_its_call_log_the_gpus_view(tmp_path):
+    gc = _collect()
+    d = tmp_path / "r" / "cap-gpt-tp2" / "emulation" / "device"
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({
+        "sandbox": [0], "warmup": 1, "emulated_mean_ns": 46e6, "predicted_mean_ns": 45e6,
+        "ranks": {"0": {"iteration_ns": [90e6, 45e6, 44e6, 46e6, 49e6]}}}))
+    (row,) = gc.rows_of(str(tmp_path), "A")
+    assert row["last_step_excess_ms"] == 4.0  # 49 against the median of 45, 44, 46
+    # a call log with each call's step: the GPU's view, T - late, per step (bench/gpu_view.py)
+    calls = []
+    for step in range(4):
+        for k in range(2):
+            t = step * 10_000_000 + k * 4_000_000
+            calls.append({"op": "all_reduce", "step": step, "t0": t, "t1": t + 100_000, "t_wait": t + 50_000,
+                          "t_out": t + 60_000, "reach": t + 1_000_000, "due": t + 1_200_000, "late": 500_000})
+    (tmp_path / "r" / "calls-gpt-tp2-device-r0.jsonl").write_text("\n".join(json.dumps(c) for c in calls))
+    (s,) = gc.splits_of(str(tmp_path), "A")
+    assert s["gpu_view_ms"] == 9.0 and s["carry_dropped_ms"] == 0  # 10 ms between first reaches, 1 ms late
