@@ -289,10 +289,29 @@ def thread_deltas(start: dict[int, dict] | None, end: dict[int, dict]) -> list[d
 
 
 def stream_busy(device: Any) -> bool | None:
-    """Whether the current stream of ``device`` still has queued work (None off a GPU)."""
+    """Whether the current stream of ``device`` still has queued work (None off a GPU).
+    Through cuda_ext where it is built (``stream_busy``: one call; torch's
+    ``current_stream(device).query()`` makes a Stream object each time)."""
     if device is None or getattr(device, "type", "") != "cuda":
         return None
+    busy = _native_stream_busy()
+    if busy is not None:
+        return bool(busy(device.index if device.index is not None else torch.cuda.current_device()))
     return not torch.cuda.current_stream(device).query()
+
+
+_stream_busy_fn: Any = False  # False: not looked up yet; None: not built (or an older build)
+
+
+def _native_stream_busy() -> Any:
+    global _stream_busy_fn
+    fn = _stream_busy_fn
+    if fn is False:
+        import cuda_ext
+
+        mod = cuda_ext.kernels()
+        fn = _stream_busy_fn = getattr(mod, "stream_busy", None) if mod is not None else None
+    return fn
 
 
 #: How long the call log's writer waits for the completion thread to stamp

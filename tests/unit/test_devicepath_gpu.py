@@ -66,3 +66,19 @@ def test_the_future_of_an_async_call_completes_behind_the_side_stream():
     threading.Timer(0.05, flags.release, (3, 1)).start()
     (got,) = fut.wait()  # the current stream waits for the follower's event
     assert got.sum().item() == 7 * (1 << 20)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["cuda_ext", "torch"])
+def test_stream_busy_says_whether_the_current_stream_has_work_queued(native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(devicepath, "_stream_busy_fn", None)
+    elif devicepath._native_stream_busy() is None:
+        pytest.skip(f"cuda_ext is not built here ({cuda_ext.info().reason})")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize()
+    assert devicepath.stream_busy(dev) is False
+    torch.cuda._sleep(50_000_000)
+    assert devicepath.stream_busy(dev) is True
+    torch.cuda.synchronize()
+    assert devicepath.stream_busy(dev) is False
+    assert devicepath.stream_busy(torch.device("cpu")) is None
