@@ -49,25 +49,43 @@ from late_carry import read_calls  # noqa: E402
 from prism.core.latecarry import NCCL_ISSUE_NS, carried  # noqa: E402 (sans-IO: no torch)
 
 
-def collectives(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r.get("op") not in ("send", "recv") and r.get("reach")]
+def reached(rows: list[dict]) -> list[dict]:
+    """The device-path calls whose reach the log has (collectives, sends,
+    receives), in issue order: the watcher pairs each call's lateness with
+    the next of them."""
+    return [r for r in rows if r.get("reach")]
 
 
 def steps_of(calls: list[dict], per_step: int | None) -> list[list[dict]]:
-    """The calls grouped by step: the log's ``step``, else ``per_step`` at a time."""
+    """The calls grouped by step: the collectives' ``step`` (a send or receive
+    goes with the collective before it), else ``per_step`` collectives at a time."""
+    out: list[list[dict]] = []
     if per_step:
-        return [calls[i:i + per_step] for i in range(0, len(calls), per_step)]
-    if not calls or "step" not in calls[0]:
+        n = 0
+        for r in calls:
+            if r.get("op") not in ("send", "recv"):
+                if n % per_step == 0:
+                    out.append([])
+                n += 1
+            if out:
+                out[-1].append(r)
+        return out
+    colls = [r for r in calls if r.get("op") not in ("send", "recv")]
+    if not colls or "step" not in colls[0]:
         raise SystemExit("gpu_view: this log has no 'step' field (written before 2026-12-08): give --calls-per-step")
-    out: dict[int, list[dict]] = {}
+    step = None
     for r in calls:
-        out.setdefault(r["step"], []).append(r)
-    return [out[k] for k in sorted(out)]
+        if r.get("op") not in ("send", "recv") and r["step"] != step:
+            step = r["step"]
+            out.append([])
+        if out:
+            out[-1].append(r)
+    return out
 
 
 def view(rows: list[dict], per_step: int | None = None) -> list[dict]:
     """One row per step that has a next step (``T`` needs the next first reach)."""
-    calls = collectives(rows)
+    calls = reached(rows)
     steps = steps_of(calls, per_step)
     index = {id(r): i for i, r in enumerate(calls)}
     out = []
@@ -93,8 +111,9 @@ def view(rows: list[dict], per_step: int | None = None) -> list[dict]:
             excess = max(0, r.get("t1", r["t0"]) - r["t0"] - NCCL_ISSUE_NS)
             lt = r.get("late") or 0
             dropped += lt - carried("excess", lt, b["reach"] - b["t0"], excess)
-        t = nxt[0]["reach"] - cur[0]["reach"]
-        out.append({"step": cur[0].get("step", s), "calls": len(cur), "T_ms": t / 1e6, "late_ms": late / 1e6,
+        t = nxt[0]["reach"] - cur[0]["reach"]  # a step's first call is a collective (steps_of)
+        first = next((r for r in cur if "step" in r), cur[0])
+        out.append({"step": first.get("step", s), "calls": len(cur), "T_ms": t / 1e6, "late_ms": late / 1e6,
                     "T_less_late_ms": (t - late) / 1e6, "waits_ms": waits / 1e6, "between_ms": between / 1e6,
                     "dropped_ms": dropped / 1e6, "deliver_ms": deliver / 1e6})
     return out

@@ -226,6 +226,13 @@ def _gpu_limits(config: EmulateConfig, env: dict[str, str], pool_gib: float) -> 
         env[D.GPU_SANDBOX_ENV] = "1"
         # no lazy module loading while the GPU waits on a release (prism/rank/devicepath.py, the hazard)
         env["CUDA_MODULE_LOADING"] = "EAGER"
+        from prism.rank.envnames import ARRIVE_AT_REACH_ENV
+        from prism.shell.emulator import EARLY_RELEASE_ENV
+
+        if os.environ.get(EARLY_RELEASE_ENV) == "1":
+            # early releases need each arrival at its issue: said to the ranks here, for ranks on
+            # agents do not inherit this process's environment (protocol 12's default is at the reach)
+            env[ARRIVE_AT_REACH_ENV] = "0"
     if config.memory_limit_gib is not None:
         from prism.rank.oom import MEMORY_LIMIT_ENV
 

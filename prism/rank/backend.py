@@ -1157,6 +1157,8 @@ class PrismProcessGroup(dist.ProcessGroup):
                     feed.deliver(ref, t)  # type: ignore[union-attr]
                 else:
                     t.zero_()
+            if reach:
+                rel.mark_delivered(slot)
 
         side = devicepath.side_stream(t.device) if not blocking else None
         if side is not None:

@@ -91,9 +91,9 @@ _ISSUE_SAMPLES = 100_000
 
 
 def count_issue(ns: int) -> None:
-    """Account one device-path call's issue time on the host: from the
-    backend's entry (before it decides the call takes the device path) to
-    its return."""
+    """Account one device-path call's issue time on the host: for a
+    collective from the backend's entry (before it decides the call takes
+    the device path) to its return; for a send or receive from its start."""
     if _issued[0] == 0:
         import atexit
 
@@ -396,9 +396,7 @@ def enabled() -> bool:
     return _flags().enabled
 
 
-#: "0": a device-path collective's arrival leaves at its issue, a ``Reached``
-#: after (protocols 5-11), not at its reach with the reach in it (protocol 12).
-ARRIVE_AT_REACH_ENV = "PRISM_DEVICE_ARRIVE_AT_REACH"
+from prism.rank.envnames import ARRIVE_AT_REACH_ENV  # noqa: E402 (beside its use; ``prism emulate`` sets it)
 
 
 #: "1" (an experiment, opt-in until a GPU A/B says): a device-path call's
@@ -809,9 +807,10 @@ class _Watcher:
 
     def _delivery(self) -> int:
         """With ``CARRY_DELIVERY_ENV``: the stream's time forming the outputs
-        of the calls whose lateness is held (stamped before this reach, in
-        stream order), carried as their lateness is; the call log's
-        ``deliver``. 0 otherwise."""
+        of the calls whose lateness is held (stamped before this reach where
+        they are on its stream; one on another stream not stamped yet counts
+        0), carried as their lateness is; the call log's ``deliver``. 0
+        otherwise."""
         if not self.carry_delivery:
             return 0
         total = 0

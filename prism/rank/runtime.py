@@ -377,8 +377,8 @@ class RankRuntime:
         (each announces it later with a ``Reached``): before any call, wait or
         goodbye message, so the coordinator takes the rank's calls in the
         order the rank made them."""
-        if not self._deferred:
-            return
+        # Always under the lock: another thread may have popped the last one
+        # and not yet handed it to the client (an empty deque then says nothing).
         with self._defer_lock:
             while self._deferred:
                 self._send_arrival(self._deferred.popleft()[1])

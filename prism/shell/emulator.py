@@ -136,7 +136,7 @@ class EmulationStats:
     #: per such call how far the stream reached it after the CPU issued it (ns)
     reached_calls: int = 0
     reach_lag_ns: list[int] = field(default_factory=list)
-    #: of those, the collectives whose arrival came at the reach with the reach in it (protocol 12)
+    #: of those, the calls (collectives, sends, receives) whose arrival came at the reach with it (protocol 12)
     arrived_with_reach: int = 0
     #: ns each result went out after its emulated release on its rank's clock (negative: ahead;
     #: the rank holds it until then); positive lag is a wait the rank's dilated clock absorbs
@@ -310,13 +310,18 @@ class Emulator(Coordinator):
             self.clock_offsets[msg.rank] = min(self.clock_offsets[msg.rank], now - getattr(msg, field_name))
             self._clock_fixed.add(msg.rank)
         if field_name is not None and (off := self.clock_offsets.get(msg.rank, 0)) and getattr(msg, field_name):
-            # onto the coordinator's clock (0 stays "not said")
-            msg = dataclasses.replace(msg, **{field_name: getattr(msg, field_name) + off})
+            # onto the coordinator's clock (0 stays "not said"); an arrival sent at its reach carries
+            # that time too (protocol 12)
+            moved = {field_name: getattr(msg, field_name) + off}
+            if getattr(msg, "reach_ns", 0):
+                moved["reach_ns"] = msg.reach_ns + off
+            msg = dataclasses.replace(msg, **moved)
             ev = dataclasses.replace(ev, msg=msg)
         if isinstance(msg, (P.CollectiveArrive, P.Send, P.RecvPost)):
             if msg.issue_ns:
-                # the rank's dilation, and the message's transit: an upper bound (the pacing lag's reference)
-                self._dilation[msg.rank] = self._now() - msg.issue_ns
+                # the rank's dilation, and the message's transit: an upper bound (the pacing lag's
+                # reference); an arrival sent at its reach (protocol 12) left then, not at its issue
+                self._dilation[msg.rank] = self._now() - (msg.reach_ns or msg.issue_ns)
             gid = self.groups.to_graph(msg.rank, msg.gid)
             if gid != msg.gid:
                 ev = dataclasses.replace(ev, msg=dataclasses.replace(msg, gid=gid))

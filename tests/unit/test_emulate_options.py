@@ -162,3 +162,14 @@ def test_an_agent_checks_the_kernels_on_its_node_before_its_device_path_sandboxe
         procs.close()
         t.join(timeout=20)
     assert out["o"].codes == {2: 1} and "could not be checked" in out["o"].stopped
+
+
+def test_early_releases_tell_the_sandboxes_to_send_each_arrival_at_its_issue(monkeypatch):
+    # protocol 12 sends a device-path call's arrival at its reach; an early release needs it at the
+    # issue, and ranks on agents do not inherit the emulating process's environment
+    monkeypatch.delenv("PRISM_EARLY_RELEASE", raising=False)
+    env = E._gpu_limits(E.EmulateConfig(run="r", device_path=True), {}, 0.0)
+    assert env["PRISM_GPU_SANDBOX"] == "1" and "PRISM_DEVICE_ARRIVE_AT_REACH" not in env
+    monkeypatch.setenv("PRISM_EARLY_RELEASE", "1")
+    env = E._gpu_limits(E.EmulateConfig(run="r", device_path=True), {}, 0.0)
+    assert env["PRISM_DEVICE_ARRIVE_AT_REACH"] == "0"

@@ -36,3 +36,20 @@ def test_each_step_is_its_gpu_time_less_the_lateness_and_the_dropped_carry_is_na
     # a log from before the step field: grouped by count
     bare = [{k: v for k, v in r.items() if k != "step"} for r in rows]
     assert [r["T_ms"] for r in gv.view(bare, per_step=2)] == [r["T_ms"] for r in v]
+
+
+def test_sends_and_receives_go_with_the_collective_before_them_and_pair_its_lateness():
+    gv = load_bench("gpu_view")
+    rows = [
+        _call(0, 0, 1_000_000, 200_000, 300_000),
+        {"op": "recv", "t0": 1_500_000, "t1": 1_510_000, "reach": 1_600_000, "due": 1_700_000, "late": 50_000},
+        {"op": "send", "t0": 2_000_000, "t1": 2_010_000, "reach": 2_100_000},
+        _call(1, 9_000_000, 10_000_000, 200_000, 0),
+        _call(2, 19_000_000, 20_000_000, 200_000, 0),
+    ]
+    v = gv.view(rows)
+    assert [(r["step"], r["calls"]) for r in v] == [(0, 3), (1, 1)]
+    assert abs(v[0]["late_ms"] - 0.35) < 1e-9  # the receive's lateness counts in its step
+    # the collective's lateness (300 us) is paired with the receive's reach 100 us after its issue: 200 dropped
+    assert abs(v[0]["dropped_ms"] - 0.2) < 1e-9
+    assert [r["calls"] for r in gv.view(rows, per_step=1)] == [3, 1]
