@@ -252,8 +252,8 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
   # VARIANTS (default "rec rec-carrymin comp comp-carrymin"): rec = with the recording, comp =
   # --no-recording, each with Prism's defaults and these suffixes: -early = PRISM_EARLY_RELEASE=1 (a
   # collective released before its reach where the engine knows its completion); -drained =
-  # PRISM_DEVICE_HOST_CHARGE=drained (the host charge's rule before 2026-12-06); -carrymin / -carryall =
-  # PRISM_DEVICE_LATE_CARRY=min / all (the default: excess); -pollN = PRISM_DEVICE_POLL_US=N (the reach
+  # PRISM_DEVICE_HOST_CHARGE=drained (the host charge's rule before 2026-12-06); -carrymin / -carryall / -carrystep =
+  # PRISM_DEVICE_LATE_CARRY=min / all / step (the default: excess); -pollN = PRISM_DEVICE_POLL_US=N (the reach
   # watcher's poll period, default 20 us); -pypoll = PRISM_DEVICE_POLL_NATIVE=0 (the watcher polls in Python,
   # taking the GIL at each look, as before 2026-12-07); -torchpool = PRISM_POOL_NATIVE=0 (the prefetch pool's
   # copies and events through torch's Python API, as before 2026-12-07); -swN = PRISM_SWITCH_INTERVAL_US=N (the
@@ -283,7 +283,8 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
         env=(PRISM_STACK_DUMP_S=20)
         case $v in *-early*) env+=(PRISM_EARLY_RELEASE=1) ;; esac
         case $v in *-drained*) env+=(PRISM_DEVICE_HOST_CHARGE=drained) ;; esac
-        case $v in *-carryall*) env+=(PRISM_DEVICE_LATE_CARRY=all) ;; *-carrymin*) env+=(PRISM_DEVICE_LATE_CARRY=min) ;; esac
+        case $v in *-carryall*) env+=(PRISM_DEVICE_LATE_CARRY=all) ;; *-carrymin*) env+=(PRISM_DEVICE_LATE_CARRY=min) ;;
+          *-carrystep*) env+=(PRISM_DEVICE_LATE_CARRY=step) ;; esac
         case $v in *-poll[0-9]*) local pu=${v##*-poll}; env+=(PRISM_DEVICE_POLL_US="${pu%%-*}") ;; esac
         case $v in *-pypoll*) env+=(PRISM_DEVICE_POLL_NATIVE=0) ;; esac
         case $v in *-torchpool*) env+=(PRISM_POOL_NATIVE=0) ;; esac

@@ -47,23 +47,44 @@ def read_calls(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def carried(rows: list[dict], skip: int) -> dict[str, int]:
+def steps_of(rows: list[dict], calls_per_step: int | None = None) -> list[int | None]:
+    """Each call's step: the log's ``step`` (collectives, since 2026-12-08),
+    else the collectives counted ``calls_per_step`` at a time; a send or
+    receive takes the step of the collective before it (None before any)."""
+    out: list[int | None] = []
+    step, n = None, 0
+    for r in rows:
+        if r.get("op") not in ("send", "recv"):
+            if "step" in r:
+                step = r["step"]
+            elif calls_per_step:
+                step = n // calls_per_step
+            n += 1
+        out.append(step)
+    return out
+
+
+def carried(rows: list[dict], skip: int, calls_per_step: int | None = None) -> dict[str, int]:
     """ns each rule carries over the calls after the first ``skip``: call k's
-    lateness at call k+1's reach (the watcher's pairing for calls in one stream)."""
+    lateness at call k+1's reach (the watcher's pairing for calls in one stream);
+    the ``step`` rule knows the steps from the log or ``calls_per_step``."""
     out = dict.fromkeys(RULES, 0)
+    steps = steps_of(rows, calls_per_step)
     for i, (a, b) in enumerate(zip(rows, rows[1:])):
         if i < skip or "reach" not in b or "t0" not in b:
             continue
         late = a.get("late") or 0
         excess = max(0, a.get("t1", a["t0"]) - a["t0"] - NCCL_ISSUE_NS)
+        new_step = steps[i] is not None and steps[i + 1] is not None and steps[i + 1] > steps[i]
         for rule in RULES:
-            out[rule] += carried_by(rule, late, b["reach"] - b["t0"], excess)
+            out[rule] += carried_by(rule, late, b["reach"] - b["t0"], excess, new_step)
     return out
 
 
-def analyse(rows: list[dict], emulated_ms: float, predicted_ms: float, ran: str, steps: int, warmup: int) -> dict:
+def analyse(rows: list[dict], emulated_ms: float, predicted_ms: float, ran: str, steps: int, warmup: int,
+            calls_per_step: int | None = None) -> dict:
     skip = len(rows) * warmup // steps
-    c = carried(rows, skip)
+    c = carried(rows, skip, calls_per_step)
     per = steps - warmup
     res = {"calls": len(rows), "ran": ran, "emulated_ms": emulated_ms, "predicted_ms": predicted_ms,
            "carried_ms_per_step": {k: v / per / 1e6 for k, v in c.items()}}
@@ -81,6 +102,8 @@ def main() -> int:
     ap.add_argument("--ran", default="min", choices=RULES, help="the rule the run carried with")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--calls-per-step", type=int, default=None,
+                    help="collectives a step, for the step rule on a log without 'step' (before 2026-12-08)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.emulated_ms is not None or a.predicted_ms is not None:
@@ -104,7 +127,7 @@ def main() -> int:
             rows = read_calls(calls)
         except (OSError, ValueError) as e:
             sys.exit(f"late_carry: cannot read the call log {calls} ({e})")
-        r = analyse(rows, em, pr, a.ran, a.steps, a.warmup)
+        r = analyse(rows, em, pr, a.ran, a.steps, a.warmup, a.calls_per_step)
         r["calls_file"] = calls
         out.append(r)
         print(f"{pathlib.Path(calls).name[:44]:<44} {a.ran:>5} "

@@ -11,6 +11,11 @@ rules (``PRISM_DEVICE_LATE_CARRY``; ``prism.rank.devicepath._Watcher``):
     excess  min(late, gap + excess)   (the default)
     min     min(late, gap)            (the rule before 2026-12-06)
     all     late
+    step    late where the next call is in a later step of the program,
+            else as ``excess`` (an experiment, 2026-12-08): a training loop
+            waits for its GPU at a step's end (``loss.item()``), so the host
+            comes to the next step's first call late by the GPU's delay, and
+            the small ``gap`` there says nothing of a lateness absorbed
 
 ``bench/late_carry.py`` applies them to a call log.
 """
@@ -22,13 +27,14 @@ from __future__ import annotations
 #: the part of Prism's own issue time the real job would spend too.
 NCCL_ISSUE_NS = 30_000
 
-RULES = ("excess", "min", "all")
+RULES = ("excess", "min", "all", "step")
 
 
-def carried(rule: str, late: int, gap: int, excess: int) -> int:
+def carried(rule: str, late: int, gap: int, excess: int, new_step: bool = False) -> int:
     """The ns of ``late`` that ``rule`` takes out (``gap``: the next reach
-    less its host issue; ``excess``: Prism's time beyond NCCL's before it)."""
-    if rule == "all":
+    less its host issue; ``excess``: Prism's time beyond NCCL's before it;
+    ``new_step``: the next call is in a later step than the late ones)."""
+    if rule == "all" or (rule == "step" and new_step):
         return late
     gap = max(0, gap)
-    return min(late, gap + excess if rule == "excess" else gap)
+    return min(late, gap + excess if rule in ("excess", "step") else gap)

@@ -758,7 +758,8 @@ class PrismProcessGroup(dist.ProcessGroup):
                 rel.prepare(slot)
             rel.enqueue_wait(slot, value)
             if reach:
-                rel.watch(slot, t0, _reach_reporter(rt, self.gid, seq), rt.add_dilation, rec, drained)
+                rel.watch(slot, t0, _reach_reporter(rt, self.gid, seq), rt.add_dilation, rec, drained,
+                          rt.recorder.step)
             devicepath.stamp(rec, "t_wait")
             if recorded:
                 with torch.no_grad():
@@ -1088,7 +1089,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             rel.release(slot, value)  # nothing to wait for: the wait only stamps the reach
             rel.enqueue_wait(slot, value)
             rec = devicepath.call_record(op="send", peer=peer, tag=tag, pseq=pseq, t0=t0)
-            rel.watch(slot, t0, _reach_reporter(rt, protocol.send_reach_gid(peer, tag), pseq), rt.add_dilation, rec)
+            rel.watch(slot, t0, _reach_reporter(rt, protocol.send_reach_gid(peer, tag), pseq), rt.add_dilation, rec,
+                      step=rt.recorder.step)
         end = time.monotonic_ns()
         pending = _Op(f"send to rank {peer} tag {tag}", [], [t], t0, True, rt.recorder.step)
         pending.end_ns = end
@@ -1151,7 +1153,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             rel.enqueue_wait(slot, value)
             if reach:
                 rel.watch(slot, t0, _reach_reporter(rt, protocol.recv_reach_gid(peer, tag), pseq), rt.add_dilation,
-                          rec, drained)
+                          rec, drained, rt.recorder.step)
             with torch.no_grad():
                 if recorded:
                     feed.deliver(ref, t)  # type: ignore[union-attr]

@@ -539,16 +539,17 @@ class Releaser:
         self._watcher: _Watcher | None = None
 
     def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None,
-              drained: bool = False) -> None:
+              drained: bool = False, step: int | None = None) -> None:
         """Report the reach of the wait just queued on ``slot`` (issued by the
         CPU at ``issue_mono_ns``): ``on_reach(reach_mono_ns)`` from the
         watcher thread; ``on_late(ns)`` for Prism's delay it carried; ``rec``
         (the call log's record, if any) gets ``reach`` and ``late``;
         ``drained``: the stream had drained when the call came (the GPU
-        waited for Prism's issue: ``HostCharge.pre``)."""
+        waited for Prism's issue: ``HostCharge.pre``); ``step``: the
+        program's step at the call (the ``step`` carry rule)."""
         if self._watcher is None:
             self._watcher = _Watcher(self.flags, poll_s())
-        self._watcher.add(slot, issue_mono_ns, on_reach, on_late, rec, drained)
+        self._watcher.add(slot, issue_mono_ns, on_reach, on_late, rec, drained, step)
 
     def spend_excess(self, slot: int, ns: int) -> None:
         """``ns`` of the call on ``slot``'s excess was charged by ``HostCharge``."""
@@ -785,9 +786,10 @@ class _Watcher:
         self._excess: dict[int, int] = {}
         self._late_slots: list[int] = []
         self._late_recs: list[dict | None] = []  # their call-log records, beside them
+        self._late_steps: list[int | None] = []  # and the program's steps they were called in
         self.carry_delivery = carry_delivery()
         self._calls: collections.deque = collections.deque()  # (slot, issue, on_reach, on_late, rec, drained)
-        self._reached: collections.deque = collections.deque()  # (slot, rec) reached, their lateness not yet read
+        self._reached: collections.deque = collections.deque()  # (slot, rec, step) reached, lateness not yet read
         self._late = 0
         self._cond = threading.Condition()
         #: Bumped by ``add``: the native wait (``_native_wait``) returns when it moves.
@@ -826,12 +828,12 @@ class _Watcher:
             self._excess[slot] = max(0, self._excess[slot] - ns)
 
     def add(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None,
-            drained: bool = False) -> None:
+            drained: bool = False, step: int | None = None) -> None:
         self._excess.pop(slot, None)  # an earlier call's on this slot, never read (a drained carry)
         with self._cond:
             if not self._calls:  # the watcher waits on no reach: wake it (else it waits on the first's)
                 self._gen_np[0] += 1
-            self._calls.append((slot, issue_mono_ns, on_reach, on_late, rec, drained))
+            self._calls.append((slot, issue_mono_ns, on_reach, on_late, rec, drained, step))
             self._cond.notify()
 
     def _loop(self) -> None:
@@ -848,15 +850,16 @@ class _Watcher:
             while True:
                 # the waits before (their ends precede the next reach on a stream) ...
                 while self._reached and (late := flags.late_ns(self._reached[0][0])) is not None:
-                    s, done = self._reached.popleft()
+                    s, done, st = self._reached.popleft()
                     self._late += late
                     self._late_slots.append(s)
                     self._late_recs.append(done)
+                    self._late_steps.append(st)
                     if done is not None:
                         done["late"] = late
                 if not self._calls:
                     break
-                slot, issue, on_reach, on_late, rec, drained = self._calls[0]
+                slot, issue, on_reach, on_late, rec, drained, step = self._calls[0]
                 reach = flags.reached_mono_ns(slot)  # ... then the next call's reach
                 if not reach:
                     break
@@ -875,10 +878,12 @@ class _Watcher:
                     # lateness it hid was not absorbed by a slow host.
                     own = sum(self._excess.pop(s, 0) for s in self._late_slots)
                     held = self._late + self._delivery()
-                    carried = latecarry.carried(self.carry, held, reach - issue, own)
+                    new_step = step is not None and any(st is not None and st < step for st in self._late_steps)
+                    carried = latecarry.carried(self.carry, held, reach - issue, own, new_step)
                 self._late = 0
                 self._late_slots.clear()
                 self._late_recs.clear()
+                self._late_steps.clear()
                 if carried:
                     on_late(carried)
                 if rec is not None:
@@ -887,7 +892,7 @@ class _Watcher:
                 on_reach(reach)
                 if rec is not None:
                     rec["t_rsent"] = time.monotonic_ns()  # its Reached handed to the transport
-                self._reached.append((slot, rec))
+                self._reached.append((slot, rec, step))
                 moved = True
             if not moved:
                 if self._wait is None:
@@ -935,7 +940,7 @@ class _NullReleaser:
     announced = True
 
     def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None,
-              drained: bool = False) -> None:
+              drained: bool = False, step: int | None = None) -> None:
         import time
 
         at = time.monotonic_ns()

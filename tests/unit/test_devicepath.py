@@ -378,19 +378,22 @@ def test_host_charge_takes_out_the_idle_after_a_wait_the_gpu_passed_before_prism
     assert hc.charged_ns == 670 and hc.charges == 3
 
 
-def _late_then_reached(issue1: int, drained: bool = False, excess: int = 0, spent: int = 0) -> list:
+def _late_then_reached(issue1: int, drained: bool = False, excess: int = 0, spent: int = 0,
+                       steps: tuple = (None, None)) -> list:
     """Two calls on a fresh watcher: call 0 (issued at 900, reached at 1,000)
     is due at 5,000 and ends 2,000 late at 7,000; call 1 (issued at ``issue1``)
     is reached at 8,000; call 0 spent ``excess`` in Prism beyond NCCL's, of
-    which the host charge took ``spent``. What the watcher reported, in order."""
+    which the host charge took ``spent``; ``steps``: the program's step at
+    each. What the watcher reported, in order."""
     import threading
 
     flags, w = _host_watcher(2)
     got: list = []
     done = threading.Event()
-    w.add(0, 900, lambda at: got.append(("reach", 0, at)), lambda ns: got.append(("late", ns)))
+    w.add(0, 900, lambda at: got.append(("reach", 0, at)), lambda ns: got.append(("late", ns)), None, False,
+          steps[0])
     w.add(1, issue1, lambda at: (got.append(("reach", 1, at)), done.set()), lambda ns: got.append(("late", ns)),
-          None, drained)
+          None, drained, steps[1])
     w.note_excess(0, excess)
     w.spend_excess(0, spent)
     w.spend_excess(3, spent)  # nothing noted on slot 3: nothing happens
@@ -430,6 +433,19 @@ def test_the_watcher_carries_lateness_the_hosts_own_prism_time_hid(monkeypatch):
     monkeypatch.setenv(devicepath.LATE_CARRY_ENV, "some")
     with pytest.raises(SystemExit, match="PRISM_DEVICE_LATE_CARRY='some'"):
         devicepath._Watcher(cuda_ext.ReleaseFlags(1, "cpu"), 1e-4)
+
+
+def test_the_step_rule_carries_all_the_lateness_into_a_later_step(monkeypatch):
+    # PRISM_DEVICE_LATE_CARRY=step: as "excess" within a step (800 of 2,000, as above); where call 1 is in
+    # a later step than call 0, the host reached it late for having waited on the late GPU at the step's
+    # end (loss.item()), so the small gap says nothing: all 2,000 are carried
+    monkeypatch.setattr(devicepath, "_host_charge", None)
+    monkeypatch.setenv(devicepath.LATE_CARRY_ENV, "step")
+    assert _late_then_reached(7900, excess=700, steps=(3, 3))[1] == ("late", 800)
+    assert _late_then_reached(7900, excess=700, steps=(3, 4))[1] == ("late", 2000)
+    assert _late_then_reached(7900, excess=700, steps=(None, 4))[1] == ("late", 800)  # a step not known: as excess
+    monkeypatch.setenv(devicepath.LATE_CARRY_ENV, "excess")
+    assert _late_then_reached(7900, excess=700, steps=(3, 4))[1] == ("late", 800)
 
 
 def test_excess_the_host_charge_took_is_not_carried_again(monkeypatch):

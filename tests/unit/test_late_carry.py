@@ -22,8 +22,18 @@ CALLS = [
 
 def test_each_rule_carries_what_the_watcher_would():
     lc = _module()
-    assert lc.carried(CALLS, 0) == {"min": 150, "excess": 850, "all": 2050}
-    assert lc.carried(CALLS, 1) == {"min": 50, "excess": 50, "all": 50}
+    assert lc.carried(CALLS, 0) == {"min": 150, "excess": 850, "all": 2050, "step": 850}
+    assert lc.carried(CALLS, 1) == {"min": 50, "excess": 50, "all": 50, "step": 50}
+
+
+def test_the_step_rule_carries_all_into_a_later_step():
+    # call 1 in a later step than call 0: its whole 2,000 (the host waited on the late GPU at the step's
+    # end); the log's own steps, or the collectives counted two at a time for an older log
+    lc = _module()
+    stepped = [dict(c, step=s) for c, s in zip(CALLS, (0, 1, 1))]
+    assert lc.carried(stepped, 0)["step"] == 2050
+    assert lc.carried(CALLS, 0, calls_per_step=1)["step"] == 2050
+    assert lc.carried(CALLS, 0, calls_per_step=2)["step"] == 850 + 0  # calls 0, 1 in step 0; call 2 in step 1
 
 
 def test_the_emulated_mean_moves_by_the_difference_per_step(tmp_path):
