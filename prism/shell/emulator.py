@@ -388,12 +388,20 @@ class Emulator(Coordinator):
                 member = self.ranks.get(r)
                 if member is None or member.done:
                     continue
-                if r in self.engine.computing:
+                q = self._queue.get(r)
+                if q and q[0][3] is None:  # its next call came, its GPU stream's reach did not
+                    kind, msg, _, _ = q[0]
+                    lines.append(f"sandbox rank {r} issued {kind} {getattr(msg, 'op', '')} (group "
+                                 f"{getattr(msg, 'gid', '')}, seq {getattr(msg, 'seq', getattr(msg, 'pseq', ''))})"
+                                 " but its GPU stream never reached it (held up before it on the GPU)")
+                elif r in self.engine.computing:
                     nd, _ = self.engine.computing[r]
                     cn = self.engine.next_call_node(r, nd)
                     nxt = (self.engine._expected(cn) if cn < self.graph.rank_ptr[r + 1]
                            else "the end of its script")
-                    lines.append(f"sandbox rank {r} has not called anything; the graph has {nxt} next")
+                    hint = ("; a device-path call's arrival leaves when its GPU stream reaches it (protocol "
+                            "12): its stream may be held up before it" if self.stats.reached_calls else "")
+                    lines.append(f"sandbox rank {r} has not called anything; the graph has {nxt} next{hint}")
                 else:
                     lines.append(f"sandbox rank {r} waits for its call at graph node {self.engine._pos[r]}, "
                                  "which the emulated job never completes")

@@ -113,3 +113,28 @@ def test_the_coordinator_takes_an_arrivals_reach_onto_its_clock_as_a_reacheds(tm
     coord._anchor_s, coord._anchor_ns = 0.0, 10**15
     trio.run(main, clock=trio.testing.MockClock())
     assert seen["arrived"] == 1 and seen["lag"] == [100_000], seen
+
+
+def test_a_hang_report_names_the_call_whose_gpu_reach_never_came(tmp_path):
+    # the quiet watchdog: a sandbox whose device-path call arrived without its reach (its stream held up
+    # before it) is named with that call, not as a rank that "has not called anything"
+    graph = ExecutionGraph.from_events(megatron_events(MegatronSpec(tp=2, pp=1, dp=1, iterations=1)))
+    model = CostModel("test", 4, Link(100e9, 2e-6), Link(25e9, 5e-6), base_latency=3e-6, source="test")
+    coord = Emulator(tmp_path / "run", HybridReplay(graph, [0], cost_model=model), endpoint="tcp://192.0.2.2:1")
+    runfolder.make_run_dir(coord.run_dir)
+    coord._sock = _Sock()
+    coord.bound_endpoint = coord.endpoint
+
+    async def main() -> None:
+        await coord._handle(Received(b"r0", P.Hello(P.PROTOCOL_VERSION, 0, 2, 0, 1, "node1", "cpu", 1_000)))
+        await coord._handle(Received(b"r0", P.CollectiveArrive(
+            rank=0, gid="g", seq=0, op="all_reduce", reduce_op="SUM", dtype="float32", in_shapes=((4,),),
+            out_shapes=((4,),), issue_ns=5_000, on_device=True, reach_follows=True)))
+        coord._close_traces()
+
+    coord._anchor_s, coord._anchor_ns = 0.0, 10**15
+    trio.run(main, clock=trio.testing.MockClock())
+    coord._heap.clear()
+    coord._watchdog(coord._last_activity + coord.quiet_ns + 1)
+    assert coord._result is not None and coord._result.status == "deadlock", coord._result
+    assert "issued coll all_reduce (group g, seq 0) but its GPU stream never reached it" in coord._result.message
