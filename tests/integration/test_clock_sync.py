@@ -32,24 +32,12 @@ from prism.rank.runtime import CLOCK_PROBES_ENV, DEFAULT_CLOCK_PROBES
 from prism.shell import runfolder
 from prism.shell.coordinator import Coordinator, Received
 from transport.curve import KEYS_ENV, make_keys
+from tests.support.emulator_harness import RecordingSocket
 from transport.endpoints import default_endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # --- the coordinator's side ---------------------------------------------------------------
-
-
-class RecordingSocket:
-    """The coordinator's socket, keeping what it sends."""
-
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    async def send_message(self, msg, identity=None) -> None:
-        self.sent.append((identity, msg))
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("kind", ["coordinator", "emulator"])

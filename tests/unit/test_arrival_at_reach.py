@@ -10,14 +10,9 @@ import trio
 import trio.testing
 
 from prism.core import protocol as P
-from prism.core.costmodel import CostModel, Link
-from prism.core.graph import ExecutionGraph
-from prism.core.hybrid import HybridReplay
-from prism.core.synthetic import MegatronSpec, megatron_events
 from prism.rank.runtime import RankRuntime
-from prism.shell import runfolder
 from prism.shell.coordinator import Received
-from prism.shell.emulator import Emulator
+from tests.support.emulator_harness import offline_emulator
 
 
 class _SlowWatcherClient:
@@ -77,26 +72,10 @@ def test_a_call_from_another_thread_does_not_overtake_an_arrival_leaving_at_its_
     assert [m.seq for m in c.sent if isinstance(m, P.CollectiveArrive)] == [0, 1]
 
 
-class _Sock:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    async def send_message(self, msg, identity=None) -> None:
-        self.sent.append((identity, msg))
-
-    def close(self) -> None:
-        pass
-
-
 def test_the_coordinator_takes_an_arrivals_reach_onto_its_clock_as_a_reacheds(tmp_path):
     # a sandbox on another host (a clock offset): the reach in its arrival is moved by the offset, as
     # a Reached's is, and its lag behind the issue is what the rank measured
-    graph = ExecutionGraph.from_events(megatron_events(MegatronSpec(tp=2, pp=1, dp=1, iterations=1)))
-    model = CostModel("test", 4, Link(100e9, 2e-6), Link(25e9, 5e-6), base_latency=3e-6, source="test")
-    coord = Emulator(tmp_path / "run", HybridReplay(graph, [0], cost_model=model), endpoint="tcp://192.0.2.2:1")
-    runfolder.make_run_dir(coord.run_dir)
-    coord._sock = _Sock()
-    coord.bound_endpoint = coord.endpoint
+    coord = offline_emulator(tmp_path)
     seen: dict = {}
 
     async def main() -> None:
@@ -118,12 +97,7 @@ def test_the_coordinator_takes_an_arrivals_reach_onto_its_clock_as_a_reacheds(tm
 def test_a_hang_report_names_the_call_whose_gpu_reach_never_came(tmp_path):
     # the quiet watchdog: a sandbox whose device-path call arrived without its reach (its stream held up
     # before it) is named with that call, not as a rank that "has not called anything"
-    graph = ExecutionGraph.from_events(megatron_events(MegatronSpec(tp=2, pp=1, dp=1, iterations=1)))
-    model = CostModel("test", 4, Link(100e9, 2e-6), Link(25e9, 5e-6), base_latency=3e-6, source="test")
-    coord = Emulator(tmp_path / "run", HybridReplay(graph, [0], cost_model=model), endpoint="tcp://192.0.2.2:1")
-    runfolder.make_run_dir(coord.run_dir)
-    coord._sock = _Sock()
-    coord.bound_endpoint = coord.endpoint
+    coord = offline_emulator(tmp_path)
 
     async def main() -> None:
         await coord._handle(Received(b"r0", P.Hello(P.PROTOCOL_VERSION, 0, 2, 0, 1, "node1", "cpu", 1_000)))

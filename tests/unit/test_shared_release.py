@@ -98,29 +98,11 @@ def test_the_emulator_writes_a_shared_flag_as_the_result_goes_out(tmp_path):
     # The coordinator's side: after the rank's ReleaseShared, a device-path
     # collective that named its slot is released by writing the flag (on the
     # wait's clock) before its result message goes out, which still goes.
-    from prism.core.costmodel import CostModel, Link
-    from prism.core.graph import ExecutionGraph
-    from prism.core.hybrid import HybridReplay
-    from prism.core.synthetic import MegatronSpec, megatron_events
-    from prism.shell import runfolder
     from prism.shell.coordinator import Received
-    from prism.shell.emulator import Emulator
+    from tests.support.emulator_harness import offline_emulator
 
-    sent = []
-
-    class Sock:
-        async def send_message(self, msg, identity=None):
-            sent.append((identity, msg))
-
-        def close(self):
-            pass
-
-    graph = ExecutionGraph.from_events(megatron_events(MegatronSpec(tp=2, pp=1, dp=1, iterations=1)))
-    model = CostModel("test", 4, Link(100e9, 2e-6), Link(25e9, 5e-6), base_latency=3e-6, source="test")
-    coord = Emulator(tmp_path / "run", HybridReplay(graph, [0], cost_model=model), endpoint="ipc:///tmp/x")
-    runfolder.make_run_dir(coord.run_dir)
-    coord._sock = Sock()
-    coord.bound_endpoint = coord.endpoint
+    coord = offline_emulator(tmp_path, endpoint="ipc:///tmp/x")
+    sent = coord._sock.sent
     rank = S.SharedRelease.create(str(tmp_path / "flags"), 16)
     rank.header[S.H_OFFSET], rank.header[S.H_DILATION] = 40, 7
 
