@@ -22,7 +22,10 @@ the device path's call log and the table adds each stage's median wall time
 little, the same in both trees). ``--against-env KEY=VALUE`` compares this
 tree with itself under that environment (the "base" runs) instead of another
 revision. Each run also gives the coordinator's CPU time (its summary's
-``coordinator.cpu_s``, the whole emulation). Not covered: the GPU's own calls (stream
+``coordinator.cpu_s``, the whole emulation). ``--threaded-reach``: the CPU
+test mode reports each reach from a thread of its own, as a GPU's reach
+watcher does (``PRISM_CPU_TEST_THREADED_REACH=1``), not on the calling
+thread: the GPU path's arrangement of threads and GIL. Not covered: the GPU's own calls (stream
 queries, the release wait, the pool's delivery), which take their own time
 on a GPU host (``bench/host_time.py`` on a GPU run's call log).
 """
@@ -87,6 +90,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20, help="the workload's steps (default 20)")
     ap.add_argument("--sandbox", type=int, default=4, help="the sandbox rank (default 4)")
     ap.add_argument("--call-log", action="store_true", help="also write call logs and compare stage by stage")
+    ap.add_argument("--threaded-reach", action="store_true",
+                    help="report the CPU test mode's reaches from a thread of their own, as on a GPU "
+                         "(PRISM_CPU_TEST_THREADED_REACH=1)")
     ap.add_argument("--against-env", default=None, metavar="KEY=VALUE",
                     help="compare this tree with itself under KEY=VALUE (the base runs), not with --base")
     ap.add_argument("--json", default=None, help="where to write the results (default bench/results/call_cost-DATE.json)")
@@ -117,6 +123,8 @@ def main() -> int:
              "off", "--show-ranks", "none", "--", *GPT, "--steps", str(args.steps)], ROOT)
         print(f"captured in {time.perf_counter() - t:.1f} s: {cap}")
         env = {"PRISM_GPU_SANDBOX": "cpu-test"}
+        if args.threaded_reach:
+            env["PRISM_CPU_TEST_THREADED_REACH"] = "1"
         rows = []
         for i in range(args.runs):
             for label, tree in (("base", base), ("this", ROOT)):
@@ -171,7 +179,7 @@ def main() -> int:
                 continue
             print(f"  {st:<36}{b:>10.1f}{t:>10.1f}{t - b:>+13.1f}")
     doc = {"benchmark": "call_cost", "date": time.strftime("%Y-%m-%d", time.gmtime()), "base": rev,
-           "against_env": args.against_env,
+           "against_env": args.against_env, "threaded_reach": args.threaded_reach,
            "this": here + (" + uncommitted changes" if dirty else ""), "runs": args.runs, "steps": args.steps,
            "workload": " ".join(GPT), "rows": rows, "table": table, "ratio": ratio}
     write_json(args.json or result_path("call_cost"), doc)

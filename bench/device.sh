@@ -260,8 +260,8 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
   # sandbox's GIL switch interval, us; Python's default 5,000); -shm = PRISM_DEVICE_SHARED_RELEASE=1 (the coordinator
   # releases through shared memory, protocol 11); -holdgil = PRISM_CUDA_EXT_HOLD_GIL=1 (cuda_ext's stream calls keep the
   # GIL: with -shm, e.g. rec-shm-holdgil); -deliv = PRISM_DEVICE_CARRY_DELIVERY=1 (the outputs' forming after the
-  # wait counts as the call's lateness); -atissue = PRISM_DEVICE_ARRIVE_AT_REACH=0 (a collective's arrival at its
-  # issue and a Reached after, protocol 11's way). CALLLOG=1: the first round's call logs.
+  # wait counts as the call's lateness); -atreach = PRISM_DEVICE_ARRIVE_AT_REACH=1 (protocol 12: a device-path call's
+  # arrival at its reach, with it; -atissue = ...=0, the default). CALLLOG=1: the first round's call logs.
   # REUSE=1: each WL's last capture in /tmp (a warm machine's) instead of a new one.
   # One line a run in $R/sandbox_ab.txt (with a call log, bench/late_carry.py's line for it: what each
   # carry rule would have given), each run's summary JSON in $R/ab-WL-VARIANT-K.json.
@@ -292,7 +292,7 @@ suite_sandbox_ab() {  # one capture per WL, then VARIANTS of its device-path emu
         case $v in *-shm*) env+=(PRISM_DEVICE_SHARED_RELEASE=1) ;; esac
         case $v in *-holdgil*) env+=(PRISM_CUDA_EXT_HOLD_GIL=1) ;; esac
         case $v in *-deliv*) env+=(PRISM_DEVICE_CARRY_DELIVERY=1) ;; esac
-        case $v in *-atissue*) env+=(PRISM_DEVICE_ARRIVE_AT_REACH=0) ;; esac
+        case $v in *-atissue*) env+=(PRISM_DEVICE_ARRIVE_AT_REACH=0) ;; *-atreach*) env+=(PRISM_DEVICE_ARRIVE_AT_REACH=1) ;; esac
         [ "${CALLLOG:-0}" = 1 ] && [ "$k" = 1 ] && env+=(PRISM_DEVICE_CALL_LOG="$R/calls-$w-$v-r{rank}.jsonl")
         local rec=(); case $v in comp*) rec=(--no-recording) ;; esac
         local name="$v-$k"; [ -d "$cap/emulation/$name" ] && name="$v-$k-$$"  # a reused capture has run it before

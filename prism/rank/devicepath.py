@@ -165,7 +165,7 @@ class _EnvFlags:
         self.reach_gpu = env.get(REACH_ENV, "gpu") != "issue"
         self.side_stream = env.get(SIDE_STREAM_ENV, "1") != "0"
         # an early release needs the arrival at issue (the coordinator's PRISM_EARLY_RELEASE)
-        self.arrive_at_reach = env.get(ARRIVE_AT_REACH_ENV, "1") != "0" and env.get("PRISM_EARLY_RELEASE") != "1"
+        self.arrive_at_reach = env.get(ARRIVE_AT_REACH_ENV, "0") == "1" and env.get("PRISM_EARLY_RELEASE") != "1"
         self.carry_delivery = env.get(CARRY_DELIVERY_ENV, "0") == "1"
 
 
@@ -415,12 +415,17 @@ def carry_delivery() -> bool:
 
 
 def arrive_at_reach() -> bool:
-    """Whether a device-path collective whose reach is watched sends its
-    arrival at the reach (from the reach watcher, with the reach: one
-    message, none on the calling thread) rather than at its issue. The
-    default; off with ``PRISM_DEVICE_ARRIVE_AT_REACH=0`` and where early
-    releases are asked for (``PRISM_EARLY_RELEASE=1``: the coordinator
-    releases a call before its reach, so it must know of it at issue)."""
+    """Whether a device-path call whose reach is watched sends its arrival at
+    the reach (from the reach watcher, with the reach: one message, none on
+    the calling thread) rather than at its issue. Opt-in
+    (``PRISM_DEVICE_ARRIVE_AT_REACH=1``), and never where early releases are
+    asked for (``PRISM_EARLY_RELEASE=1``: the coordinator releases a call
+    before its reach, so it must know of it at issue). Measured on the VM
+    (2026-12-08, ``bench/call_cost.py``): the calling thread's send is gone,
+    but with the reach reported from another thread, as on a GPU, that
+    thread's send holds the GIL while the calling thread queues the outputs,
+    and the call took 1.11x the time at the median; the coordinator's CPU
+    0.84-0.97x. On a GPU: not measured yet."""
     return _flags().arrive_at_reach
 
 
@@ -930,14 +935,26 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
+#: "1" with ``PRISM_GPU_SANDBOX=cpu-test`` (for benchmarks): the "stream"'s
+#: reach is reported from a thread of its own, as the GPU's reach watcher
+#: does, not on the calling thread (``bench/call_cost.py --threaded-reach``).
+THREADED_REACH_ENV = "PRISM_CPU_TEST_THREADED_REACH"
+
+
 class _NullReleaser:
     """``cpu-test``: nothing to wait on; the "stream" reaches a call as it is
-    issued (the protocol of a reported reach is exercised all the same)."""
+    issued (the protocol of a reported reach is exercised all the same). With
+    ``THREADED_REACH_ENV`` the reach is reported from another thread, as on a
+    GPU (what a call's host time is then, on the calling thread, is the GPU
+    path's arrangement; a rank may end before the last reaches are reported,
+    so it is for benchmarks)."""
 
     mode = "cpu-test"
     reports_reach = True
     shared_path = None
     announced = True
+
+    _reaches: Any = None  # the threaded reach's queue (THREADED_REACH_ENV), made at its first call
 
     def watch(self, slot: int, issue_mono_ns: int, on_reach: Any, on_late: Any, rec: dict | None = None,
               drained: bool = False, step: int | None = None) -> None:
@@ -946,7 +963,20 @@ class _NullReleaser:
         at = time.monotonic_ns()
         if rec is not None:
             rec["reach"] = at
+        if os.environ.get(THREADED_REACH_ENV) == "1":
+            if self._reaches is None:
+                import queue
+
+                self._reaches = queue.SimpleQueue()
+                threading.Thread(target=self._report, name="prism-reach", daemon=True).start()
+            self._reaches.put((on_reach, at))
+            return
         on_reach(at)
+
+    def _report(self) -> None:
+        while True:
+            on_reach, at = self._reaches.get()
+            on_reach(at)
 
     def prepare(self, slot: int) -> None:
         pass

@@ -48,8 +48,9 @@ ZYGOTE_ENV = "PRISM_FORKSERVER_ZYGOTE"
 #: (read at run time, not when torch and Prism were imported); a launch whose
 #: environment differs elsewhere gets a fresh fork server.
 ZYGOTE_FREE_PREFIXES = ("PRISM_", "PYTEST_")
-#: "0": a GPU sandbox's device-path call sends its arrival at its issue and a
-#: ``Reached`` after (protocols 5-11), not at its reach with it (protocol 12;
-#: ``prism.rank.devicepath.arrive_at_reach``). ``prism emulate`` sets it for
-#: the sandboxes where early releases are asked for (``PRISM_EARLY_RELEASE=1``).
+#: "1" (opt-in): a GPU sandbox's device-path call sends its arrival at its
+#: reach with it (protocol 12; ``prism.rank.devicepath.arrive_at_reach``), not
+#: at its issue with a ``Reached`` after (the default, as in protocols 5-11).
+#: ``prism emulate`` sets "0" for the sandboxes where early releases are asked
+#: for (``PRISM_EARLY_RELEASE=1``).
 ARRIVE_AT_REACH_ENV = "PRISM_DEVICE_ARRIVE_AT_REACH"

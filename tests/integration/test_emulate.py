@@ -161,10 +161,11 @@ def test_the_device_path_delivers_the_recording_from_the_prefetch_pool(gpt_run):
     keys = {(r["gid"], r["seq"]) for r in colls}
     assert coord and {(c["gid"], c["seq"]) for c in coord if c["rank"] == 4} <= keys, (coord[:3], colls[:3])
     assert all(c["c_in"] is None or c["c_in"] <= c["c_out"] for c in coord), coord[:3]
-    # without early releases (the default) each collective's arrival leaves at its reach, with it
-    # (protocol 12: one message, from the reach watcher; in CPU test mode the "stream" reaches a call
-    # as it is issued), and the run is the same
+    # without early releases and with PRISM_DEVICE_ARRIVE_AT_REACH=1 each call's arrival leaves at its
+    # reach, with it (protocol 12: one message, from the reach watcher; in CPU test mode the "stream"
+    # reaches a call as it is issued), and the run is the same
     env12 = {k: v for k, v in env.items() if k not in ("PRISM_EARLY_RELEASE", "PRISM_DEVICE_CALL_LOG")}
+    env12["PRISM_DEVICE_ARRIVE_AT_REACH"] = "1"
     at_reach = prism("emulate", str(gpt_run), "--sandbox", "4", "--name", "devrec12", "--progress", "off", "--json",
                      "--prefetch-pool", "1", cwd=gpt_run.parent, env=env12)
     assert at_reach.returncode == 0, at_reach.stderr[-3000:]

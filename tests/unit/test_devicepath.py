@@ -539,3 +539,18 @@ def test_the_reach_watchers_poll_period_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv(dp.POLL_ENV, bad)
         with pytest.raises(SystemExit, match="PRISM_DEVICE_POLL_US.*microseconds"):
             dp.poll_s()
+
+
+def test_the_cpu_test_releaser_can_report_reaches_from_a_thread_of_their_own(monkeypatch):
+    # PRISM_CPU_TEST_THREADED_REACH=1 (for bench/call_cost.py --threaded-reach): as a GPU's reach watcher
+    import threading
+
+    r = devicepath._NullReleaser()
+    got: list = []
+    done = threading.Event()
+    rec: dict = {}
+    r.watch(0, 1, lambda at: got.append(threading.current_thread().name), None, rec)
+    assert got == [threading.current_thread().name] and rec["reach"] > 0  # by default: on the calling thread
+    monkeypatch.setenv(devicepath.THREADED_REACH_ENV, "1")
+    r.watch(0, 1, lambda at: (got.append(threading.current_thread().name), done.set()), None)
+    assert done.wait(5) and got[-1] == "prism-reach"
