@@ -154,7 +154,8 @@ class _EnvFlags:
     anew before: five environment reads a call, 2-7 us each inside a rank
     (cold; 0.3 in a hot loop; 2026-12-08, the 2-core VM)."""
 
-    __slots__ = ("enabled", "cpu_test", "call_log", "reach_gpu", "side_stream", "arrive_at_reach", "carry_delivery")
+    __slots__ = ("enabled", "cpu_test", "call_log", "reach_gpu", "side_stream", "arrive_at_reach", "carry_delivery",
+                 "threaded_reach")
 
     def __init__(self) -> None:
         env = os.environ
@@ -167,6 +168,7 @@ class _EnvFlags:
         # an early release needs the arrival at issue (the coordinator's PRISM_EARLY_RELEASE)
         self.arrive_at_reach = env.get(ARRIVE_AT_REACH_ENV, "0") == "1" and env.get("PRISM_EARLY_RELEASE") != "1"
         self.carry_delivery = env.get(CARRY_DELIVERY_ENV, "0") == "1"
+        self.threaded_reach = env.get(THREADED_REACH_ENV) == "1"
 
 
 _env: _EnvFlags | None = None
@@ -963,7 +965,7 @@ class _NullReleaser:
         at = time.monotonic_ns()
         if rec is not None:
             rec["reach"] = at
-        if os.environ.get(THREADED_REACH_ENV) == "1":
+        if _flags().threaded_reach:
             if self._reaches is None:
                 import queue
 

@@ -552,5 +552,6 @@ def test_the_cpu_test_releaser_can_report_reaches_from_a_thread_of_their_own(mon
     r.watch(0, 1, lambda at: got.append(threading.current_thread().name), None, rec)
     assert got == [threading.current_thread().name] and rec["reach"] > 0  # by default: on the calling thread
     monkeypatch.setenv(devicepath.THREADED_REACH_ENV, "1")
+    devicepath.reset_env()  # the switches are read once
     r.watch(0, 1, lambda at: (got.append(threading.current_thread().name), done.set()), None)
     assert done.wait(5) and got[-1] == "prism-reach"
